@@ -1,0 +1,1 @@
+"""fa4_jax: FlashAttention-4-style attention for JAX."""
