@@ -1,1 +1,14 @@
-"""fa4_jax: FlashAttention-4-style attention for JAX."""
+"""fa4_jax: FlashAttention-4-style attention for JAX.
+
+`fa4_jax.attention(query, key, value, ...)` is a JAX primitive with a custom VJP, batching and sharding
+rules, lowered to CuTe-DSL kernels on NVIDIA Hopper/Blackwell and to a pure-JAX reference elsewhere.
+"""
+
+from fa4_jax import lowering as _lowering  # noqa: F401  (registers the per-platform lowerings)
+from fa4_jax import sharding as _sharding  # noqa: F401  (registers the partitioned lowering)
+from fa4_jax.api import attention
+from fa4_jax.config import AttentionConfig
+from fa4_jax.primitive import RESIDUAL_NAMES
+
+__all__ = ["attention", "AttentionConfig", "RESIDUAL_NAMES"]
+__version__ = "0.1.0"

@@ -1,0 +1,136 @@
+"""`fa4_jax.attention`: the public function. It checks and normalises the arguments, builds the static
+`AttentionConfig`, and calls the differentiable primitive."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fa4_jax.config import IMPLEMENTATIONS, AttentionConfig
+from fa4_jax.primitive import attention_vjp
+
+Array = jax.Array
+
+
+def _window(window) -> tuple[Optional[int], Optional[int]]:
+    if window is None:
+        return None, None
+    if not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right) of non-negative ints or None; got {window!r}. "
+                         "Use (left, None) for a left-only sliding window.")
+    sides = []
+    for side in window:
+        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0):
+            raise ValueError(f"window sides must be non-negative ints or None (unbounded); got {window!r}.")
+        sides.append(None if side is None else int(side))
+    return tuple(sides)
+
+
+def _integer_operand(name: str, value) -> Array:
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32); got {value.dtype}. Cast it with "
+                        ".astype(jnp.int32).")
+    return value.astype(jnp.int32)
+
+
+def _segment_operands(segment_ids, q_len: int, kv_len: int):
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be one [batch, seq] array (self-attention) or a pair "
+                             f"(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len]); got {len(segment_ids)} items.")
+        q_ids, kv_ids = segment_ids
+    else:
+        if q_len != kv_len:
+            raise ValueError(f"a single segment_ids array needs q_len == kv_len (got {q_len} and {kv_len}); pass a pair "
+                             "(q_segment_ids, kv_segment_ids) for cross-attention.")
+        q_ids = kv_ids = segment_ids
+    return _integer_operand("q_segment_ids", q_ids), _integer_operand("kv_segment_ids", kv_ids)
+
+
+def attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window: Optional[tuple[Optional[int], Optional[int]]] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Array] = None,
+    segment_ids: Union[Array, tuple[Array, Array], None] = None,
+    q_seq_lengths: Optional[Array] = None,
+    kv_seq_lengths: Optional[Array] = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    implementation: Optional[str] = None,
+):
+    """Scaled dot-product attention, FlashAttention-style: fused, O(S) memory, differentiable.
+
+    Args:
+      query: [batch, q_len, q_heads, head_dim]; key: [batch, kv_len, kv_heads, head_dim];
+        value: [batch, kv_len, kv_heads, v_head_dim]. q_heads must be a multiple of kv_heads (GQA/MQA).
+        bfloat16 or float16 (float32 on the reference path).
+      scale: multiplies the logits; default 1/sqrt(head_dim).
+      causal: key j is visible to query row i iff j <= i + off, off = kv_len - q_len (bottom-right
+        alignment, as in FlashAttention; `jax.nn.dot_product_attention` aligns top-left instead).
+      window: (left, right) sliding window, either side None for unbounded: visible iff
+        i + off - left <= j <= i + off + right. Combined with causal, both apply.
+      softcap: logits <- softcap * tanh(logits / softcap), after scaling.
+      sinks: [q_heads] one learnable logit per head added to the softmax denominator only.
+      segment_ids: [batch, seq] int (self-attention) or a pair ([batch, q_len], [batch, kv_len]): a query
+        sees only keys with the same id (packed sequences).
+      q_seq_lengths, kv_seq_lengths: [batch] int valid prefix lengths (padding at the end). With lengths,
+        off = kv_seq_lengths[b] - q_seq_lengths[b] for each batch element.
+      return_lse: also return lse [batch, q_heads, q_len] float32, the natural log of the softmax
+        denominator (sink included); gradients flow through it.
+      deterministic: make the backward pass bitwise reproducible from run to run.
+      implementation: None (fastest available), "cute" (our GPU kernels, or NotImplementedError naming
+        what they cannot take) or "reference" (pure JAX, any platform).
+
+    Returns:
+      out [batch, q_len, q_heads, v_head_dim] in query's dtype, or (out, lse) with return_lse. A query
+      row with no visible key (including rows past q_seq_lengths) gets out 0 and lse -inf (the sink
+      logit when sinks are given).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    if query.ndim != 4 or key.ndim != 4:
+        raise ValueError(f"query and key must be rank 4 [batch, seq, heads, head_dim]; got shapes {query.shape} "
+                         f"and {key.shape}. Add a batch axis with x[None] if you have [seq, heads, dim] inputs.")
+    head_dim = query.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite Python number; got {scale!r}.")
+    if softcap is not None and (not isinstance(softcap, numbers.Real) or not softcap > 0 or not math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a positive finite number or None (no capping); got {softcap!r}.")
+    window_left, window_right = _window(window)
+
+    optional = {}
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise TypeError(f"sinks must be a float array [q_heads] (float32); got {sinks.dtype}.")
+        optional["sinks"] = sinks.astype(jnp.float32)
+    if segment_ids is not None:
+        optional["q_segment_ids"], optional["kv_segment_ids"] = _segment_operands(
+            segment_ids, query.shape[1], key.shape[1])
+    if q_seq_lengths is not None:
+        optional["q_seq_lengths"] = _integer_operand("q_seq_lengths", q_seq_lengths)
+    if kv_seq_lengths is not None:
+        optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths)
+
+    config = AttentionConfig(
+        scale=float(scale), causal=bool(causal), window_left=window_left, window_right=window_right,
+        softcap=None if softcap is None else float(softcap), has_sinks=sinks is not None,
+        has_segment_ids=segment_ids is not None, has_q_seq_lengths=q_seq_lengths is not None,
+        has_kv_seq_lengths=kv_seq_lengths is not None, deterministic=bool(deterministic),
+        implementation=implementation)
+    return attention_vjp(config, bool(return_lse), query, key, value, optional)

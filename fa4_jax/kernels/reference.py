@@ -1,0 +1,183 @@
+"""Pure-JAX attention: the semantic definition, the oracle of every kernel test, and the CPU/TPU path.
+
+Memory-efficient: both passes walk the keys in blocks with an online softmax (forward) or with the
+saved log-sum-exp (backward), so memory is O(S·D) plus one [Sq, block] tile, never O(Sq·Sk).
+Everything accumulates in float32 at the highest matmul precision (the reference must not use TF32 on
+GPUs: it is what the kernels are measured against).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fa4_jax.config import AttentionConfig
+
+KEY_BLOCK = 256
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _einsum(spec, *operands):
+    return jnp.einsum(spec, *operands, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+class _Layout:
+    """Shapes of one call and the grouped-query view [B, S, Hkv, G, D] of the query heads."""
+
+    def __init__(self, query, key, value, config: AttentionConfig):
+        self.batch, self.q_len, self.q_heads, self.head_dim = query.shape
+        _, self.kv_len, self.kv_heads, _ = key.shape
+        self.v_head_dim = value.shape[-1]
+        self.group = self.q_heads // self.kv_heads
+        self.q_total = config.q_total if config.q_total is not None else self.q_len
+        self.block = min(KEY_BLOCK, self.kv_len)
+        self.num_blocks = -(-self.kv_len // self.block)
+        self.padded_kv_len = self.num_blocks * self.block
+
+    def group_query(self, x):
+        """[B, Sq, Hq, ...] -> [B, Sq, Hkv, G, ...]."""
+        return x.reshape(x.shape[:2] + (self.kv_heads, self.group) + x.shape[3:])
+
+    def ungroup_query(self, x):
+        return x.reshape(x.shape[:2] + (self.q_heads,) + x.shape[4:])
+
+
+def _logits(q, k_block, config: AttentionConfig):
+    """Scaled (and soft-capped) logits [B, Hkv, G, Sq, blk] and tanh(·/c) for the softcap chain rule."""
+    s = _einsum("bqhgd,bkhd->bhgqk", q, k_block) * config.scale
+    if config.softcap is None:
+        return s, None
+    t = jnp.tanh(s / config.softcap)
+    return config.softcap * t, t
+
+
+def _blocked_keys(layout: _Layout, *arrays):
+    """Pad along the key axis to whole blocks and move the block index first: [nb, B, blk, ...]."""
+    pad = layout.padded_kv_len - layout.kv_len
+    out = []
+    for x in arrays:
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape((x.shape[0], layout.num_blocks, layout.block) + x.shape[2:])
+        out.append(jnp.moveaxis(x, 1, 0))
+    return out
+
+
+def _key_scan_inputs(layout, optional, key, value):
+    k_blocks, v_blocks = _blocked_keys(layout, key, value)
+    seg_blocks = None
+    if "kv_segment_ids" in optional:
+        (seg_blocks,) = _blocked_keys(layout, optional["kv_segment_ids"])
+    return jnp.arange(layout.num_blocks, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks
+
+
+def _block_mask(layout: _Layout, config: AttentionConfig, optional, block_index, kv_segment_block):
+    """Boolean [B, 1, 1, Sq, blk]: may query row i attend to key j of this key block?"""
+    keys = (block_index * layout.block + jnp.arange(layout.block, dtype=jnp.int32))[None, None, :]
+    rows = jnp.arange(layout.q_len, dtype=jnp.int32)
+    if "q_start" in optional:
+        rows = rows + optional["q_start"].reshape(()).astype(jnp.int32)
+    rows = rows[None, :, None]
+    full = lambda n: jnp.full((layout.batch,), n, jnp.int32)
+    q_valid = optional.get("q_seq_lengths", full(layout.q_total)).astype(jnp.int32)[:, None, None]
+    kv_valid = optional.get("kv_seq_lengths", full(layout.kv_len)).astype(jnp.int32)[:, None, None]
+    visible = (keys < kv_valid) & (keys < layout.kv_len) & (rows < q_valid)
+    diagonal = rows + (kv_valid - q_valid)  # the key position each query row is aligned with
+    if config.causal:
+        visible &= keys <= diagonal
+    if config.window_left is not None:
+        visible &= keys >= diagonal - config.window_left
+    if config.window_right is not None:
+        visible &= keys <= diagonal + config.window_right
+    if kv_segment_block is not None:
+        visible &= optional["q_segment_ids"][:, :, None] == kv_segment_block[:, None, :]
+    return visible[:, None, None, :, :]
+
+
+def reference_forward(query, key, value, optional, config: AttentionConfig):
+    """(out [B, Sq, Hq, Dv] in query dtype, lse [B, Hq, Sq] float32)."""
+    layout = _Layout(query, key, value, config)
+    q = layout.group_query(query.astype(jnp.float32))
+    blocks = _key_scan_inputs(layout, optional, key.astype(jnp.float32), value.astype(jnp.float32))
+    stats_shape = (layout.batch, layout.kv_heads, layout.group, layout.q_len)
+
+    def step(carry, block):
+        row_max, row_sum, acc = carry
+        index, k_block, v_block, seg_block = block
+        s, _ = _logits(q, k_block, config)
+        visible = _block_mask(layout, config, optional, index, seg_block)
+        s = jnp.where(visible, s, -jnp.inf)
+        new_max = jnp.maximum(row_max, s.max(axis=-1))
+        # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp gives 0, not NaN.
+        shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        p = jnp.exp(s - shift[..., None])
+        correction = jnp.exp(row_max - shift)
+        row_sum = row_sum * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + _einsum("bhgqk,bkhe->bhgqe", p, v_block)
+        return (new_max, row_sum, acc), None
+
+    init = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros(stats_shape + (layout.v_head_dim,), jnp.float32))
+    (row_max, row_sum, acc), _ = lax.scan(step, init, blocks)
+
+    if config.has_sinks:
+        sink = optional["sinks"].astype(jnp.float32).reshape(layout.kv_heads, layout.group)
+        sink = sink[None, :, :, None]
+        final_max = jnp.maximum(row_max, sink)
+        correction = jnp.exp(row_max - final_max)
+        row_sum = row_sum * correction + jnp.exp(sink - final_max)
+        acc = acc * correction[..., None]
+        row_max = final_max
+
+    has_mass = row_sum > 0
+    out = jnp.where(has_mass[..., None], acc / jnp.where(has_mass, row_sum, 1.0)[..., None], 0.0)
+    lse = jnp.where(has_mass, row_max + jnp.log(jnp.where(has_mass, row_sum, 1.0)), -jnp.inf)
+    out = jnp.einsum("bhgqe->bqhge", out).reshape(
+        layout.batch, layout.q_len, layout.q_heads, layout.v_head_dim)
+    lse = lse.reshape(layout.batch, layout.q_heads, layout.q_len)
+    return out.astype(query.dtype), lse
+
+
+def reference_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
+    """Gradients (dq, dk, dv, dsinks or None) from the saved out and lse; d_lse may be None."""
+    layout = _Layout(query, key, value, config)
+    q = layout.group_query(query.astype(jnp.float32))
+    d_o = layout.group_query(d_out.astype(jnp.float32))
+    grouped = lambda x: x.reshape(layout.batch, layout.kv_heads, layout.group, layout.q_len)
+    lse = grouped(lse)
+    # delta_i = rowsum(dO ∘ O) − dLSE_i: the softmax Jacobian's row term (dLSE enters it directly).
+    delta = jnp.einsum("bqhge->bhgq", layout.group_query(out.astype(jnp.float32)) * d_o)
+    if d_lse is not None:
+        delta = delta - grouped(d_lse.astype(jnp.float32))
+    finite_lse = jnp.isfinite(lse)
+    safe_lse = jnp.where(finite_lse, lse, 0.0)[..., None]
+    blocks = _key_scan_inputs(layout, optional, key.astype(jnp.float32), value.astype(jnp.float32))
+
+    def step(d_q, block):
+        index, k_block, v_block, seg_block = block
+        s, tanh = _logits(q, k_block, config)
+        visible = _block_mask(layout, config, optional, index, seg_block) & finite_lse[..., None]
+        p = jnp.where(visible, jnp.exp(s - safe_lse), 0.0)
+        d_v = _einsum("bhgqk,bqhge->bkhe", p, d_o)
+        d_p = _einsum("bqhge,bkhe->bhgqk", d_o, v_block)
+        d_s = p * (d_p - delta[..., None])
+        if tanh is not None:
+            d_s = d_s * (1.0 - tanh * tanh)
+        d_s = d_s * config.scale
+        d_q = d_q + _einsum("bhgqk,bkhd->bqhgd", d_s, k_block)
+        d_k = _einsum("bhgqk,bqhgd->bkhd", d_s, q)
+        return d_q, (d_k, d_v)
+
+    d_q, (d_k, d_v) = lax.scan(step, jnp.zeros_like(q), blocks)
+    unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(
+        (layout.batch, layout.padded_kv_len) + x.shape[3:])[:, :layout.kv_len]
+
+    d_sinks = None
+    if config.has_sinks:
+        sink = optional["sinks"].astype(jnp.float32).reshape(1, layout.kv_heads, layout.group, 1)
+        # lse already includes the sink, so P_sink = exp(sink − lse) and d sink = −Σ_i P_sink,i δ_i.
+        p_sink = jnp.exp(sink - jnp.where(finite_lse, lse, jnp.inf))
+        d_sinks = -(p_sink * delta).sum(axis=(0, 3)).reshape(layout.q_heads)
+        d_sinks = d_sinks.astype(optional["sinks"].dtype)
+    return (layout.ungroup_query(d_q).astype(query.dtype), unblock(d_k).astype(key.dtype),
+            unblock(d_v).astype(value.dtype), d_sinks)

@@ -1,0 +1,194 @@
+"""The attention primitives: abstract evaluation, batching, and the custom VJP that ties them together.
+
+Two layers, as in TransformerEngine's JAX extension:
+- outer primitives (`attention_fwd_p`, `attention_bwd_p`) carry the logical operation. They validate in
+  abstract evaluation and have batching rules, so `vmap`, `grad` and `jacobian` never see sharding.
+  `fa4_jax/sharding.py` lowers them through `custom_partitioning`.
+- inner primitives (`attention_fwd_inner_p`, `attention_bwd_inner_p`) are what each device runs on its
+  shard; `fa4_jax/lowering/` lowers them per platform (CuTe kernels on CUDA, the reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+from jax.sharding import NamedSharding, PartitionSpec
+
+from fa4_jax.config import AttentionConfig
+from fa4_jax.validation import validate_operands
+
+attention_fwd_p = Primitive("fa4_attention_fwd")
+attention_bwd_p = Primitive("fa4_attention_bwd")
+attention_fwd_inner_p = Primitive("fa4_attention_fwd_inner")
+attention_bwd_inner_p = Primitive("fa4_attention_bwd_inner")
+for _p in (attention_fwd_p, attention_bwd_p, attention_fwd_inner_p, attention_bwd_inner_p):
+    _p.multiple_results = True
+
+# Residual names, for remat policies such as jax.checkpoint_policies.save_only_these_names(...).
+RESIDUAL_NAMES = ("fa4_query", "fa4_key", "fa4_value", "fa4_out", "fa4_lse")
+
+
+def backward_operand_names(config: AttentionConfig, has_d_lse: bool) -> tuple[str, ...]:
+    base = ("query", "key", "value", "out", "lse", "d_out") + (("d_lse",) if has_d_lse else ())
+    return base + config.present_operands()
+
+
+def split_backward_operands(config: AttentionConfig, has_d_lse: bool, operands):
+    named = dict(zip(backward_operand_names(config, has_d_lse), operands))
+    tensors = [named.pop(n) for n in ("query", "key", "value", "out", "lse", "d_out")]
+    d_lse = named.pop("d_lse", None)
+    return tensors, d_lse, named
+
+
+# ----------------------------------------------------------------------------------------- abstract eval
+
+def _derived_aval(like, shape, dtype, spec_from):
+    """An aval of `shape`/`dtype` that keeps `like`'s mesh and varying manual axes (so custom_vjp works
+    inside shard_map); spec_from[i] names the axis of `like` whose sharding result axis i takes."""
+    sharding = getattr(like, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return jax.core.ShapedArray(shape, dtype)
+    spec = tuple(sharding.spec) + (None,) * (like.ndim - len(sharding.spec))
+    new_spec = PartitionSpec(*(None if axis is None else spec[axis] for axis in spec_from))
+    return like.update(shape=shape, dtype=dtype, sharding=sharding.update(spec=new_spec))
+
+
+def _forward_abstract_eval(*operands, config: AttentionConfig):
+    query, key, value, optional = config.split_operands(operands)
+    validate_operands(config, query, key, value, optional)
+    batch, q_len, q_heads, _ = query.shape
+    v_head_dim = value.shape[-1]
+    out = _derived_aval(query, (batch, q_len, q_heads, v_head_dim), query.dtype, (0, 1, 2, None))
+    lse = _derived_aval(query, (batch, q_heads, q_len), jnp.float32, (0, 2, 1))
+    return out, lse
+
+
+def _backward_abstract_eval(*operands, config: AttentionConfig, has_d_lse: bool):
+    (query, key, value, *_), _, optional = split_backward_operands(config, has_d_lse, operands)
+    grads = [_derived_aval(x, x.shape, x.dtype, range(x.ndim)) for x in (query, key, value)]
+    if config.has_sinks:
+        sinks = optional["sinks"]
+        grads.append(_derived_aval(sinks, sinks.shape, sinks.dtype, (0,)))
+    return tuple(grads)
+
+
+for _p in (attention_fwd_p, attention_fwd_inner_p):
+    _p.def_abstract_eval(_forward_abstract_eval)
+for _p in (attention_bwd_p, attention_bwd_inner_p):
+    _p.def_abstract_eval(_backward_abstract_eval)
+
+
+def _eager(primitive):
+    """Eager calls run the primitive under jit (there is no op-by-op implementation)."""
+    def impl(*operands, **params):
+        return jax.jit(functools.partial(primitive.bind, **params))(*operands)
+    return impl
+
+
+for _p in (attention_fwd_p, attention_bwd_p, attention_fwd_inner_p, attention_bwd_inner_p):
+    _p.def_impl(_eager(_p))
+
+
+# ---------------------------------------------------------------------------------------------- batching
+# A vmapped axis is folded into the batch axis or, when a per-head operand (the sinks or, in the
+# backward, their gradient) is involved, into the head axis; both keep each element independent. When
+# a per-batch and a per-head operand are both vmapped, neither fold is exact and the elements run one
+# after another with lax.map.
+
+_NOT_MAPPED = None  # how JAX marks an operand without a vmapped axis
+
+_BATCH_AXIS = {"query": 0, "key": 0, "value": 0, "out": 0, "lse": 0, "d_out": 0, "d_lse": 0,
+               "q_segment_ids": 0, "kv_segment_ids": 0, "q_seq_lengths": 0, "kv_seq_lengths": 0,
+               "sinks": None, "q_start": None}
+_HEAD_AXIS = {"query": 2, "key": 2, "value": 2, "out": 2, "d_out": 2, "lse": 1, "d_lse": 1, "sinks": 0}
+
+
+def _fold(x, batch_dim, axis, size):
+    """Merge the vmapped axis (broadcast when unbatched) into `axis`, vmapped index major."""
+    if batch_dim is _NOT_MAPPED:
+        x = jnp.broadcast_to(jnp.expand_dims(x, axis), x.shape[:axis] + (size,) + x.shape[axis:])
+    else:
+        x = jnp.moveaxis(x, batch_dim, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _unfold(x, axis, size):
+    return x.reshape(x.shape[:axis] + (size, x.shape[axis] // size) + x.shape[axis + 1:])
+
+
+def _batch_rule(primitive, operand_names, result_names, operands, batch_dims, **params):
+    size = next(x.shape[d] for x, d in zip(operands, batch_dims) if d is not _NOT_MAPPED)
+    mapped = {n for n, d in zip(operand_names, batch_dims) if d is not _NOT_MAPPED}
+    per_head = {n for n in operand_names + result_names if _BATCH_AXIS.get(n, 0) is None}
+    per_batch_only = {n for n in operand_names if n not in _HEAD_AXIS}
+    if not per_head:
+        axes = _BATCH_AXIS
+    elif not (mapped & per_batch_only):
+        axes = _HEAD_AXIS
+    else:
+        def one(mapped_slices):
+            slices = iter(mapped_slices)
+            return primitive.bind(*[x if d is _NOT_MAPPED else next(slices)
+                                    for x, d in zip(operands, batch_dims)], **params)
+        results = jax.lax.map(one, [jnp.moveaxis(x, d, 0) for x, d in zip(operands, batch_dims)
+                                    if d is not _NOT_MAPPED])
+        return results, (0,) * len(results)
+    folded = [x if axes.get(n) is None and d is _NOT_MAPPED else _fold(x, d, axes[n], size)
+              for x, d, n in zip(operands, batch_dims, operand_names)]
+    results = primitive.bind(*folded, **params)
+    return ([_unfold(r, axes[n], size) for r, n in zip(results, result_names)],
+            tuple(axes[n] for n in result_names))
+
+
+def _forward_batch_rule(operands, batch_dims, *, config):
+    names = ("query", "key", "value") + config.present_operands()
+    results = ("out", "lse")
+    return _batch_rule(attention_fwd_p, names, results, operands, batch_dims, config=config)
+
+
+def _backward_batch_rule(operands, batch_dims, *, config, has_d_lse):
+    names = backward_operand_names(config, has_d_lse)
+    results = ("query", "key", "value") + (("sinks",) if config.has_sinks else ())
+    return _batch_rule(attention_bwd_p, names, results, operands, batch_dims,
+                       config=config, has_d_lse=has_d_lse)
+
+
+batching.primitive_batchers[attention_fwd_p] = _forward_batch_rule
+batching.primitive_batchers[attention_bwd_p] = _backward_batch_rule
+
+
+# -------------------------------------------------------------------------------------------- custom VJP
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def attention_vjp(config: AttentionConfig, return_lse: bool, query, key, value, optional: dict):
+    """Differentiable attention over the primitives; returns out, or (out, lse) when return_lse."""
+    out, lse = attention_fwd_p.bind(*config.join_operands(query, key, value, optional), config=config)
+    return (out, lse) if return_lse else out
+
+
+def _attention_fwd_rule(config, return_lse, query, key, value, optional):
+    out, lse = attention_fwd_p.bind(*config.join_operands(query, key, value, optional), config=config)
+    residuals = tuple(checkpoint_name(x, name) for x, name in zip((query, key, value, out, lse), RESIDUAL_NAMES))
+    return ((out, lse) if return_lse else out), (residuals, optional)
+
+
+def _attention_bwd_rule(config, return_lse, saved, cotangent):
+    (query, key, value, out, lse), optional = saved
+    d_out, d_lse = cotangent if return_lse else (cotangent, None)
+    operands = (query, key, value, out, lse, d_out) + ((d_lse,) if d_lse is not None else ())
+    operands += tuple(optional[name] for name in config.present_operands())
+    grads = attention_bwd_p.bind(*operands, config=config, has_d_lse=d_lse is not None)
+    d_query, d_key, d_value = grads[:3]
+    # Integer operands (segment ids, lengths, q_start) get no cotangent.
+    d_optional = {name: None for name in optional}
+    if config.has_sinks:
+        d_optional["sinks"] = grads[3]
+    return d_query, d_key, d_value, d_optional
+
+
+attention_vjp.defvjp(_attention_fwd_rule, _attention_bwd_rule)

@@ -1,0 +1,192 @@
+"""Sharding of the outer primitives with `custom_partitioning` (a Shardy rule plus the GSPMD callbacks).
+
+What each shard needs, whatever the operands arrive with:
+- batch and heads split freely: every (batch, head) pair is independent, so no communication. Heads
+  are split only when the KV heads split the same way (or there is a single KV head), so that each
+  shard's query heads find their own KV group.
+- query rows may be split on sequence: each shard then needs every key, and the mask needs each row's
+  global position, which the shard computes from its index (`q_start`). The backward sums the partial
+  dK / dV (and the sink gradient) over those shards.
+- key/value are always whole along sequence on each shard; a split there is gathered by XLA because
+  `partition` asks for it. (Ring attention, which avoids the gather, is future work.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+from fa4_jax.config import AttentionConfig
+from fa4_jax.primitive import (attention_bwd_inner_p, attention_bwd_p, attention_fwd_inner_p,
+                               attention_fwd_p, backward_operand_names)
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+class _Plan:
+    """Mesh axes for batch, query sequence, query heads and KV heads, chosen from the query's sharding."""
+
+    def __init__(self, mesh, query_info, key_info):
+        spec = tuple(getattr(query_info.sharding, "spec", ()))
+        spec = spec + (None,) * (4 - len(spec))
+        self.mesh = mesh
+        self.batch, self.seq, self.heads = (_mesh_axes(e) for e in spec[:3])
+        kv_heads = key_info.shape[2]
+        ways = self.size(self.heads)
+        if kv_heads % ways == 0:
+            self.kv_heads = self.heads
+        elif kv_heads == 1:
+            self.kv_heads = ()
+        else:
+            self.heads = self.kv_heads = ()
+        self.q_len = query_info.shape[1]
+
+    def size(self, axes) -> int:
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    def spec(self, name):
+        b, s, h, g = (_entry(x) for x in (self.batch, self.seq, self.heads, self.kv_heads))
+        specs = {
+            "query": (b, s, h, None), "out": (b, s, h, None), "d_out": (b, s, h, None),
+            "lse": (b, h, s), "d_lse": (b, h, s),
+            "key": (b, None, g, None), "value": (b, None, g, None),
+            "sinks": (h,), "q_segment_ids": (b, s), "kv_segment_ids": (b, None),
+            "q_seq_lengths": (b,), "kv_seq_lengths": (b,),
+        }
+        return NamedSharding(self.mesh, PartitionSpec(*specs[name]))
+
+    def local_config(self, config: AttentionConfig, operands):
+        """Config and operands for one shard: adds q_start when rows are split and positions matter."""
+        if not self.seq or not config.needs_positions:
+            return config, operands
+        index = 0
+        for axis in self.seq:
+            index = index * self.mesh.shape[axis] + lax.axis_index(axis)
+        local_len = self.q_len // self.size(self.seq)
+        q_start = (index * local_len).astype(jnp.int32).reshape(1)
+        return config.replace(has_q_start=True, q_total=self.q_len), tuple(operands) + (q_start,)
+
+
+def _forward_names(config):
+    return ("query", "key", "value") + config.present_operands()
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+def _forward_shard(config, *operands):
+    return tuple(attention_fwd_inner_p.bind(*operands, config=config))
+
+
+def _forward_infer(config, mesh, arg_infos, result_infos):
+    plan = _Plan(mesh, arg_infos[0], arg_infos[1])
+    return plan.spec("out"), plan.spec("lse")
+
+
+def _forward_partition(config, mesh, arg_infos, result_infos):
+    plan = _Plan(mesh, arg_infos[0], arg_infos[1])
+
+    def lower(*operands):
+        local_config, local_operands = plan.local_config(config, operands)
+        return tuple(attention_fwd_inner_p.bind(*local_operands, config=local_config))
+
+    arg_shardings = tuple(plan.spec(n) for n in _forward_names(config))
+    return mesh, lower, (plan.spec("out"), plan.spec("lse")), arg_shardings
+
+
+_FACTORS = {"query": "b s h d", "out": "b s h e", "d_out": "b s h e", "lse": "b h s", "d_lse": "b h s",
+            "key": "b t g d", "value": "b t g e", "sinks": "h", "q_segment_ids": "b s",
+            "kv_segment_ids": "b t", "q_seq_lengths": "b", "kv_seq_lengths": "b"}
+
+
+def _forward_rule(config, mesh, operand_types, result_types):
+    inputs = ", ".join(_FACTORS[n] for n in _forward_names(config))
+    return f"{inputs} -> {_FACTORS['out']}, {_FACTORS['lse']}"
+
+
+forward_sharded = custom_partitioning(_forward_shard, static_argnums=(0,))
+forward_sharded.def_partition(partition=_forward_partition, infer_sharding_from_operands=_forward_infer,
+                              sharding_rule=_forward_rule)
+
+
+# --------------------------------------------------------------------------------------------- backward
+
+def _backward_shard(config, has_d_lse, *operands):
+    return tuple(attention_bwd_inner_p.bind(*operands, config=config, has_d_lse=has_d_lse))
+
+
+def _gradient_names(config):
+    return ("query", "key", "value") + (("sinks",) if config.has_sinks else ())
+
+
+def _backward_infer(config, has_d_lse, mesh, arg_infos, result_infos):
+    plan = _Plan(mesh, arg_infos[0], arg_infos[1])
+    return tuple(plan.spec(n) for n in _gradient_names(config))
+
+
+def _backward_partition(config, has_d_lse, mesh, arg_infos, result_infos):
+    plan = _Plan(mesh, arg_infos[0], arg_infos[1])
+
+    def lower(*operands):
+        local_config, local_operands = plan.local_config(config, operands)
+        grads = list(attention_bwd_inner_p.bind(*local_operands, config=local_config, has_d_lse=has_d_lse))
+        if plan.seq:  # each row shard saw every key: its dK / dV are partial sums
+            grads[1] = lax.psum(grads[1], plan.seq)
+            grads[2] = lax.psum(grads[2], plan.seq)
+        if config.has_sinks and (plan.batch or plan.seq):  # a sink's gradient sums over batch and rows
+            grads[3] = lax.psum(grads[3], plan.batch + plan.seq)
+        return tuple(grads)
+
+    arg_shardings = tuple(plan.spec(n) for n in backward_operand_names(config, has_d_lse))
+    result_shardings = tuple(plan.spec(n) for n in _gradient_names(config))
+    return mesh, lower, result_shardings, arg_shardings
+
+
+def _backward_rule(config, has_d_lse, mesh, operand_types, result_types):
+    inputs = ", ".join(_FACTORS[n] for n in backward_operand_names(config, has_d_lse))
+    outputs = ", ".join(_FACTORS[n] for n in _gradient_names(config))
+    return f"{inputs} -> {outputs}"
+
+
+backward_sharded = custom_partitioning(_backward_shard, static_argnums=(0, 1))
+backward_sharded.def_partition(partition=_backward_partition, infer_sharding_from_operands=_backward_infer,
+                               sharding_rule=_backward_rule)
+
+
+def _lower_forward(*operands, config):
+    return forward_sharded(config, *operands)
+
+
+def _lower_backward(*operands, config, has_d_lse):
+    return backward_sharded(config, has_d_lse, *operands)
+
+
+mlir.register_lowering(attention_fwd_p, mlir.lower_fun(_lower_forward, multiple_results=True))
+mlir.register_lowering(attention_bwd_p, mlir.lower_fun(_lower_backward, multiple_results=True))
+
+
+def _mark_needs_devices():
+    # custom_partitioning needs the device assignment while lowering; JAX knows this for its own
+    # primitive but not for ours that lower into it. There is no public hook, so register if present.
+    try:
+        from jax._src import dispatch
+    except ImportError:  # pragma: no cover - a future JAX without the module
+        return
+    registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
+    if registry is not None:
+        registry.update((attention_fwd_p, attention_bwd_p))
+
+
+_mark_needs_devices()
