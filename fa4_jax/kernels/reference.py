@@ -71,6 +71,14 @@ def _key_scan_inputs(layout, optional, key, value):
     return jnp.arange(layout.num_blocks, dtype=jnp.int32), k_blocks, v_blocks, seg_blocks
 
 
+def _scan_blocks(step, init, blocks):
+    """lax.scan over key blocks, with the first block peeled off: the carry then takes its type from
+    the data, so inside shard_map it varies over the same mesh axes as the inputs do."""
+    carry, first = step(init, jax.tree.map(lambda x: x[0], blocks))
+    carry, rest = lax.scan(step, carry, jax.tree.map(lambda x: x[1:], blocks))
+    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+
+
 def _block_mask(layout: _Layout, config: AttentionConfig, optional, block_index, kv_segment_block):
     """Boolean [B, 1, 1, Sq, blk]: may query row i attend to key j of this key block?"""
     keys = (block_index * layout.block + jnp.arange(layout.block, dtype=jnp.int32))[None, None, :]
@@ -118,7 +126,7 @@ def reference_forward(query, key, value, optional, config: AttentionConfig):
 
     init = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape + (layout.v_head_dim,), jnp.float32))
-    (row_max, row_sum, acc), _ = lax.scan(step, init, blocks)
+    (row_max, row_sum, acc), _ = _scan_blocks(step, init, blocks)
 
     if config.has_sinks:
         sink = optional["sinks"].astype(jnp.float32).reshape(layout.kv_heads, layout.group)
@@ -168,7 +176,7 @@ def reference_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
         d_k = _einsum("bhgqk,bqhgd->bkhd", d_s, q)
         return d_q, (d_k, d_v)
 
-    d_q, (d_k, d_v) = lax.scan(step, jnp.zeros_like(q), blocks)
+    d_q, (d_k, d_v) = _scan_blocks(step, jnp.zeros_like(q), blocks)
     unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(
         (layout.batch, layout.padded_kv_len) + x.shape[3:])[:, :layout.kv_len]
 
