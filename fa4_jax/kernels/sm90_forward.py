@@ -1,0 +1,539 @@
+"""Hopper (sm_90a) attention forward kernel in CuTe DSL, and its JAX entry points.
+
+Design (one CTA = one 128-row query tile at a time, persistent over tiles):
+- warpgroup 0, the producer: after giving registers back (setmaxnreg), its first warp issues TMA
+  loads: the Q tile once per work tile, then K and V blocks into a `num_stages`-deep ring of shared
+  memory buffers, each guarded by a full/empty mbarrier pair (PipelineTmaAsync);
+- warpgroups 1 and 2, the consumers, each own 64 query rows: S = Q K^T with wgmma from shared memory,
+  masking of partial key blocks only, online softmax in the exp2 domain (scale folded into one FMA,
+  lazy rescaling), P converted to bf16/fp16 in registers, O += P V with wgmma taking A from
+  registers; then O is normalised and written, with LSE [B, Hq, Sq] in float32.
+- key blocks are walked from the last visible one down to the first; blocks that no query row of the
+  tile can see (causal, window, lengths) are never loaded.
+- the persistent grid walks tiles through fa4_jax.kernels.tile_scheduler (causal: longest first).
+
+Grouped-query attention maps query head h to key/value head h // (Hq / Hkv).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import jax
+import jax.numpy as jnp
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.jax import cutlass_call
+from cutlass.utils import LayoutEnum
+
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import masking, online_softmax, tile_scheduler
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+THREADS_PER_WARPGROUP = 128
+NUM_CONSUMER_WARPGROUPS = 2
+TILE_M = 64 * NUM_CONSUMER_WARPGROUPS
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+DEFAULT_SM_COUNT = 132  # H100/H200 SXM; the real count is passed in when a GPU is present.
+KERNEL_VERSION = 1  # bump when the generated code changes, so on-disk caches do not serve stale kernels
+
+# (key tile, pipeline stages) per head dim, sized to fit 227 KiB of shared memory and 240 registers.
+_TILE_N_AND_STAGES = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Everything static about one compiled kernel (hashable: it is the compile key)."""
+
+    dtype_name: str            # "bfloat16" | "float16"
+    head_dim: int
+    v_head_dim: int
+    group: int                 # query heads per key/value head
+    scale: float
+    mask: masking.MaskShape
+    softcap: Optional[float]
+    has_sinks: bool
+    has_q_lengths: bool
+    has_kv_lengths: bool
+    has_q_start: bool
+    q_total: Optional[int]
+    sm_count: int
+    rescale_threshold: float = 8.0
+    poly_exp2_every: int = 0
+
+    @property
+    def tile_n(self) -> int:
+        return _TILE_N_AND_STAGES[self.head_dim][0]
+
+    @property
+    def num_stages(self) -> int:
+        return _TILE_N_AND_STAGES[self.head_dim][1]
+
+
+def _cutlass_dtype(name: str):
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def _select_modes(tensor: cute.Tensor, modes) -> cute.Tensor:
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=modes))
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """Swizzled K-major shared-memory layout of a (rows, cols) tile, optionally with a stage mode."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    order = (0, 1) if stages is None else (0, 1, 2)
+    return cute.tile_to_shape(atom, shape, order=order)
+
+
+def _accumulator_mn(acc: cute.Tensor) -> cute.Tensor:
+    """View a wgmma accumulator ((2, 2, N/8), M, N) per thread as (rows, cols).
+
+    Mode 0 is (2 adjacent columns, 2 rows 8 apart, N/8 column groups): rows are (mode0[1], M),
+    columns (mode0[0], mode0[2], N).
+    """
+    compact = cute.make_layout(acc.layout.shape)
+    rows_cols = cute.make_layout(
+        ((compact.shape[0][1], compact.shape[1]),
+         (compact.shape[0][0], compact.shape[0][2], compact.shape[2])),
+        stride=((compact.stride[0][1], compact.stride[1]),
+                (compact.stride[0][0], compact.stride[0][2], compact.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
+
+
+def _accumulator_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View the S accumulator ((2, 2, N/8), M, N) as a 16-bit wgmma A operand ((2, 2, 2), M, N/16).
+
+    For 16-bit inputs one A k-block of 16 columns is exactly two accumulator column groups, so the
+    registers line up with no data movement.
+    """
+    split = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    return cute.make_tensor(acc.iterator, cute.make_layout(
+        ((split.shape[0][0], split.shape[0][1], split.shape[0][2][0]), split.shape[1],
+         (split.shape[0][2][1], split.shape[2])),
+        stride=((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]), split.stride[1],
+                (split.stride[0][2][1], split.stride[2])),
+    ))
+
+
+@cute.jit
+def _warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+                    zero_init: cutlass.Constexpr):
+    """Issue acc (+)= a @ b over all k-blocks as one wgmma group (the caller waits)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(a.shape[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+class Sm90ForwardKernel:
+    """Warp-specialised TMA + wgmma attention forward for one static configuration."""
+
+    def __init__(self, options: KernelOptions):
+        self.options = options
+        self.dtype = _cutlass_dtype(options.dtype_name)
+        self.head_dim = options.head_dim
+        self.v_head_dim = options.v_head_dim
+        self.tile_m = TILE_M
+        self.tile_n = options.tile_n
+        self.num_stages = options.num_stages
+        self.mask = options.mask
+        self.threads = THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
+        self.consumer_threads = THREADS_PER_WARPGROUP * NUM_CONSUMER_WARPGROUPS
+        # With a softcap the logits are capped before the softmax, so the exp2 scale is just log2(e).
+        logit_scale = 1.0 if options.softcap is not None else options.scale
+        self.scale_log2 = logit_scale * online_softmax.LOG2_E
+
+    # ----------------------------------------------------------------------------------------------
+    # Host side: layouts, TMA atoms, shared storage, launch.
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, query: cute.Tensor, key: cute.Tensor, value: cute.Tensor,
+                 sinks: Optional[cute.Tensor], q_segment_ids: Optional[cute.Tensor],
+                 kv_segment_ids: Optional[cute.Tensor], q_seq_lengths: Optional[cute.Tensor],
+                 kv_seq_lengths: Optional[cute.Tensor], q_start: Optional[cute.Tensor],
+                 out: cute.Tensor, lse: cute.Tensor):
+        # [B, S, H, D] -> (S, D, H, B): the tile modes first, as TMA and wgmma partitioning expect.
+        m_q, m_k, m_v, m_o = [_select_modes(t, [1, 3, 2, 0]) for t in (query, key, value, out)]
+        m_lse = _select_modes(lse, [2, 1, 0])  # (Sq, Hq, B)
+        m_q_segments = None if cutlass.const_expr(q_segment_ids is None) else _select_modes(q_segment_ids, [1, 0])
+        m_kv_segments = None if cutlass.const_expr(kv_segment_ids is None) else _select_modes(kv_segment_ids, [1, 0])
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.tile_n))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.v_head_dim),
+            a_source=warpgroup.OperandSource.RMEM)
+
+        q_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
+        k_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
+        v_layout = _smem_layout(self.dtype, self.tile_n, self.v_head_dim, self.num_stages)
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_m_q = cpasync.make_tiled_tma_atom(load_op, m_q, q_layout, (self.tile_m, self.head_dim))
+        tma_k, tma_m_k = cpasync.make_tiled_tma_atom(
+            load_op, m_k, cute.select(k_layout, mode=[0, 1]), (self.tile_n, self.head_dim))
+        tma_v, tma_m_v = cpasync.make_tiled_tma_atom(
+            load_op, m_v, cute.select(v_layout, mode=[0, 1]), (self.tile_n, self.v_head_dim))
+        self.q_bytes = cute.size_in_bytes(self.dtype, q_layout)
+        self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(k_layout, mode=[0, 1]))
+        self.v_bytes = cute.size_in_bytes(self.dtype, cute.select(v_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], 1024]
+            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_m_blocks = (m_q.shape[0] + self.tile_m - 1) // self.tile_m
+        num_tiles = num_m_blocks * m_q.shape[2] * m_q.shape[3]
+        grid_size = cutlass.min(num_tiles, self.options.sm_count)
+
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv, tma_q, tma_m_q, tma_k, tma_m_k, tma_v, tma_m_v,
+            m_o, m_lse, sinks, m_q_segments, m_kv_segments, q_seq_lengths, kv_seq_lengths, q_start,
+            q_layout, k_layout, v_layout,
+        ).launch(grid=[grid_size, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ----------------------------------------------------------------------------------------------
+    # Device side.
+    @cute.kernel
+    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               tma_q: cute.CopyAtom, m_q: cute.Tensor, tma_k: cute.CopyAtom, m_k: cute.Tensor,
+               tma_v: cute.CopyAtom, m_v: cute.Tensor, m_o: cute.Tensor, m_lse: cute.Tensor,
+               sinks: Optional[cute.Tensor], m_q_segments: Optional[cute.Tensor],
+               m_kv_segments: Optional[cute.Tensor], q_seq_lengths: Optional[cute.Tensor],
+               kv_seq_lengths: Optional[cute.Tensor], q_start: Optional[cute.Tensor],
+               q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Consumers release a stage once per warp (PipelineTmaAsync signals from one lane per warp).
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_barriers.data_ptr(), num_stages=1, producer_group=producer_group,
+            consumer_group=consumer_group, tx_count=self.q_bytes, defer_sync=True)
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.k_barriers.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer_group, consumer_group=consumer_group, tx_count=self.k_bytes,
+            defer_sync=True)
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.v_barriers.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer_group, consumer_group=consumer_group, tx_count=self.v_bytes,
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+
+        s_q = storage.s_q.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        s_k = storage.s_k.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        s_v = storage.s_v.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        cute.arch.sync_threads()
+
+        num_m_blocks = (m_q.shape[0] + self.tile_m - 1) // self.tile_m
+        num_heads = m_q.shape[2]
+        batch = m_q.shape[3]
+        num_tiles = num_m_blocks * num_heads * batch
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                self.produce(tma_q, m_q, tma_k, m_k, tma_v, m_v, s_q, s_k, s_v,
+                             pipeline_q, pipeline_k, pipeline_v, q_seq_lengths, kv_seq_lengths,
+                             q_start, num_m_blocks, num_tiles)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            self.consume(tiled_mma_qk, tiled_mma_pv, m_q, m_k, m_o, m_lse, s_q, s_k, s_v,
+                         pipeline_q, pipeline_k, pipeline_v, sinks, m_q_segments, m_kv_segments,
+                         q_seq_lengths, kv_seq_lengths, q_start, num_m_blocks, num_tiles)
+
+    @cute.jit
+    def tile_bounds(self, m_block: Int32, batch_index: Int32, q_len_static: Int32, kv_len_static: Int32,
+                    q_seq_lengths: Optional[cute.Tensor], kv_seq_lengths: Optional[cute.Tensor],
+                    q_start: Optional[cute.Tensor]):
+        """(row_start, q_len, kv_len, offset, first key block, end key block) of one tile."""
+        q_len = q_len_static
+        kv_len = kv_len_static
+        if cutlass.const_expr(q_seq_lengths is not None):
+            q_len = cutlass.min(q_seq_lengths[batch_index], q_len_static)
+        if cutlass.const_expr(kv_seq_lengths is not None):
+            kv_len = cutlass.min(kv_seq_lengths[batch_index], kv_len_static)
+        aligned_q_len = q_len
+        if cutlass.const_expr(self.options.q_total is not None):
+            aligned_q_len = self.options.q_total
+        offset = kv_len - aligned_q_len
+        local_row_start = m_block * self.tile_m
+        row_start = local_row_start
+        if cutlass.const_expr(q_start is not None):
+            row_start = row_start + q_start[0]
+        num_rows = cutlass.min(self.tile_m, q_len_static - local_row_start)
+        if cutlass.const_expr(q_seq_lengths is not None):
+            num_rows = cutlass.min(self.tile_m, q_len - local_row_start)
+        first, end = masking.key_block_range(self.mask, row_start, num_rows, self.tile_n, kv_len, offset)
+        return row_start, q_len, kv_len, offset, first, end
+
+    @cute.jit
+    def produce(self, tma_q: cute.CopyAtom, m_q: cute.Tensor, tma_k: cute.CopyAtom, m_k: cute.Tensor,
+                tma_v: cute.CopyAtom, m_v: cute.Tensor, s_q: cute.Tensor, s_k: cute.Tensor,
+                s_v: cute.Tensor, pipeline_q, pipeline_k, pipeline_v,
+                q_seq_lengths: Optional[cute.Tensor], kv_seq_lengths: Optional[cute.Tensor],
+                q_start: Optional[cute.Tensor], num_m_blocks: Int32, num_tiles: Int32):
+        """Producer warp: TMA loads of Q once per tile and of the visible K/V blocks, last first."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        tile = cute.arch.block_idx()[0]
+        while tile < num_tiles:
+            m_block, head, batch_index = tile_scheduler.tile_coordinates(
+                tile, num_m_blocks, m_q.shape[2], m_q.shape[3], self.mask.causal)
+            head_kv = head // self.options.group
+            _, _, _, _, first, end = self.tile_bounds(
+                m_block, batch_index, m_q.shape[0], m_k.shape[0], q_seq_lengths, kv_seq_lengths, q_start)
+
+            g_q = cute.local_tile(m_q[None, None, head, batch_index], (self.tile_m, self.head_dim), (m_block, 0))
+            t_q_smem, t_q_gmem = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(s_q, 0, 2), cute.group_modes(g_q, 0, 2))
+            g_k = cute.local_tile(m_k[None, None, head_kv, batch_index], (self.tile_n, self.head_dim), (None, 0))
+            t_k_smem, t_k_gmem = cpasync.tma_partition(
+                tma_k, 0, cute.make_layout(1), cute.group_modes(s_k, 0, 2), cute.group_modes(g_k, 0, 2))
+            g_v = cute.local_tile(m_v[None, None, head_kv, batch_index], (self.tile_n, self.v_head_dim), (None, 0))
+            t_v_smem, t_v_gmem = cpasync.tma_partition(
+                tma_v, 0, cute.make_layout(1), cute.group_modes(s_v, 0, 2), cute.group_modes(g_v, 0, 2))
+
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_q, t_q_gmem, t_q_smem, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            q_state.advance()
+            for i in cutlass.range(end - first, unroll=1):
+                n_block = end - 1 - i
+                pipeline_k.producer_acquire(kv_state)
+                cute.copy(tma_k, t_k_gmem[None, n_block], t_k_smem[None, kv_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                pipeline_v.producer_acquire(kv_state)
+                cute.copy(tma_v, t_v_gmem[None, n_block], t_v_smem[None, kv_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+            tile += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, m_q: cute.Tensor,
+                m_k: cute.Tensor, m_o: cute.Tensor, m_lse: cute.Tensor, s_q: cute.Tensor,
+                s_k: cute.Tensor, s_v: cute.Tensor, pipeline_q, pipeline_k, pipeline_v,
+                sinks: Optional[cute.Tensor], m_q_segments: Optional[cute.Tensor],
+                m_kv_segments: Optional[cute.Tensor], q_seq_lengths: Optional[cute.Tensor],
+                kv_seq_lengths: Optional[cute.Tensor], q_start: Optional[cute.Tensor],
+                num_m_blocks: Int32, num_tiles: Int32):
+        """Consumer warpgroups: S = QK^T, mask, online softmax, O += PV, epilogue."""
+        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
+        warpgroup_index = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        thread_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thread_mma_pv = tiled_mma_pv.get_slice(tidx)
+        warpgroup_mma_qk = tiled_mma_qk.get_slice(warpgroup_index * THREADS_PER_WARPGROUP)
+        warpgroup_mma_pv = tiled_mma_pv.get_slice(warpgroup_index * THREADS_PER_WARPGROUP)
+
+        # V^T view (Dv, tile_n, stages) of the K-major V buffer: the MN-major B operand of P V.
+        s_vt = cute.composition(s_v, cute.make_ordered_layout(
+            (self.v_head_dim, self.tile_n, self.num_stages), order=(1, 0, 2)))
+        frag_q = warpgroup_mma_qk.make_fragment_A(warpgroup_mma_qk.partition_A(s_q))
+        frag_k = warpgroup_mma_qk.make_fragment_B(warpgroup_mma_qk.partition_B(s_k))
+        frag_vt = warpgroup_mma_pv.make_fragment_B(warpgroup_mma_pv.partition_B(s_vt))
+        frag_p = warpgroup_mma_pv.make_fragment_A(
+            warpgroup_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_o = cute.make_rmem_tensor(
+            warpgroup_mma_pv.partition_shape_C((self.tile_m, self.v_head_dim)), Float32)
+        acc_s_shape = warpgroup_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+
+        coords_s = _accumulator_mn(thread_mma_qk.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        coords_o = _accumulator_mn(thread_mma_pv.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.v_head_dim))))
+        acc_o_mn = _accumulator_mn(acc_o)
+        num_rows = cute.size(acc_o_mn, mode=[0])
+        softmax = online_softmax.OnlineSoftmax(
+            self.scale_log2, num_rows, rescale_threshold=self.options.rescale_threshold,
+            poly_exp2_every=self.options.poly_exp2_every)
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        lse_rows = cute.make_rmem_tensor(num_rows, Float32)
+        output_scale = cute.make_rmem_tensor(num_rows, Float32)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        tile = cute.arch.block_idx()[0]
+        while tile < num_tiles:
+            m_block, head, batch_index = tile_scheduler.tile_coordinates(
+                tile, num_m_blocks, m_q.shape[2], m_q.shape[3], self.mask.causal)
+            row_start, q_len, kv_len, offset, first, end = self.tile_bounds(
+                m_block, batch_index, m_q.shape[0], m_k.shape[0], q_seq_lengths, kv_seq_lengths, q_start)
+            q_segments = None
+            kv_segments = None
+            if cutlass.const_expr(m_q_segments is not None):
+                q_segments = m_q_segments[None, batch_index]
+                kv_segments = m_kv_segments[None, batch_index]
+
+            softmax.reset()
+            acc_o.fill(0.0)
+            pipeline_q.consumer_wait(q_state)
+            for i in cutlass.range(end - first, unroll=1):
+                n_block = end - 1 - i
+                acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
+                pipeline_k.consumer_wait(kv_state)
+                _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, kv_state.index], True)
+                warpgroup.wait_group(0)
+                pipeline_k.consumer_release(kv_state)
+
+                if cutlass.const_expr(self.options.softcap is not None):
+                    masking.apply_softcap(acc_s, self.options.softcap, self.options.scale)
+                acc_s_mn = _accumulator_mn(acc_s)
+                if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
+                                            kv_len, q_len, offset):
+                    masking.apply_mask(acc_s_mn, coords_s, self.mask, row_start, n_block * self.tile_n,
+                                       kv_len, q_len, offset, m_block * self.tile_m, q_segments, kv_segments)
+                softmax.step(acc_s_mn, row_scale)
+                online_softmax.rescale_rows(acc_o_mn, row_scale, self.options.rescale_threshold > 0)
+                frag_p.store(_accumulator_as_operand_a(acc_s).load().to(self.dtype))
+
+                pipeline_v.consumer_wait(kv_state)
+                _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, kv_state.index], False)
+                warpgroup.wait_group(0)
+                pipeline_v.consumer_release(kv_state)
+                kv_state.advance()
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
+
+            sink_logit = None
+            if cutlass.const_expr(sinks is not None):
+                sink_logit = Float32(sinks[head])
+            softmax.finalize(sink_logit, lse_rows, output_scale)
+            online_softmax.rescale_rows(acc_o_mn, output_scale, False)
+            self.store_tile(acc_o, coords_o, lse_rows, m_o, m_lse, thread_mma_pv, m_block, head, batch_index)
+            tile += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def store_tile(self, acc_o: cute.Tensor, coords_o: cute.Tensor, lse_rows: cute.Tensor,
+                   m_o: cute.Tensor, m_lse: cute.Tensor, thread_mma_pv, m_block: Int32, head: Int32,
+                   batch_index: Int32):
+        """Write this thread's rows of O (in the input dtype) and, from one lane per row, LSE."""
+        rows_left = m_o.shape[0] - m_block * self.tile_m
+        out_rows = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+        out_rows.store(acc_o.load().to(self.dtype))
+        g_o = cute.local_tile(m_o[None, None, head, batch_index], (self.tile_m, self.v_head_dim), (m_block, 0))
+        t_g_o = _accumulator_mn(thread_mma_pv.partition_C(g_o))
+        out_mn = _accumulator_mn(out_rows)
+        for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
+            if coords_o[r, 0][0] < rows_left:
+                for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
+                    t_g_o[r, c] = out_mn[r, c]
+        if coords_o[0, 0][1] == 0:
+            g_lse = m_lse[None, head, batch_index]
+            for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
+                if coords_o[r, 0][0] < rows_left:
+                    g_lse[m_block * self.tile_m + coords_o[r, 0][0]] = lse_rows[r]
+
+
+# --------------------------------------------------------------------------------------------------
+# JAX entry points (called by fa4_jax/lowering/cuda.py).
+
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16"}
+
+
+def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
+    """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
+    dtype_name = getattr(dtype, "name", str(dtype))
+    if dtype_name not in _DTYPE_NAMES:
+        return f"the sm90 kernel takes bfloat16 or float16 inputs, not {dtype_name}"
+    batch, q_len, q_heads, head_dim = query_shape
+    _, kv_len, kv_heads, _ = key_shape
+    v_head_dim = value_shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"the sm90 kernel takes head dims {SUPPORTED_HEAD_DIMS}, not {head_dim}"
+    if v_head_dim != head_dim:
+        return f"the sm90 kernel needs the value head dim ({v_head_dim}) to equal the query/key head dim ({head_dim})"
+    if q_heads % kv_heads != 0:
+        return f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})"
+    if batch == 0 or q_len == 0 or kv_len == 0:
+        return "the sm90 kernel needs non-empty batch and sequence axes"
+    if config.has_q_start and (config.has_q_seq_lengths or config.has_kv_seq_lengths or config.has_segment_ids):
+        return ("the sm90 kernel does not combine a sequence-sharded query (q_start) with sequence lengths "
+                "or segment ids")
+    return None
+
+
+def _sm_count() -> int:
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+        return int(getattr(device, "core_count", DEFAULT_SM_COUNT))
+    except (RuntimeError, IndexError):
+        return DEFAULT_SM_COUNT
+
+
+def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape, dtype,
+                   sm_count: Optional[int] = None) -> KernelOptions:
+    """The static kernel configuration for one call (also what the compile test builds)."""
+    dtype_name = getattr(dtype, "name", str(dtype))
+    return KernelOptions(
+        dtype_name=_DTYPE_NAMES[dtype_name],
+        head_dim=query_shape[-1],
+        v_head_dim=value_shape[-1],
+        group=query_shape[2] // key_shape[2],
+        scale=float(config.scale),
+        mask=masking.MaskShape(
+            causal=config.causal, window_left=config.window_left, window_right=config.window_right,
+            has_q_lengths=config.has_q_seq_lengths, has_segments=config.has_segment_ids),
+        softcap=None if config.softcap is None else float(config.softcap),
+        has_sinks=config.has_sinks,
+        has_q_lengths=config.has_q_seq_lengths,
+        has_kv_lengths=config.has_kv_seq_lengths,
+        has_q_start=config.has_q_start,
+        q_total=config.q_total if config.has_q_start else None,
+        sm_count=_sm_count() if sm_count is None else sm_count,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(options: KernelOptions) -> Sm90ForwardKernel:
+    return Sm90ForwardKernel(options)
+
+
+def kernel_arguments(query, key, value, optional: dict):
+    """The positional inputs of `Sm90ForwardKernel.__call__` after the stream (absent ones None)."""
+    return (query, key, value, optional.get("sinks"), optional.get("q_segment_ids"),
+            optional.get("kv_segment_ids"), optional.get("q_seq_lengths"),
+            optional.get("kv_seq_lengths"), optional.get("q_start"))
+
+
+def attention_forward(query, key, value, optional: dict, config: AttentionConfig):
+    """(out [B, Sq, Hq, Dv] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit."""
+    return forward_with_options(query, key, value, optional, config)
+
+
+def forward_with_options(query, key, value, optional: dict, config: AttentionConfig, **overrides):
+    """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
+    options = dataclasses.replace(
+        kernel_options(config, query.shape, key.shape, value.shape, query.dtype), **overrides)
+    batch, q_len, q_heads, _ = query.shape
+    outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
+               jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
+    call = cutlass_call(
+        _kernel(options), output_shape_dtype=outputs,
+        compile_key=("fa4_jax.sm90_forward", KERNEL_VERSION, options))
+    out, lse = call(*kernel_arguments(query, key, value, optional))
+    return out, lse

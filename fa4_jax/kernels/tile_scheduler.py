@@ -1,0 +1,49 @@
+"""Persistent tile scheduler: which (query block, head, batch) tile each CTA works on, in which order.
+
+A persistent grid launches min(tiles, CTAs that fit on the GPU) CTAs; CTA c handles tiles c, c + grid,
+c + 2 grid, ... in the order below. The SM count is a parameter (never queried from the driver while
+tracing, so kernels compile on a CPU-only machine).
+
+Order:
+- non-causal: query blocks of one (batch, head) are adjacent, so the CTAs running at the same time
+  share that head's K and V in L2;
+- causal ("longest first"): tiles sorted by decreasing query block, since with bottom-right alignment a
+  later query block sees more keys. Starting the long tiles first and filling the tail with short
+  ones balances the SMs (the LPT rule).
+
+`tile_coordinates` is plain integer arithmetic: it runs on Python ints in the unit tests and on
+`cutlass.Int32` inside kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TileGrid:
+    """Static shape of the work: tiles = num_m_blocks * num_heads * batch."""
+
+    num_m_blocks: int
+    num_heads: int
+    batch: int
+    longest_first: bool
+
+    @property
+    def num_tiles(self) -> int:
+        return self.num_m_blocks * self.num_heads * self.batch
+
+    def grid_size(self, sm_count: int, ctas_per_sm: int = 1) -> int:
+        return max(1, min(self.num_tiles, sm_count * ctas_per_sm))
+
+
+def tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first: bool):
+    """Linear tile index -> (m_block, head, batch_index)."""
+    if longest_first:
+        heads_times_batch = num_heads * batch
+        m_block = num_m_blocks - 1 - tile_index // heads_times_batch
+        rest = tile_index % heads_times_batch
+    else:
+        m_block = tile_index % num_m_blocks
+        rest = tile_index // num_m_blocks
+    return m_block, rest % num_heads, rest // num_heads

@@ -1,0 +1,153 @@
+"""The Hopper forward kernel against the float64 NumPy oracle, on an H200 (skipped without a GPU).
+
+Each case draws fresh random inputs, poisons the device memory pool with NaN before the kernel runs
+(an element the kernel forgets to write then shows up as NaN or garbage), and requires the kernel's
+error to be within twice the error of the fa4_jax reference on the same bf16/fp16 inputs (plus a floor
+of one bf16/fp16 rounding of the output), with -inf LSE and zero outputs on rows that see no key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+import numpy_reference
+
+pytestmark = pytest.mark.gpu
+
+ROUNDING = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    head_dim: int = 128
+    dtype: object = jnp.bfloat16
+    batch: int = 2
+    q_len: int = 197
+    kv_len: int = 333
+    q_heads: int = 4
+    kv_heads: int = 4
+    causal: bool = False
+    window: Optional[tuple] = None
+    softcap: Optional[float] = None
+    sinks: bool = False
+    segments: bool = False
+    q_lengths: bool = False
+    kv_lengths: bool = False
+    scale: Optional[float] = None
+
+
+CASES = [
+    *[Case(f"plain-d{d}", head_dim=d) for d in (64, 96, 128, 192, 256)],
+    *[Case(f"fp16-d{d}", head_dim=d, dtype=jnp.float16) for d in (64, 128, 256)],
+    *[Case(f"causal-d{d}", head_dim=d, causal=True, q_len=300, kv_len=300) for d in (64, 128, 192, 256)],
+    Case("causal-cross", causal=True, q_len=100, kv_len=357),
+    Case("causal-more-queries", causal=True, q_len=300, kv_len=150, head_dim=64),
+    Case("window", window=(32, 16), q_len=300, kv_len=300),
+    Case("window-causal-left", window=(70, None), causal=True, q_len=400, kv_len=400, head_dim=64),
+    Case("gqa", q_heads=8, kv_heads=2, causal=True),
+    Case("mqa-d256", q_heads=6, kv_heads=1, head_dim=256),
+    Case("softcap", softcap=5.0, scale=1.0),
+    Case("sinks", sinks=True),
+    Case("sinks-causal-empty-rows", sinks=True, causal=True, q_len=300, kv_len=150, head_dim=64),
+    Case("segments", segments=True, q_len=300, kv_len=300),
+    Case("segments-causal-d64", segments=True, causal=True, q_len=300, kv_len=300, head_dim=64),
+    Case("lengths", q_lengths=True, kv_lengths=True),
+    Case("kv-lengths-causal", kv_lengths=True, causal=True, q_len=256, kv_len=512),
+    Case("lengths-causal-fp16", q_lengths=True, kv_lengths=True, causal=True, dtype=jnp.float16),
+    Case("persistent-many-tiles", batch=2, q_len=1024, kv_len=1024, q_heads=16, kv_heads=16, causal=True),
+    Case("single-row", q_len=1, kv_len=77),
+]
+
+
+def _poison_device_memory(nbytes: int):
+    """Fill and free a NaN buffer so the kernel's fresh output buffers start out as NaN."""
+    poison = jnp.full((nbytes // 4 + 1024,), jnp.nan, dtype=jnp.float32)
+    poison.block_until_ready()
+    del poison
+
+
+def _error(actual, expected) -> float:
+    actual = numpy_reference.to_float64(actual)
+    finite = np.isfinite(expected)
+    if not np.any(finite):
+        return 0.0
+    magnitude = max(np.max(np.abs(expected[finite])), 1e-6)
+    return float(np.max(np.abs(np.where(finite, actual, 0) - np.where(finite, expected, 0))) / magnitude)
+
+
+def _make_inputs(case: Case, inputs):
+    query = inputs.normal((case.batch, case.q_len, case.q_heads, case.head_dim), case.dtype)
+    key = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.head_dim), case.dtype)
+    value = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.head_dim), case.dtype)
+    options = dict(scale=case.scale, causal=case.causal, window=case.window, softcap=case.softcap)
+    if case.sinks:
+        options["sinks"] = inputs.normal((case.q_heads,), jnp.float32, scale=2.0)
+    if case.segments:
+        options["segment_ids"] = (inputs.segment_ids(case.batch, case.q_len, segments=4),
+                                  inputs.segment_ids(case.batch, case.kv_len, segments=4))
+        if case.q_len == case.kv_len:
+            options["segment_ids"] = inputs.segment_ids(case.batch, case.q_len, segments=4)
+    if case.q_lengths:
+        options["q_seq_lengths"] = inputs.lengths(case.batch, case.q_len)
+    if case.kv_lengths:
+        options["kv_seq_lengths"] = inputs.lengths(case.batch, case.kv_len)
+    return query, key, value, options
+
+
+def _oracle(query, key, value, options):
+    numpy_options = {name: (tuple(np.asarray(v) for v in value_) if isinstance(value_, tuple) else
+                            (np.asarray(value_) if hasattr(value_, "shape") else value_))
+                     for name, value_ in options.items()}
+    numpy_options["window"] = options.get("window")
+    return numpy_reference.attention_forward(
+        numpy_reference.to_float64(query), numpy_reference.to_float64(key),
+        numpy_reference.to_float64(value), **numpy_options)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_forward_matches_oracle(case: Case, inputs):
+    query, key, value, options = _make_inputs(case, inputs)
+    expected_out, expected_lse = _oracle(query, key, value, options)
+
+    reference_out, reference_lse = fa4_jax.attention(
+        query, key, value, return_lse=True, implementation="reference", **options)
+    _poison_device_memory(4 * expected_out.size + 4 * expected_lse.size)
+    out, lse = jax.jit(lambda q, k, v: fa4_jax.attention(
+        q, k, v, return_lse=True, implementation="cute", **options))(query, key, value)
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+    assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse)), "NaN in the kernel's outputs"
+    rounding = ROUNDING[case.dtype]
+    out_tolerance = 2 * max(_error(reference_out.astype(jnp.float32), expected_out), rounding)
+    lse_tolerance = 2 * max(_error(reference_lse, expected_lse), 1e-5)
+    numpy_reference.assert_close(out, expected_out, out_tolerance, f"{case.name} out")
+    numpy_reference.assert_close(lse, expected_lse, lse_tolerance, f"{case.name} lse")
+
+
+@pytest.mark.parametrize("threshold,poly_every", [(0.0, 0), (8.0, 2), (8.0, 1)])
+def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
+    """Classic (threshold 0) and lazy rescaling agree with the oracle, with and without FMA exp2,
+    on logits whose running maximum keeps growing along the keys (the case lazy rescaling changes)."""
+    from fa4_jax.config import AttentionConfig
+    from fa4_jax.kernels import sm90_forward
+
+    batch, length, heads, dim = 1, 700, 2, 128
+    query = inputs.normal((batch, length, heads, dim), jnp.bfloat16)
+    ramp = jnp.linspace(0.0, 4.0, length, dtype=jnp.float32)[None, :, None, None]
+    key = (inputs.normal((batch, length, heads, dim)) * (1.0 + ramp)).astype(jnp.bfloat16)
+    value = inputs.normal((batch, length, heads, dim), jnp.bfloat16)
+    config = AttentionConfig(scale=dim ** -0.5, causal=True)
+    expected_out, expected_lse = _oracle(query, key, value, dict(scale=config.scale, causal=True))
+    _poison_device_memory(4 * expected_out.size)
+    out, lse = jax.jit(lambda q, k, v: sm90_forward.forward_with_options(
+        q, k, v, {}, config, rescale_threshold=threshold, poly_exp2_every=poly_every))(query, key, value)
+    numpy_reference.assert_close(out.astype(jnp.float32), expected_out, 2 * 2.0 ** -8, "out")
+    numpy_reference.assert_close(lse, expected_lse, 2e-5, "lse")
