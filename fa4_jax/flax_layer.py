@@ -1,0 +1,290 @@
+"""Flax front ends for `fa4_jax.attention`.
+
+- `MultiHeadAttention`: a drop-in for `flax.nnx.MultiHeadAttention` (same constructor, call signature,
+  submodules and parameter shapes, so the state of one loads into the other) whose attention is ours.
+- `dot_product_attention`: an `attention_fn` for `flax.nnx.MultiHeadAttention` and
+  `flax.linen.MultiHeadDotProductAttention`. Linen keeps only the keyword arguments that appear in the
+  function's signature, so every keyword either layer passes is named here explicitly. Linen has no
+  `is_causal`; bind it: `functools.partial(dot_product_attention, is_causal=True)`.
+
+How Flax's masking maps onto our options:
+- `is_causal` (outside decoding) is Flax's top-left causal mask (query i sees keys j <= i). It is our
+  `causal` when q_len == kv_len; otherwise it is rewritten exactly for our bottom-right alignment.
+- A boolean `mask` broadcastable to [batch..., heads, q_len, kv_len] maps exactly when it is a padding
+  mask: it may vary along keys ([..., 1, 1, kv_len]) or along queries ([..., 1, q_len, 1]), not both, and
+  not along heads. It becomes segment ids: query ids 1 (valid) / -1 (padding), key ids 1 / 0.
+  A dense [q_len, kv_len] mask cannot be expressed by our options and raises ValueError; it is never
+  ignored. Express causality with `is_causal` and padding with a key or query padding mask instead.
+- A query row that sees no key gives 0 here, while Flax gives the mean of the values (a softmax over
+  equal large negative logits). Such rows are padding; compare only rows that see at least one key.
+- Decoding with the cache (`decode=True`): the new queries sit at the end of the cached prefix, which is
+  our bottom-right alignment, so the cache becomes `kv_seq_lengths = index + new_tokens` and no mask is
+  built. Several tokens may be decoded at once (Flax takes one); with `is_causal=True` they are causal
+  among themselves.
+
+Not supported, with an error that says so: attention dropout while not deterministic, `bias`, sowing
+the attention weights (`sow_weights=True` / `module`; the weights never exist in memory), custom
+einsum classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import fa4_jax
+
+# Segment ids that turn a padding mask into "visible iff equal ids".
+_VALID_ID = 1
+_PADDING_QUERY_ID = -1
+_PADDING_KEY_ID = 0
+
+
+def _flatten_batch(x: jax.Array) -> jax.Array:
+    """[batch..., S, H, D] -> [B, S, H, D] with B the product of the batch dims (1 when there are none)."""
+    return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
+
+
+def padding_segment_ids(mask, batch_shape: tuple, q_len: int, kv_len: int):
+    """Segment ids (q_ids [B, Sq], kv_ids [B, Sk]) equal to a Flax padding mask, or None for no mask.
+
+    `mask` is broadcastable to [*batch_shape, heads, q_len, kv_len]; nonzero means visible. Raises
+    ValueError for masks that vary along heads or along both queries and keys.
+    """
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    rank = len(batch_shape) + 3
+    if mask.ndim > rank:
+        raise ValueError(f"mask has rank {mask.ndim}, more than the {rank} of "
+                         f"[batch..., heads, q_len, kv_len] = {(*batch_shape, 'heads', q_len, kv_len)}")
+    mask = mask.reshape((1,) * (rank - mask.ndim) + mask.shape)
+    heads, mask_q, mask_kv = mask.shape[-3:]
+    if heads != 1:
+        raise ValueError(
+            f"fa4_jax cannot take a mask that differs between heads (mask shape {mask.shape}); pass a "
+            "mask with a head dimension of 1")
+    if mask_q != 1 and mask_kv != 1:
+        raise ValueError(
+            f"fa4_jax cannot take a dense [q_len, kv_len] attention mask (mask shape {mask.shape}): it "
+            "only maps masks that vary along keys ([batch..., 1, 1, kv_len], key padding) or along "
+            "queries ([batch..., 1, q_len, 1], query padding). Pass is_causal=True instead of a causal "
+            "mask, and a padding mask of one of those shapes; for any other pattern use Flax's own "
+            "dot_product_attention")
+    visible = mask.astype(bool)
+    batch = math.prod(batch_shape)
+    ones = jnp.ones((batch, max(q_len, kv_len)), jnp.int32)
+    q_ids, kv_ids = ones[:, :q_len], ones[:, :kv_len]
+    if mask_kv != 1:
+        key_visible = jnp.broadcast_to(visible[..., 0, 0, :], (*batch_shape, kv_len)).reshape(batch, kv_len)
+        kv_ids = jnp.where(key_visible, _VALID_ID, _PADDING_KEY_ID).astype(jnp.int32)
+    if mask_q != 1:
+        query_visible = jnp.broadcast_to(visible[..., 0, :, 0], (*batch_shape, q_len)).reshape(batch, q_len)
+        q_ids = jnp.where(query_visible, _VALID_ID, _PADDING_QUERY_ID).astype(jnp.int32)
+    elif mask_kv == 1:
+        # One value per batch element: the whole row block is visible or not.
+        whole = jnp.broadcast_to(visible[..., 0, 0, 0], batch_shape).reshape(batch, 1)
+        q_ids = jnp.where(whole, _VALID_ID, _PADDING_QUERY_ID).astype(jnp.int32) * ones[:, :q_len]
+    return q_ids, kv_ids
+
+
+def top_left_causal_options(batch: int, q_len: int, kv_len: int) -> dict:
+    """Our options for Flax's causal mask (query i sees keys j <= i) under bottom-right alignment."""
+    if q_len == kv_len:
+        return dict(causal=True)
+    if q_len < kv_len:
+        # Keys past q_len are never visible; cutting them makes both alignments coincide.
+        return dict(causal=True, kv_seq_lengths=jnp.full((batch,), q_len, jnp.int32))
+    # Bottom-right puts row i at key i - (q_len - kv_len); a right window of that size moves it back.
+    return dict(window=(None, q_len - kv_len))
+
+
+def _attend(query, key, value, *, mask, is_causal: bool, decode_kv_lengths=None, dtype=None,
+            implementation: Optional[str] = None) -> jax.Array:
+    """fa4_jax.attention on Flax-layout arrays [batch..., S, H, D] with Flax masking conventions.
+
+    `decode_kv_lengths` (int32 [B]) switches to cache semantics: queries sit at the end of the valid
+    key prefix (bottom-right), and `is_causal` is causal in that alignment.
+    """
+    if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
+        raise ValueError(f"query, key, value must be [batch..., length, heads, depth] of one rank, got "
+                         f"{query.shape}, {key.shape}, {value.shape}")
+    compute_dtype = dtype if dtype is not None else jnp.result_type(query, key, value)
+    batch_shape = query.shape[:-3]
+    q_len, kv_len = query.shape[-3], key.shape[-3]
+    batch = math.prod(batch_shape)
+    options = {}
+    if decode_kv_lengths is not None:
+        options["kv_seq_lengths"] = decode_kv_lengths
+        options["causal"] = is_causal
+    elif is_causal:
+        options.update(top_left_causal_options(batch, q_len, kv_len))
+    segment_ids = padding_segment_ids(mask, batch_shape, q_len, kv_len)
+    if segment_ids is not None:
+        options["segment_ids"] = segment_ids
+    out = fa4_jax.attention(
+        _flatten_batch(query.astype(compute_dtype)),
+        _flatten_batch(key.astype(compute_dtype)),
+        _flatten_batch(value.astype(compute_dtype)),
+        implementation=implementation,
+        **options,
+    )
+    return out.reshape(batch_shape + out.shape[1:])
+
+
+def _reject_dropout(dropout_rate: float, deterministic: bool):
+    if dropout_rate > 0.0 and not deterministic:
+        raise NotImplementedError(
+            f"fa4_jax attention has no attention dropout (dropout_rate={dropout_rate} with "
+            "deterministic=False); set dropout_rate=0 or run deterministic=True")
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: Optional[jax.Array] = None,
+    mask: Optional[jax.Array] = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Optional[jax.Array] = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    promote_dtype=None,
+    is_causal: bool = False,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum=None,
+    attn_weights_value_einsum=None,
+    implementation: Optional[str] = None,
+) -> jax.Array:
+    """`attention_fn` for flax.nnx.MultiHeadAttention and flax.linen.MultiHeadDotProductAttention.
+
+    Arrays are [batch..., length, heads, depth]; key/value heads may divide the query heads (GQA).
+    Softmax always accumulates in float32 (so `force_fp32_for_softmax` is moot); `precision`,
+    `broadcast_dropout` and `dropout_rng` only matter to dropout or matmul precision, which our kernels
+    fix. Masks: see the module docstring.
+    """
+    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    if bias is not None:
+        raise NotImplementedError("fa4_jax attention takes no additive bias; express it as a mask, "
+                                  "softcap or sinks, or use Flax's dot_product_attention")
+    if module is not None:
+        raise NotImplementedError("fa4_jax never materializes the attention weights, so they cannot be "
+                                  "sown; call with sow_weights=False")
+    if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+        raise NotImplementedError("fa4_jax attention cannot use custom einsum classes "
+                                  "(qk_attn_weights_einsum_cls / attn_weights_value_einsum_cls)")
+    _reject_dropout(dropout_rate, deterministic)
+    if promote_dtype is not None:
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    return _attend(query, key, value, mask=mask, is_causal=is_causal, dtype=dtype,
+                   implementation=implementation)
+
+
+def _first_set(*values, name: str):
+    for value in values:
+        if value is not None:
+            return value
+    raise ValueError(f"No `{name}` argument was given to MultiHeadAttention, neither to __call__ nor "
+                     "to the constructor")
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention):
+    """flax.nnx.MultiHeadAttention whose attention is `fa4_jax.attention`.
+
+    Same constructor and `__call__` as the Flax layer (plus `implementation`, passed on to
+    `fa4_jax.attention`), same submodules `query`, `key`, `value`, `out` (and `query_ln`, `key_ln`) and
+    parameter shapes: `nnx.update(ours, nnx.state(theirs, nnx.Param))` loads Flax's weights. Masks,
+    decoding and what is not supported: see the module docstring.
+    """
+
+    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+        if "attention_fn" in kwargs:
+            raise TypeError("fa4_jax.flax_layer.MultiHeadAttention always attends with fa4_jax; for "
+                            "another attention_fn use flax.nnx.MultiHeadAttention")
+        super().__init__(*args, attention_fn=functools.partial(dot_product_attention,
+                                                                implementation=implementation), **kwargs)
+        self.implementation = implementation
+
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_k: Optional[jax.Array] = None,
+        inputs_v: Optional[jax.Array] = None,
+        *,
+        mask: Optional[jax.Array] = None,
+        deterministic: Optional[bool] = None,
+        rngs=None,
+        sow_weights: bool = False,
+        decode: Optional[bool] = None,
+        is_causal: bool = False,
+        out_sharding=None,
+        qkv_sharding=None,
+    ) -> jax.Array:
+        del rngs  # only dropout would draw from it, and dropout is rejected below
+        if sow_weights:
+            raise NotImplementedError("fa4_jax never materializes the attention weights, so they "
+                                      "cannot be sown; call with sow_weights=False")
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None; to use one array "
+                                 "for both, pass it as `inputs_k` and leave `inputs_v` None")
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(f"Incompatible input dimension, got {inputs_q.shape[-1]} but module "
+                             f"expects {self.in_features}.")
+
+        # Flax versions before `qkv_sharding` / `out_sharding` take one argument: pass it only if set.
+        def project(linear, inputs, sharding):
+            return linear(inputs) if sharding is None else linear(inputs, out_sharding=sharding)
+
+        query = project(self.query, inputs_q, qkv_sharding)
+        key = project(self.key, inputs_k, qkv_sharding)
+        value = project(self.value, inputs_v, qkv_sharding)
+        if self.normalize_qk:
+            query = self.query_ln(query)
+            key = self.key_ln(key)
+
+        if self.dropout_rate > 0.0:
+            _reject_dropout(self.dropout_rate,
+                            _first_set(deterministic, self.deterministic, name="deterministic"))
+
+        if _first_set(decode, self.decode, name="decode"):
+            key, value, kv_lengths = self._append_to_cache(key, value)
+            x = _attend(query, key, value, mask=mask, is_causal=is_causal, decode_kv_lengths=kv_lengths,
+                        dtype=self.dtype, implementation=self.implementation)
+        else:
+            x = _attend(query, key, value, mask=mask, is_causal=is_causal, dtype=self.dtype,
+                        implementation=self.implementation)
+        return project(self.out, x, out_sharding)
+
+    def _append_to_cache(self, key, value):
+        """Writes the new keys/values at the cache index; returns the whole cache and its valid length."""
+        if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+            raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
+        cached_key = self.cached_key[...]
+        *batch_dims, max_length, num_kv_heads, depth = cached_key.shape
+        new_tokens = key.shape[-3]
+        if key.shape != (*batch_dims, new_tokens, num_kv_heads, depth) or new_tokens > max_length:
+            raise ValueError(f"Autoregressive cache shape error: cache {cached_key.shape} cannot take "
+                             f"keys of shape {key.shape}")
+        index = self.cache_index[...]
+        zero = jnp.zeros((), index.dtype)
+        start = (zero,) * len(batch_dims) + (index, zero, zero)
+        key = jax.lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype), start)
+        value = jax.lax.dynamic_update_slice(self.cached_value[...],
+                                             value.astype(self.cached_value[...].dtype), start)
+        self.cached_key[...] = key
+        self.cached_value[...] = value
+        self.cache_index[...] = index + new_tokens
+        kv_lengths = jnp.full((math.prod(batch_dims),), index + new_tokens, jnp.int32)
+        return key, value, kv_lengths
