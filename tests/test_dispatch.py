@@ -1,0 +1,101 @@
+"""The CUDA dispatch: which kernel runs, and how a call no kernel can take falls back or fails.
+
+The CPU part drives `fa4_jax.lowering.cuda` with a stand-in kernel module and a faked compute
+capability; the GPU part checks the same promises end to end on a real device.
+"""
+
+import sys
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from fa4_jax.config import AttentionConfig
+from fa4_jax.lowering import cuda
+
+SHAPES = ((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU of compute capability 9.0 whose forward kernel takes only bfloat16."""
+    module = types.ModuleType("fake_sm90_forward")
+    module.unsupported_reason = lambda config, q, k, v, dtype: (
+        None if jnp.dtype(dtype) == jnp.bfloat16 else f"dtype {jnp.dtype(dtype).name} is not supported")
+    monkeypatch.setitem(sys.modules, "fake_sm90_forward", module)
+    monkeypatch.setattr(cuda, "FORWARD_KERNELS", {9: "fake_sm90_forward"})
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cuda, "_warned", set())
+    return module
+
+
+def _avals(dtype):
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape in SHAPES]
+
+
+def _choose(implementation, dtype):
+    config = AttentionConfig(scale=0.125, implementation=implementation)
+    return cuda._kernel_for("forward", cuda.FORWARD_KERNELS, config, *_avals(dtype))
+
+
+def test_supported_call_gets_the_kernel(fake_gpu):
+    assert _choose(None, jnp.bfloat16) is fake_gpu
+    assert _choose("cute", jnp.bfloat16) is fake_gpu
+
+
+def test_reference_is_chosen_when_asked(fake_gpu):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _choose("reference", jnp.bfloat16) is None
+
+
+def test_unsupported_call_falls_back_with_one_warning(fake_gpu):
+    with pytest.warns(UserWarning, match="reference path because dtype float16 is not supported"):
+        assert _choose(None, jnp.float16) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason is not repeated
+        assert _choose(None, jnp.float16) is None
+
+
+def test_unsupported_call_with_cute_raises(fake_gpu):
+    with pytest.raises(NotImplementedError, match="dtype float16 is not supported.*implementation=None"):
+        _choose("cute", jnp.float16)
+
+
+def test_gpu_without_kernel_names_its_capability(fake_gpu, monkeypatch):
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (8, 0))
+    with pytest.raises(NotImplementedError, match="compute capability 8.0"):
+        _choose("cute", jnp.bfloat16)
+
+
+def test_missing_kernel_module_is_reported(fake_gpu, monkeypatch):
+    monkeypatch.setattr(cuda, "FORWARD_KERNELS", {9: "fa4_jax.kernels.no_such_kernel"})
+    with pytest.raises(NotImplementedError, match="no_such_kernel is not available"):
+        _choose("cute", jnp.bfloat16)
+
+
+def test_cute_on_cpu_raises():
+    q = jax.device_put(jnp.ones((1, 8, 2, 64), jnp.bfloat16), jax.local_devices(backend="cpu")[0])
+    with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU.*implementation=None"):
+        jax.jit(lambda q: fa4_jax.attention(q, q, q, implementation="cute"))(q)
+
+
+@pytest.mark.gpu
+def test_gpu_float32_falls_back_to_reference_or_raises(inputs):
+    """float32 has no kernel: None warns and matches the reference; "cute" says what to change."""
+    q, k, v = (inputs.normal((2, 100, 4, 64)) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="implementation=None"):
+        jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, implementation="cute"))(q, k, v)
+    already_warned = set(cuda._warned)
+    cuda._warned.clear()
+    try:
+        with pytest.warns(UserWarning, match="reference path"):
+            out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, causal=True))(q, k, v)
+    finally:
+        cuda._warned.update(already_warned)
+    expected = fa4_jax.attention(q, k, v, causal=True, implementation="reference")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-6, rtol=1e-6)
