@@ -15,6 +15,9 @@ Semantics (see the README's table):
 - sinks [Hq]: one extra logit per head that enters the softmax denominator only.
 - lse = log(sum_visible exp(logit) + exp(sink)); out = sum_visible exp(logit - lse) * value.
   A row with no visible key: out 0 and lse -inf (or the sink logit when sinks are given).
+
+`assert_close` is the comparison every test uses: the largest error relative to the largest expected
+magnitude, with infinities (lse of rows that see nothing) required to match exactly.
 """
 
 from __future__ import annotations
@@ -198,3 +201,26 @@ def attention_backward(query, key, value, d_out, d_lse=None, *, scale=None, caus
         "dv": _fold_kv_heads(d_value, kv_heads),
         "dsinks": d_sinks,
     }
+
+
+def assert_close(actual, expected, tolerance, what, floor=1e-6):
+    """max |actual - expected| <= tolerance * max |expected|, with infinities matched exactly."""
+    actual = to_float64(actual)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != expected {expected.shape}"
+    infinite = ~np.isfinite(expected)
+    assert not np.any(np.isnan(actual)), f"{what}: NaN at {np.argwhere(np.isnan(actual))[:5].tolist()}"
+    mismatched = infinite & (actual != expected)
+    assert not np.any(mismatched), (
+        f"{what}: expected {expected[mismatched][:3]} at {np.argwhere(mismatched)[:3].tolist()}, "
+        f"got {actual[mismatched][:3]}")
+    finite = ~infinite
+    if not np.any(finite):
+        return
+    magnitude = max(np.max(np.abs(expected[finite])), floor)
+    difference = np.abs(np.where(finite, actual, 0.0) - np.where(finite, expected, 0.0))
+    worst = np.unravel_index(np.argmax(difference), difference.shape)
+    error = difference[worst] / magnitude
+    assert error <= tolerance, (
+        f"{what}: max |error| {difference[worst]:.3e} at {list(worst)} is {error:.2e} of max |expected| "
+        f"{magnitude:.3e}, above {tolerance:.1e} (got {actual[worst]:.6g}, expected {expected[worst]:.6g})")

@@ -1,0 +1,462 @@
+"""Forward and gradients of `fa4_jax.attention` against the float64 NumPy oracle.
+
+`AttentionTestBase` holds every case and every check once. A backend subclasses it and narrows it:
+`implementation` is passed to `fa4_jax.attention`, `default_dtype` fills cases that leave the dtype
+open, `supports(case)` drops what the backend cannot run (at collection, so nothing shows as skipped),
+and `tolerance(case, quantity)` sets how close it must be. `TestReferenceAttention` (the pure-JAX
+path on the CPU) is the first subclass; GPU kernel tests import the base and add `pytestmark = gpu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fa4_jax
+import numpy_reference as oracle
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+SHORT_DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention configuration. Masking options are symbolic; `build_arguments` draws the arrays.
+
+    segments: None, "shared" (one [B, S] array, needs Sq == Sk), "pair" (independent query and key
+      packings) or "disjoint" (a pair where one query segment has no key: fully masked rows).
+    lengths: None, "q", "kv", "both" (random valid prefixes) or "empty" (the last batch has no key).
+    dtype None means the backend's `default_dtype`.
+    """
+
+    batch: int = 2
+    q_len: int = 77
+    kv_len: int = 77
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    value_dim: Optional[int] = None
+    dtype: Optional[str] = None
+    causal: bool = False
+    window: Optional[tuple] = None
+    softcap: Optional[float] = None
+    sinks: bool = False
+    segments: Optional[str] = None
+    lengths: Optional[str] = None
+    scale: Optional[float] = None
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
+
+    @property
+    def name(self) -> str:
+        parts = [f"b{self.batch}", f"q{self.q_len}", f"k{self.kv_len}", f"h{self.q_heads}-{self.kv_heads}",
+                 f"d{self.head_dim}" + (f"-v{self.value_dim}" if self.value_dim is not None else ""),
+                 SHORT_DTYPE_NAMES.get(self.dtype, "default")]
+        if self.causal:
+            parts.append("causal")
+        if self.window is not None:
+            parts.append("w{}-{}".format(*("inf" if side is None else side for side in self.window)))
+        if self.softcap is not None:
+            parts.append(f"cap{self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.segments:
+            parts.append(f"seg-{self.segments}")
+        if self.lengths:
+            parts.append(f"len-{self.lengths}")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale:g}")
+        return "_".join(parts)
+
+
+def all_pairs(factors: dict, valid, seed=0) -> list[dict]:
+    """A small set of rows in which every valid pair of factor values appears (greedy covering).
+
+    Deterministic for a given seed, so the case list (and the test ids) do not change between runs.
+    """
+    names = list(factors)
+    chooser = random.Random(seed)
+
+    def pairs_of(row):
+        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+
+    def random_row(fixed):
+        row = {name: chooser.choice(factors[name]) for name in names}
+        row.update(fixed)
+        return row
+
+    uncovered = set()
+    for a, b in itertools.combinations(names, 2):
+        for value_a, value_b in itertools.product(factors[a], factors[b]):
+            # Keep only pairs some valid row can hold.
+            if any(valid(random_row({a: value_a, b: value_b})) for _ in range(200)):
+                uncovered.add(((a, value_a), (b, value_b)))
+    rows = []
+    while uncovered:
+        (a, value_a), (b, value_b) = sorted(uncovered, key=repr)[0]
+        candidates = [random_row({a: value_a, b: value_b}) for _ in range(300)]
+        candidates = [row for row in candidates if valid(row)]
+        best = max(candidates, key=lambda row: len(pairs_of(row) & uncovered))
+        rows.append(best)
+        uncovered -= pairs_of(best)
+    return rows
+
+
+def _feature_cases() -> list[Case]:
+    factors = {
+        "causal": [False, True],
+        "window": [None, (24, 8), (40, None), (None, 0)],
+        "softcap": [None, 2.0],
+        "sinks": [False, True],
+        "segments": [None, "shared", "pair"],
+        "lengths": [None, "q", "kv", "both"],
+        "heads": [(4, 4), (4, 2), (4, 1)],
+        "shape": [(2, 77, 77), (2, 50, 131), (1, 131, 50)],
+    }
+
+    def valid(row):
+        return row["segments"] != "shared" or row["shape"][1] == row["shape"][2]
+
+    cases = []
+    for row in all_pairs(factors, valid):
+        batch, q_len, kv_len = row.pop("shape")
+        q_heads, kv_heads = row.pop("heads")
+        cases.append(Case(batch=batch, q_len=q_len, kv_len=kv_len, q_heads=q_heads, kv_heads=kv_heads, **row))
+    return cases
+
+
+# Each feature alone first, so a failure in the combinations below can be traced to one option.
+SINGLE_FEATURE_CASES = [
+    Case(kv_heads=4),
+    Case(kv_heads=1),
+    Case(q_len=50, kv_len=131),
+    Case(q_len=131, kv_len=50, batch=1),
+    Case(causal=True),
+    Case(window=(16, 16)),
+    Case(window=(16, None)),
+    Case(window=(None, 3)),
+    Case(window=(0, 0)),
+    Case(causal=True, window=(20, None)),
+    Case(softcap=2.0),
+    Case(sinks=True),
+    Case(segments="shared"),
+    Case(segments="pair", q_len=50, kv_len=131),
+    Case(lengths="q"),
+    Case(lengths="kv"),
+    Case(lengths="both", q_len=50, kv_len=131),
+    Case(scale=0.37),
+]
+FEATURE_CASES = _feature_cases()
+
+HEAD_DIM_CASES = [
+    Case(batch=1, q_len=70, kv_len=70, head_dim=head_dim, value_dim=value_dim, causal=True)
+    for head_dim, value_dim in [(64, None), (96, None), (128, None), (192, None), (256, None),
+                                (128, 64), (64, 128), (192, 128), (96, 256)]
+]
+
+DTYPE_CASES = [
+    Case(dtype=dtype, **features)
+    for dtype in DTYPES
+    for features in [dict(),
+                     dict(causal=True, sinks=True, softcap=2.0, kv_heads=1),
+                     dict(window=(16, 4), segments="pair", lengths="both", q_len=50, kv_len=131)]
+]
+
+ODD_LENGTH_CASES = [
+    Case(batch=1, q_len=q_len, kv_len=kv_len, causal=causal)
+    for q_len, kv_len in [(1, 1), (1, 257), (257, 1), (3, 300), (129, 255), (255, 129)]
+    for causal in (False, True)
+]
+
+# Cases where some query rows see no key at all (out 0, lse -inf or the sink, never NaN).
+FULLY_MASKED_CASES = [
+    Case(q_len=131, kv_len=50, causal=True, sinks=sinks)
+    for sinks in (False, True)
+] + [
+    Case(q_len=131, kv_len=50, window=(0, 0)),
+    Case(segments="disjoint", q_len=50, kv_len=131),
+    Case(segments="disjoint", sinks=True, causal=True),
+    Case(lengths="q", sinks=True),
+    Case(lengths="empty"),
+    Case(lengths="empty", sinks=True, softcap=2.0),
+]
+
+ALL_CASES = (SINGLE_FEATURE_CASES + FEATURE_CASES + HEAD_DIM_CASES + DTYPE_CASES + ODD_LENGTH_CASES
+             + FULLY_MASKED_CASES)
+
+# Small sets for checks that need not sweep every feature.
+SMALL_CASES = [
+    Case(),
+    Case(causal=True, window=(20, 5), softcap=2.0, sinks=True, segments="shared", lengths="both"),
+    Case(q_len=131, kv_len=50, causal=True, sinks=True, kv_heads=1),
+]
+
+
+def with_cases(*groups, needs_backward=True):
+    """Declares which case lists a test method runs on; the backend's `supports` filters them."""
+    def mark(function):
+        function.cases = tuple(itertools.chain(*groups))
+        function.needs_backward = needs_backward
+        return function
+    return mark
+
+
+@dataclasses.dataclass
+class Arguments:
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    sinks: Optional[jax.Array]
+    options: dict  # the keyword arguments of fa4_jax.attention, arrays as jax arrays (sinks excluded)
+
+    def oracle_options(self) -> dict:
+        options = {name: value for name, value in self.options.items() if name != "deterministic"}
+        for name in ("q_seq_lengths", "kv_seq_lengths"):
+            if options.get(name) is not None:
+                options[name] = np.asarray(options[name])
+        if isinstance(options.get("segment_ids"), tuple):
+            options["segment_ids"] = tuple(np.asarray(ids) for ids in options["segment_ids"])
+        elif options.get("segment_ids") is not None:
+            options["segment_ids"] = np.asarray(options["segment_ids"])
+        sinks = None if self.sinks is None else np.asarray(self.sinks)
+        return dict(options, sinks=sinks)
+
+
+def build_arguments(case: Case, inputs) -> Arguments:
+    dtype = DTYPES[case.dtype]
+    # Logits of standard deviation ~1.5 (query scaled): peaked enough that softcap and masking matter.
+    query = inputs.normal((case.batch, case.q_len, case.q_heads, case.head_dim), dtype, scale=1.5)
+    key = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.head_dim), dtype)
+    value = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.v_dim), dtype)
+    sinks = inputs.normal((case.q_heads,), jnp.float32) if case.sinks else None
+
+    options = dict(causal=case.causal, window=case.window, softcap=case.softcap, scale=case.scale)
+    if case.segments == "shared":
+        options["segment_ids"] = inputs.segment_ids(case.batch, case.q_len)
+    elif case.segments in ("pair", "disjoint"):
+        q_ids = inputs.segment_ids(case.batch, case.q_len)
+        kv_ids = inputs.segment_ids(case.batch, case.kv_len)
+        if case.segments == "disjoint":
+            # The last query segment of batch 0 gets an id no key has.
+            q_ids = q_ids.at[0].set(jnp.where(q_ids[0] == q_ids[0, -1], 7, q_ids[0]))
+        options["segment_ids"] = (q_ids, kv_ids)
+    if case.lengths in ("q", "both"):
+        options["q_seq_lengths"] = inputs.lengths(case.batch, case.q_len)
+    if case.lengths in ("kv", "both"):
+        options["kv_seq_lengths"] = inputs.lengths(case.batch, case.kv_len)
+    if case.lengths == "empty":
+        options["kv_seq_lengths"] = jnp.asarray([case.kv_len] * (case.batch - 1) + [0], jnp.int32)
+    return Arguments(query, key, value, sinks, options)
+
+
+def _no_visible_key(arguments: Arguments) -> np.ndarray:
+    """Boolean [B, Sq]: query rows that see no key under the oracle's semantics."""
+    options = arguments.oracle_options()
+    batch, q_len = arguments.query.shape[:2]
+    masking = oracle.Masking(options["causal"], options["window"], options.get("segment_ids"),
+                             options.get("q_seq_lengths"), options.get("kv_seq_lengths"))
+    return ~oracle.visible_keys(batch, q_len, arguments.key.shape[1], masking).any(axis=-1)
+
+
+class AttentionTestBase:
+    """Every forward and gradient check, on every case list; subclasses narrow it to a backend."""
+
+    implementation: Optional[str] = "reference"
+    default_dtype = "float32"
+
+    has_backward = True  # False for a forward-only kernel: the gradient tests are not collected
+
+    # max |error| / max |expected| against the float64 oracle (the lse: / max(1, max |lse|)).
+    # float32: the reference's errors are ~5e-7 (float32 sums of a few hundred terms); 1e-5 leaves
+    # room for longer sums without hiding anything. bfloat16 / float16: outputs and gradients are
+    # rounded to the dtype (unit roundoff u = 2^-8 / 2^-11: up to u/2 of the largest element; the
+    # reference measures ~0.75u) and a kernel may also round P and dS to the dtype before each matmul;
+    # 4u (forward) and 8u (gradients, where dS = P (dP - Delta) subtracts nearly equal terms) bound
+    # that, while a real bug shows up as errors of order 1. The lse stays float32 whatever the input
+    # dtype (computed from float32 logits), so its bound only allows for an approximate exp2 in kernels.
+    tolerances = {
+        "float32": {"forward": 1e-5, "lse": 1e-5, "gradient": 1e-5},
+        "bfloat16": {"forward": 4 * 2.0**-8, "lse": 1e-4, "gradient": 8 * 2.0**-8},
+        "float16": {"forward": 4 * 2.0**-11, "lse": 1e-4, "gradient": 8 * 2.0**-11},
+    }
+
+    def supports(self, case: Case) -> bool:
+        """Whether this backend runs `case`; unsupported cases are not collected."""
+        return True
+
+    def tolerance(self, case: Case, quantity: str) -> float:
+        return self.tolerances[case.dtype][quantity]
+
+    def adapt(self, case: Case) -> Case:
+        return case if case.dtype is not None else dataclasses.replace(case, dtype=self.default_dtype)
+
+    def pytest_generate_tests(self, metafunc):
+        if "case" not in metafunc.fixturenames:
+            return
+        if getattr(metafunc.function, "needs_backward", False) and not self.has_backward:
+            metafunc.parametrize("case", [])
+            return
+        cases = {}
+        for case in map(self.adapt, metafunc.function.cases):
+            if self.supports(case):
+                cases.setdefault(case.name, case)
+        metafunc.parametrize("case", list(cases.values()), ids=list(cases))
+
+    def attention(self, query, key, value, **options):
+        return fa4_jax.attention(query, key, value, implementation=self.implementation, **options)
+
+    def forward(self, arguments: Arguments, return_lse=True):
+        function = jax.jit(lambda q, k, v, sinks: self.attention(
+            q, k, v, sinks=sinks, return_lse=return_lse, **arguments.options))
+        return function(arguments.query, arguments.key, arguments.value, arguments.sinks)
+
+    def gradients(self, arguments: Arguments, d_out, d_lse):
+        """The VJP of (out, lse) with cotangents (d_out, d_lse): (dq, dk, dv, dsinks)."""
+        def function(q, k, v, sinks):
+            return self.attention(q, k, v, sinks=sinks, return_lse=True, **arguments.options)
+
+        @jax.jit
+        def pullback(q, k, v, sinks, d_out, d_lse):
+            _, vjp = jax.vjp(function, q, k, v, sinks)
+            return vjp((d_out, d_lse))
+        return pullback(arguments.query, arguments.key, arguments.value, arguments.sinks, d_out, d_lse)
+
+    def check_gradients(self, case, arguments, grads, expected):
+        tolerance = self.tolerance(case, "gradient")
+        for name, grad, operand in zip(("dq", "dk", "dv"), grads, (arguments.query, arguments.key,
+                                                                   arguments.value)):
+            assert grad.dtype == operand.dtype, f"{name} dtype {grad.dtype} != operand dtype {operand.dtype}"
+            oracle.assert_close(grad, expected[name], tolerance, name)
+        if arguments.sinks is None:
+            assert grads[3] is None
+        else:
+            assert grads[3].dtype == jnp.float32
+            oracle.assert_close(grads[3], expected["dsinks"], tolerance, "dsinks")
+
+    @with_cases(ALL_CASES, needs_backward=False)
+    def test_forward(self, case, inputs):
+        arguments = build_arguments(case, inputs)
+        out, lse = self.forward(arguments)
+        expected_out, expected_lse = oracle.attention_forward(
+            arguments.query, arguments.key, arguments.value, **arguments.oracle_options())
+        assert out.shape == (case.batch, case.q_len, case.q_heads, case.v_dim) and out.dtype == DTYPES[case.dtype]
+        assert lse.shape == (case.batch, case.q_heads, case.q_len) and lse.dtype == jnp.float32
+        oracle.assert_close(out, expected_out, self.tolerance(case, "forward"), "out")
+        oracle.assert_close(lse, expected_lse, self.tolerance(case, "lse"), "lse", floor=1.0)
+
+    @with_cases(ALL_CASES)
+    def test_gradients(self, case, inputs):
+        """Cotangents on both out and lse, so the lse path of the backward is always exercised."""
+        arguments = build_arguments(case, inputs)
+        d_out = inputs.normal((case.batch, case.q_len, case.q_heads, case.v_dim), DTYPES[case.dtype])
+        d_lse = inputs.normal((case.batch, case.q_heads, case.q_len), jnp.float32)
+        grads = self.gradients(arguments, d_out, d_lse)
+        expected = oracle.attention_backward(arguments.query, arguments.key, arguments.value, d_out, d_lse,
+                                             **arguments.oracle_options())
+        self.check_gradients(case, arguments, grads, expected)
+
+    @with_cases(FULLY_MASKED_CASES, needs_backward=False)
+    def test_fully_masked_rows(self, case, inputs):
+        """Rows that see no key: out exactly 0 and lse -inf (or the sink), no NaN anywhere."""
+        arguments = build_arguments(case, inputs)
+        empty = _no_visible_key(arguments)
+        assert empty.any(), "the case should have fully masked rows"
+        out, lse = self.forward(arguments)
+        out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+        assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse))
+        assert np.all(out[empty] == 0.0)
+        empty_lse = lse.transpose(0, 2, 1)[empty]  # [rows, Hq]
+        if arguments.sinks is None:
+            assert np.all(empty_lse == -np.inf)
+        else:
+            np.testing.assert_allclose(empty_lse, np.broadcast_to(np.asarray(arguments.sinks), empty_lse.shape),
+                                       rtol=1e-6)
+
+    @with_cases(FULLY_MASKED_CASES)
+    def test_fully_masked_rows_gradients(self, case, inputs):
+        """Their gradients are finite and dq is exactly 0 there (cotangents on both out and lse)."""
+        arguments = build_arguments(case, inputs)
+        empty = _no_visible_key(arguments)
+        d_out = inputs.normal((case.batch, case.q_len, case.q_heads, case.v_dim), DTYPES[case.dtype])
+        d_lse = inputs.normal((case.batch, case.q_heads, case.q_len), jnp.float32)
+        grads = self.gradients(arguments, d_out, d_lse)
+        for name, grad in zip(("dq", "dk", "dv", "dsinks"), grads):
+            assert grad is None or np.all(np.isfinite(np.asarray(grad.astype(jnp.float32)))), name
+        assert np.all(np.asarray(grads[0].astype(jnp.float32))[empty] == 0.0)
+
+    @with_cases(SMALL_CASES, [Case(dtype="bfloat16", causal=True, sinks=True)])
+    def test_without_lse(self, case, inputs):
+        """return_lse=False (the default) returns the output alone; its gradient has no lse term."""
+        arguments = build_arguments(case, inputs)
+        out_alone = self.forward(arguments, return_lse=False)
+        out, _ = self.forward(arguments)
+        assert isinstance(out_alone, jax.Array)
+        np.testing.assert_array_equal(np.asarray(out_alone.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+
+        d_out = inputs.normal(out.shape, DTYPES[case.dtype])
+
+        @jax.jit
+        def grad_of_weighted_sum(q, k, v, sinks, d_out):
+            def loss(q, k, v, sinks):
+                out = self.attention(q, k, v, sinks=sinks, **arguments.options)
+                return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+            return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+
+        grads = grad_of_weighted_sum(arguments.query, arguments.key, arguments.value, arguments.sinks, d_out)
+        expected = oracle.attention_backward(arguments.query, arguments.key, arguments.value, d_out,
+                                             **arguments.oracle_options())
+        self.check_gradients(case, arguments, grads, expected)
+
+    @with_cases(SMALL_CASES, [Case(lengths="empty", sinks=True)])
+    def test_gradient_through_lse_only(self, case, inputs):
+        """A loss that reads only the lse: d_out is zero and every gradient comes from d_lse."""
+        arguments = build_arguments(case, inputs)
+        d_out = jnp.zeros((case.batch, case.q_len, case.q_heads, case.v_dim), DTYPES[case.dtype])
+        d_lse = inputs.normal((case.batch, case.q_heads, case.q_len), jnp.float32)
+        grads = self.gradients(arguments, d_out, d_lse)
+        expected = oracle.attention_backward(arguments.query, arguments.key, arguments.value, d_out, d_lse,
+                                             **arguments.oracle_options())
+        self.check_gradients(case, arguments, grads, expected)
+
+    @with_cases(SMALL_CASES, [Case(dtype="bfloat16", causal=True, kv_heads=1, sinks=True)])
+    def test_deterministic_backward_is_reproducible(self, case, inputs):
+        arguments = build_arguments(case, inputs)
+        arguments.options["deterministic"] = True
+        d_out = inputs.normal((case.batch, case.q_len, case.q_heads, case.v_dim), DTYPES[case.dtype])
+        d_lse = inputs.normal((case.batch, case.q_heads, case.q_len), jnp.float32)
+        first = self.gradients(arguments, d_out, d_lse)
+        for _ in range(2):
+            again = self.gradients(arguments, d_out, d_lse)
+            for name, a, b in zip(("dq", "dk", "dv", "dsinks"), first, again):
+                if a is not None:
+                    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                                  np.asarray(b.astype(jnp.float32)), err_msg=name)
+        expected = oracle.attention_backward(arguments.query, arguments.key, arguments.value, d_out, d_lse,
+                                             **arguments.oracle_options())
+        self.check_gradients(case, arguments, first, expected)
+
+
+class TestReferenceAttention(AttentionTestBase):
+    """The pure-JAX reference, which is also what every non-CUDA platform runs."""
+
+    implementation = "reference"
+
+
+def test_default_implementation_is_the_reference_on_cpu(inputs):
+    """implementation=None on a non-CUDA platform lowers to the reference: the same numbers."""
+    arguments = build_arguments(dataclasses.replace(SMALL_CASES[1], dtype="float32"), inputs)
+    outputs = {}
+    for implementation in (None, "reference"):
+        function = jax.jit(lambda q, k, v, sinks: fa4_jax.attention(
+            q, k, v, sinks=sinks, return_lse=True, implementation=implementation, **arguments.options))
+        outputs[implementation] = function(arguments.query, arguments.key, arguments.value, arguments.sinks)
+    for default, reference in zip(outputs[None], outputs["reference"]):
+        np.testing.assert_array_equal(np.asarray(default), np.asarray(reference))
