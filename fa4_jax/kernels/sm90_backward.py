@@ -1,0 +1,654 @@
+"""Hopper (sm_90a) attention backward: dQ, dK, dV in CuTe DSL.
+
+Three stages, one obvious place each:
+- preprocess (`_preprocess`, traceable JAX, one fused reduction): dPsum = rowsum(dO * O) - d_lse, the
+  log-sum-exp moved to the exp2 domain (rows with no visible key get +inf so that P = 0 there), both
+  padded to whole query blocks, and the zeroed fp32 dQ accumulator;
+- the main kernel (`Sm90BackwardKernel`): one CTA per (key block, KV head, batch) keeps its K and V
+  tiles in shared memory and its dK, dV accumulators in registers while it walks the query blocks of
+  every query head of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE,
+  dP^T = V dO^T, dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and
+  dK += dS^T Q with P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in
+  shared memory for dQ = dS K, which it adds into the fp32 accumulator in global memory with `red.add`;
+- postprocess (`_postprocess`, JAX): dQ scaled and cast, the sinks gradient.
+
+Warp roles: warp group 0 is the producer (one warp issues the TMA loads of K, V once and of Q, dO per
+query block into a `stages`-deep ring of mbarrier-guarded buffers); warp groups 1 and 2 are consumers,
+each owning 64 of the tile's 128 keys for S, dP, dK, dV and half of the head dimension for dQ.
+
+deterministic=True orders the dQ additions: a per (batch, query head, query block) counter in global
+memory lets key block n add only after every earlier key block that touches the same query block has
+added, so the fp32 sums happen in one fixed order and the result is bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as cutlass_utils
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import masking
+
+LOG2_E = math.log2(math.e)
+SUPPORTED_HEAD_DIMS = (64, 128)
+TILE_M = 64      # query rows per block
+TILE_N = 128     # keys per CTA (64 per consumer warp group)
+STAGES = 2       # depth of the Q / dO ring
+
+
+def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
+    """Why this kernel cannot take the call, or None when it can."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"sm90 backward takes bfloat16 or float16, got {dtype}"
+    head_dim = query_shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"sm90 backward supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+    if value_shape[-1] != head_dim:
+        return f"sm90 backward needs value head dim == query head dim ({value_shape[-1]} != {head_dim})"
+    if query_shape[2] % key_shape[2] != 0:
+        return f"query heads {query_shape[2]} not a multiple of key heads {key_shape[2]}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block ranges shared by the producer, the consumers and the deterministic ordering
+# ----------------------------------------------------------------------------------------------------
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _floor_div_clamped(a, b):
+    """floor(a / b) for a >= 0, 0 for a < 0: block indices never go below 0."""
+    return max(a, 0) // b
+
+
+class _BlockRange:
+    """Which query blocks a key block touches, from causal / window / key length alone.
+
+    Key j is visible to local query row i iff j < kv_len, and (causal) j <= i + offset, and (window)
+    i + offset - left <= j <= i + offset + right, where offset = kv_len - q_len + q_start folds the
+    bottom-right alignment and the shard's first global row into one number. Segments and q_len only
+    mask elements; they never skip blocks.
+    """
+
+    def __init__(self, causal, window_left, window_right, tile_m, tile_n):
+        self.right = 0 if causal else window_right
+        if causal and window_right is not None:
+            self.right = min(0, window_right)
+        self.left = window_left
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+
+    def query_blocks(self, n_block, offset, kv_len, num_m_blocks):
+        """[m_lo, m_hi) of query blocks that key block n_block touches."""
+        key_lo = n_block * self.tile_n
+        key_hi = min(key_lo + self.tile_n, kv_len) - 1          # last valid key of the block
+        m_lo = 0
+        if self.right is not None:                              # j <= i + offset + right
+            m_lo = _floor_div_clamped(key_lo - offset - self.right, self.tile_m)
+        m_hi = num_m_blocks
+        if self.left is not None:                               # i <= j + left - offset
+            last_row = key_hi + self.left - offset
+            m_hi = min(num_m_blocks, _floor_div_clamped(last_row, self.tile_m) + 1)
+            if last_row < 0:
+                m_hi = 0
+        if key_lo >= kv_len:
+            m_hi = 0
+        return m_lo, m_hi
+
+    def first_key_block(self, m_block, offset):
+        """Smallest key block whose range holds m_block (ranges of later key blocks start no earlier)."""
+        if self.left is None:
+            return 0
+        # m_hi(n) > m  <=>  n * tile_n + tile_n - 1 + left - offset >= m * tile_m
+        need = m_block * self.tile_m - self.tile_n + 1 - self.left + offset
+        return _ceil_div(max(need, 0), self.tile_n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The CuTe kernel
+# ----------------------------------------------------------------------------------------------------
+
+K_MAJOR = cute.nvgpu.OperandMajorMode.K
+MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
+WARP_GROUP = 128
+DS_READY_BARRIER = 1
+DQ_ORDER_BARRIER = 2
+
+def transpose_view(tensor):
+    """Swap the first two modes of a (swizzled) shared-memory tensor: same bytes, other operand role."""
+    modes = [1, 0] + list(range(2, cute.rank(tensor)))
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=modes))
+
+def k_major_layout(dtype, rows, cols, stages, atom_cols):
+    """Row-major [rows, cols] tile(s), swizzle atom `atom_cols` wide, tiled rows first.
+
+    Read K-major it is an operand with K = cols; through `transpose_view` the same bytes are an
+    MN-major operand with MN = cols, K = rows (wgmma reads both)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols), dtype)
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    order = (0, 1) if stages is None else (0, 1, 2)
+    return cute.tile_to_shape(atom, shape, order=order)
+
+def mn_major_layout(dtype, rows, cols, stages):
+    """[rows, cols] tiles with rows contiguous: the MN-major A operand (M = rows, K = cols)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, rows), dtype)
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2))
+
+def fresh_atom(tiled_mma, accumulate):
+    """A new MMA atom per GEMM, so toggling ACCUMULATE never leaks across loop iterations."""
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    return atom
+
+def query_major_view(fragment):
+    """A thread's S^T accumulator (keys x queries) as a (query, key) matrix view.
+
+    wgmma's C fragment holds (2, 2, N/8) values: column pair, row half (+8), column chunk (+8), so the
+    query (column) coordinate varies over modes 0 and 2 and the key (row) coordinate over mode 1."""
+    chunks = cute.size(fragment, mode=[0, 2])
+    query_major = cute.make_layout(((2, chunks), 2), stride=((1, 4), 2))
+    return cute.make_tensor(fragment.iterator, cute.composition(fragment.layout, query_major))
+
+@cute.jit
+def gemm(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr):
+    """acc (+)= A B over the K blocks of the fragments, issued async (caller commits and waits)."""
+    atom = fresh_atom(tiled_mma, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+
+class Sm90BackwardKernel:
+    """Static configuration of one backward kernel; `__call__` is the host-side launcher."""
+
+    def __init__(self, dtype_name, head_dim, group, scale, causal, window_left, window_right,
+                 softcap, has_segment_ids, has_q_seq_lengths, has_kv_seq_lengths, has_q_start,
+                 q_total, deterministic):
+        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+        self.head_dim = head_dim
+        self.group = group
+        self.scale = scale
+        self.causal = causal
+        self.window_left = window_left
+        self.window_right = window_right
+        self.softcap = softcap
+        self.has_segment_ids = has_segment_ids
+        self.has_q_seq_lengths = has_q_seq_lengths
+        self.has_kv_seq_lengths = has_kv_seq_lengths
+        self.has_q_start = has_q_start
+        self.q_total = q_total
+        self.deterministic = deterministic
+        self.tile_m = TILE_M
+        self.tile_n = TILE_N
+        self.stages = STAGES
+        self.num_consumer_groups = 2
+        self.num_threads = WARP_GROUP * (1 + self.num_consumer_groups)
+        self.consumer_threads = WARP_GROUP * self.num_consumer_groups
+        self.producer_registers = 24
+        self.consumer_registers = 240
+        self.mask = masking.MaskShape(causal=causal, window_left=window_left,
+                                      window_right=window_right, has_q_lengths=has_q_seq_lengths,
+                                      has_segments=has_segment_ids)
+        self.scale_log2 = scale * LOG2_E
+
+    # -------------------------------------------------------------------------------- host side
+    def _tiled_mmas(self):
+        d = self.head_dim
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (one warp group per 64), N = query rows.
+        mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1), (64, self.tile_m))
+        # dV += P^T dO, dK += dS^T Q: A = P^T / dS^T from registers, B = dO / Q read MN-major.
+        mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, d),
+            warpgroup.OperandSource.RMEM)
+        # dQ = dS K: A = dS (query rows contiguous), B = K read MN-major; warp groups split D.
+        mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, d // 2))
+        return mma_sdp, mma_dkv, mma_dq
+
+    def _smem_layouts(self):
+        d = self.head_dim
+        q_layout = k_major_layout(self.dtype, self.tile_m, d, self.stages, min(64, d))
+        # K is read MN-major by dQ with N = D / 2 per warp group: its swizzle atom must fit that.
+        k_layout = k_major_layout(self.dtype, self.tile_n, d, None, min(64, d // 2))
+        v_layout = k_major_layout(self.dtype, self.tile_n, d, None, min(64, d))
+        ds_layout = mn_major_layout(self.dtype, self.tile_m, self.tile_n, 2)
+        return q_layout, k_layout, v_layout, ds_layout
+
+    @cute.jit
+    def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
+                 mQStart, mdQacc, mSem, mdK, mdV):
+        # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
+        qkv_order = [1, 3, 2, 0]
+        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=qkv_order))
+            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+        # Row statistics [B, H, S_pad] -> (S_pad, H, B).
+        mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                        for t in (mLSE, mdPsum)]
+
+        mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
+        q_layout, k_layout, v_layout, ds_layout = self._smem_layouts()
+        q_stage_layout = cute.select(q_layout, mode=[0, 1])
+
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, q_stage_layout, (self.tile_m, self.head_dim))
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mdO, q_stage_layout, (self.tile_m, self.head_dim))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, k_layout, (self.tile_n, self.head_dim))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mV, v_layout, (self.tile_n, self.head_dim))
+        self.query_block_bytes = 2 * cute.size_in_bytes(self.dtype, q_stage_layout)
+        self.key_block_bytes = (cute.size_in_bytes(self.dtype, k_layout)
+                                + cute.size_in_bytes(self.dtype, v_layout))
+
+        align = 1024
+
+        @cute.struct
+        class SharedStorage:
+            query_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            key_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], align]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], align]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], align]
+
+        self.shared_storage = SharedStorage
+        num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
+        grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
+        self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
+                    tma_v, tma_mV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mdQacc,
+                    mSem, mdK, mdV, mQ.shape[0], q_layout, k_layout, v_layout, ds_layout).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
+               mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mdQacc, mSem, mdK, mdV,
+               q_len_static, q_layout, k_layout, v_layout, ds_layout):
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv_head, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group = cute.arch.make_warp_uniform(tidx // WARP_GROUP)
+
+        smem = cutlass_utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
+
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                              self.consumer_threads // 32)
+        query_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.query_barriers.data_ptr(), num_stages=self.stages,
+            producer_group=producer, consumer_group=consumers,
+            tx_count=self.query_block_bytes, defer_sync=True)
+        key_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.key_barriers.data_ptr(), num_stages=1,
+            producer_group=producer, consumer_group=consumers,
+            tx_count=self.key_block_bytes, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # Per-batch geometry in the forward kernel's terms: global row = local row + q_start, and
+        # global row i sits at key position i + offset.
+        kv_len = cute.size(mK, mode=[0])
+        if const_expr(self.has_kv_seq_lengths):
+            kv_len = cutlass.min(mKVLen[batch], kv_len)
+        q_len = q_len_static
+        if const_expr(self.has_q_seq_lengths):
+            q_len = cutlass.min(mQLen[batch], q_len_static)
+        aligned_q_len = q_len
+        if const_expr(self.q_total is not None):
+            aligned_q_len = Int32(self.q_total)
+        offset = kv_len - aligned_q_len
+        q_start = Int32(0)
+        if const_expr(self.has_q_start):
+            q_start = mQStart[0]
+        num_m_blocks = cute.ceil_div(q_len_static, self.tile_m)
+        m_lo, m_hi = masking.query_block_range(self.mask, n_block, self.tile_m, self.tile_n, kv_len,
+                                               offset + q_start, num_m_blocks)
+        m_count = m_hi - m_lo
+        iterations = m_count * self.group
+
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.producer_registers)
+            if warp_idx == 0:
+                self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
+                              query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
+                              iterations)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_registers)
+            self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, query_pipe, key_pipe,
+                          mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, mSem, mdK, mdV, tidx - WARP_GROUP,
+                          n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len,
+                          q_len, q_start)
+
+    @cute.jit
+    def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
+                 query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count, iterations):
+        tile_q = (self.tile_m, self.head_dim)
+        tile_k = (self.tile_n, self.head_dim)
+        gK = cute.local_tile(mK[None, None, kv_head, batch], tile_k, (n_block, 0))
+        gV = cute.local_tile(mV[None, None, kv_head, batch], tile_k, (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        key_pipe.producer_acquire(key_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
+
+        query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                   self.stages)
+        for it in cutlass.range(iterations, unroll=1):
+            q_head = kv_head * self.group + it // m_count
+            m_block = m_lo + it % m_count
+            gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
+            gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1),
+                                                 cute.group_modes(sdO, 0, 2),
+                                                 cute.group_modes(gdO, 0, 2))
+            query_pipe.producer_acquire(query_state)
+            barrier = query_pipe.producer_get_barrier(query_state)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, query_state.index],
+                      tma_bar_ptr=barrier)
+            cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, query_state.index],
+                      tma_bar_ptr=barrier)
+            query_state.advance()
+
+    @cute.jit
+    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, query_pipe, key_pipe,
+                 mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, mSem, mdK, mdV, tidx, n_block, kv_head,
+                 batch, m_lo, m_count, iterations, offset, kv_len, q_len, q_start):
+        d = self.head_dim
+        thr_sdp = mma_sdp.get_slice(tidx)
+        thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+
+        # Operand fragments (shared-memory descriptors, or registers for the RS operand).
+        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
+        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
+        tdPrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
+        tdPrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdO)))
+        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sQ)))
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
+        tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
+
+        shape_st = (self.tile_n, self.tile_m)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        # (query, key) coordinates of this thread's S^T elements, viewed (query, key) like the
+        # forward's scores so the shared mask code applies unchanged.
+        tScS = thr_sdp.partition_C(transpose_view(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        coords_qk = query_major_view(tScS)
+        key_base = n_block * self.tile_n
+
+        key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        key_pipe.consumer_wait(key_state)
+        query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                   self.stages)
+        ds_barrier = pipeline.NamedBarrier(barrier_id=DS_READY_BARRIER,
+                                           num_threads=self.consumer_threads)
+        for it in cutlass.range(iterations, unroll=1):
+            q_head = kv_head * self.group + it // m_count
+            m_block = m_lo + it % m_count
+            row_base = m_block * self.tile_m
+            stage = query_state.index
+            ds_stage = it % 2
+            query_pipe.consumer_wait(query_state)
+
+            # S^T = K Q^T, dP^T = V dO^T (two commit groups).
+            acc_s = cute.make_rmem_tensor(thr_sdp.partition_shape_C(shape_st), Float32)
+            acc_dp = cute.make_rmem_tensor(thr_sdp.partition_shape_C(shape_st), Float32)
+            warpgroup.fence()
+            gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], True)
+            warpgroup.commit_group()
+            gemm(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], True)
+            warpgroup.commit_group()
+
+            # LSE of this thread's query rows (the view's rows), loaded while the GEMMs run.
+            scores = query_major_view(acc_s)
+            rows = cute.size(scores, mode=[0])
+            lse = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+            for r in cutlass.range_constexpr(rows):
+                lse[r] = mLSE[row_base + coords_qk[r, 0][0], q_head, batch]
+
+            warpgroup.wait_group(1)
+            if const_expr(self.softcap is not None):
+                masking.apply_softcap(acc_s, self.softcap, self.scale)
+            row_start = q_start + row_base
+            if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
+                                        kv_len, q_len, offset):
+                q_segments = None
+                kv_segments = None
+                if const_expr(self.has_segment_ids):
+                    q_segments = mQSeg[batch, None]
+                    kv_segments = mKVSeg[batch, None]
+                masking.apply_mask(scores, coords_qk, self.mask, row_start, key_base, kv_len,
+                                   q_len, offset, row_base, q_segments, kv_segments)
+            logit_scale = self.scale_log2          # with softcap the scale is already applied
+            if const_expr(self.softcap is not None):
+                logit_scale = LOG2_E
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r],
+                                                  fastmath=True)
+            # dPsum only now: keeping it and the LSE live together would spill (dK, dV, S, dP
+            # already hold 192 registers at D = 128).
+            dpsum = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+            for r in cutlass.range_constexpr(rows):
+                dpsum[r] = mdPsum[row_base + coords_qk[r, 0][0], q_head, batch]
+
+            warpgroup.wait_group(0)
+            grads = query_major_view(acc_dp)
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    grad = scores[r, c] * (grads[r, c] - dpsum[r])
+                    if const_expr(self.softcap is not None):
+                        grad = grad * self._softcap_slope(scores[r, c], lse[r])
+                    grads[r, c] = grad
+
+            # P^T and dS^T as bf16/fp16 A operands (same register order as the accumulator).
+            frag_p = cute.make_rmem_tensor(thr_dkv.partition_shape_A(shape_st), self.dtype)
+            cute.make_tensor(frag_p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
+            frag_ds = cute.make_rmem_tensor(thr_dkv.partition_shape_A(shape_st), self.dtype)
+            ds_as_acc = cute.make_tensor(frag_ds.iterator, acc_dp.layout)
+            ds_as_acc.store(acc_dp.load().to(self.dtype))
+
+            warpgroup.fence()
+            gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
+            warpgroup.commit_group()
+            cute.autovec_copy(ds_as_acc, tdSsdS[None, None, None, ds_stage])
+            gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
+            warpgroup.commit_group()
+
+            # dS complete in shared memory (both warp groups) before dQ = dS K reads it.
+            cute.arch.fence_view_async_shared()
+            ds_barrier.arrive_and_wait()
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, d)), Float32)
+            gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            query_pipe.consumer_release(query_state)
+            query_state.advance()
+
+            gdQ = cute.local_tile(mdQacc[None, None, q_head, batch], (self.tile_m, d),
+                                  (m_block, 0))
+            tdQgdQ = thr_dq.partition_C(gdQ)
+            if const_expr(self.deterministic):
+                self._wait_turn(mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset,
+                                tidx)
+            for e in cutlass.range_constexpr(cute.size(acc_dq)):
+                cute.arch.red(tdQgdQ.iterator + cute.crd2idx(e, tdQgdQ.layout), acc_dq[e],
+                              op="add", dtype=Float32, sem="relaxed", scope="gpu")
+            if const_expr(self.deterministic):
+                self._pass_turn(mSem, batch, q_head, m_block, tidx)
+
+        self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
+
+    @cute.jit
+    def _softcap_slope(self, probability, lse_log2):
+        """1 - tanh^2 of the capped logit, recovered from P (cheaper than holding it in registers):
+        capped logit = (log2 P + LSE_log2) / log2 e = softcap * tanh. Zero where P is zero."""
+        t = (cute.math.log2(probability, fastmath=True) + lse_log2) * (1.0 / (self.softcap * LOG2_E))
+        slope = 1.0 - t * t
+        if probability == 0.0:
+            slope = Float32(0.0)
+        return slope
+
+    @cute.jit
+    def _wait_turn(self, mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset, tidx):
+        """Spin until every earlier key block has added its dQ share for this query block."""
+        first, _ = masking.key_block_range(self.mask, row_start, self.tile_m, self.tile_n, kv_len,
+                                           offset)
+        turn = n_block - first
+        if tidx == 0:
+            flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
+            seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            while seen != turn:
+                seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+        cute.arch.barrier(barrier_id=DQ_ORDER_BARRIER, number_of_threads=self.consumer_threads)
+
+    @cute.jit
+    def _pass_turn(self, mSem, batch, q_head, m_block, tidx):
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=DQ_ORDER_BARRIER, number_of_threads=self.consumer_threads)
+        if tidx == 0:
+            flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
+            cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+
+    @cute.jit
+    def _store_dkv(self, acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len):
+        tile = (self.tile_n, self.head_dim)
+        gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
+        gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
+        tdKgdK = thr_dkv.partition_C(gdK)
+        tdVgdV = thr_dkv.partition_C(gdV)
+        coords = thr_dkv.partition_C(cute.make_identity_tensor(tile))
+        key_base = n_block * self.tile_n
+        for e in cutlass.range_constexpr(cute.size(acc_dK)):
+            if key_base + coords[e][0] < cute.size(mdK, mode=[0]):
+                tdKgdK[e] = (acc_dK[e] * self.scale).to(self.dtype)
+                tdVgdV[e] = acc_dV[e].to(self.dtype)
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# JAX side: preprocess, the kernel call, postprocess
+# ----------------------------------------------------------------------------------------------------
+
+def _padded_rows(q_len):
+    return _ceil_div(q_len, TILE_M) * TILE_M
+
+
+def _preprocess(out, lse, d_out, d_lse):
+    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible)."""
+    batch, q_len, heads, _ = out.shape
+    pad = _padded_rows(q_len) - q_len
+    dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        dpsum = dpsum - d_lse.astype(jnp.float32)
+    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2_E).astype(jnp.float32)
+    dpsum = jnp.pad(dpsum, [(0, 0), (0, 0), (0, pad)])
+    lse_log2 = jnp.pad(lse_log2, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
+    return dpsum, lse_log2
+
+
+def _sinks_gradient(sinks, lse, dpsum_unpadded):
+    """dsink_h = -sum_{b,i} exp(sink_h - lse_{b,h,i}) * dPsum_{b,h,i}."""
+    p_sink = jnp.exp(sinks[None, :, None] - lse)
+    p_sink = jnp.where(jnp.isneginf(lse), 0.0, p_sink)
+    return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
+
+
+def _compile_key(config: AttentionConfig, dtype_name, head_dim, group):
+    return ("fa4_jax.sm90_backward", 1, dtype_name, head_dim, group, config.scale, config.causal,
+            config.window_left, config.window_right, config.softcap, config.has_segment_ids,
+            config.has_q_seq_lengths, config.has_kv_seq_lengths, config.has_q_start,
+            config.q_total, config.deterministic)
+
+
+def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int):
+    """The configured kernel object (its `__call__` is the cute.jit launcher)."""
+    return Sm90BackwardKernel(dtype_name, head_dim, group, config.scale, config.causal,
+                           config.window_left, config.window_right, config.softcap,
+                           config.has_segment_ids, config.has_q_seq_lengths,
+                           config.has_kv_seq_lengths, config.has_q_start, config.q_total,
+                           config.deterministic)
+
+
+def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
+    """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
+    reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    import cutlass.jax as cutlass_jax
+
+    batch, q_len, q_heads, head_dim = query.shape
+    _, kv_len, kv_heads, _ = key.shape
+    group = q_heads // kv_heads
+    dtype_name = jnp.dtype(query.dtype).name
+    d_out = d_out.astype(query.dtype)
+    dpsum, lse_log2 = _preprocess(out, lse, d_out, d_lse)
+    padded = _padded_rows(q_len)
+    dq_accum = jnp.zeros((batch, padded, q_heads, head_dim), jnp.float32)
+    semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32)
+                  if config.deterministic else None)
+
+    kernel = make_kernel(config, dtype_name, head_dim, group)
+    inputs = (query, key, value, d_out, lse_log2, dpsum,
+              optional.get("q_segment_ids"), optional.get("kv_segment_ids"),
+              optional.get("q_seq_lengths"), optional.get("kv_seq_lengths"),
+              optional.get("q_start"), dq_accum, semaphores)
+    aliases = {11: 0} if semaphores is None else {11: 0, 12: 1}
+    outputs = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32)]
+    if semaphores is not None:
+        outputs.append(jax.ShapeDtypeStruct(semaphores.shape, jnp.int32))
+    outputs += [jax.ShapeDtypeStruct(key.shape, query.dtype),
+                jax.ShapeDtypeStruct(value.shape, query.dtype)]
+
+    def launch(stream, *arrays):
+        return kernel(stream, *arrays)
+
+    results = cutlass_jax.cutlass_call(
+        launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
+        compile_key=_compile_key(config, dtype_name, head_dim, group))(*inputs)
+    dq_accum, d_key, d_value = results[0], results[-2], results[-1]
+    d_query = (dq_accum[:, :q_len] * config.scale).astype(query.dtype)
+    d_sinks = None
+    if config.has_sinks:
+        d_sinks = _sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
+    return d_query, d_key, d_value, d_sinks

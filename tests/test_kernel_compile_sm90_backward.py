@@ -1,0 +1,109 @@
+"""CPU-only: compile the Hopper backward kernel for sm_90a with fake tensors and inspect its PTX.
+
+The PTX must hold the instructions that make the design real: `wgmma.mma_async` (tensor cores),
+`cp.async.bulk.tensor` (TMA loads), `setmaxnreg` (producer/consumer register split) and the `red`
+reduction that adds dQ into global memory; and ptxas (when installed) must report no spills.
+Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_COMPILE = r"""
+import json, sys
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import sm90_backward
+
+spec = json.loads(sys.argv[1])
+config = AttentionConfig(**spec["config"])
+B, Sq, Sk, Hq, Hkv, D = spec["shape"]
+dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec["dtype"]]
+
+def fake(element, shape):
+    return make_fake_compact_tensor(element, shape, stride_order=tuple(range(len(shape)))[::-1],
+                                    assumed_align=16)
+
+padded = sm90_backward._padded_rows(Sq)
+i32, f32 = cutlass.Int32, cutlass.Float32
+arguments = [
+    fake(dtype, (B, Sq, Hq, D)), fake(dtype, (B, Sk, Hkv, D)), fake(dtype, (B, Sk, Hkv, D)),
+    fake(dtype, (B, Sq, Hq, D)), fake(f32, (B, Hq, padded)), fake(f32, (B, Hq, padded)),
+    fake(i32, (B, Sq)) if config.has_segment_ids else None,
+    fake(i32, (B, Sk)) if config.has_segment_ids else None,
+    fake(i32, (B,)) if config.has_q_seq_lengths else None,
+    fake(i32, (B,)) if config.has_kv_seq_lengths else None,
+    fake(i32, (1,)) if config.has_q_start else None,
+    fake(f32, (B, padded, Hq, D)),
+    fake(i32, (B, Hq, padded // sm90_backward.TILE_M)) if config.deterministic else None,
+    fake(dtype, (B, Sk, Hkv, D)), fake(dtype, (B, Sk, Hkv, D)),
+]
+kernel = sm90_backward.make_kernel(config, spec["dtype"], D, Hq // Hkv)
+cute.compile(kernel.__call__, make_fake_stream(), *arguments)
+"""
+
+CASES = {
+    "d128": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128]),
+    "d64-causal-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 300, 4, 4, 64],
+                            dtype="float16"),
+    "gqa-deterministic": dict(config=dict(scale=128 ** -0.5, causal=True, deterministic=True),
+                              shape=[2, 256, 512, 8, 2, 128]),
+    "softcap-window": dict(config=dict(scale=1.0, softcap=5.0, window_left=64, window_right=32),
+                           shape=[1, 200, 333, 4, 4, 128]),
+    "segments-lengths": dict(config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True,
+                                         has_kv_seq_lengths=True), shape=[2, 197, 333, 4, 4, 128]),
+    "sharded-query": dict(config=dict(scale=128 ** -0.5, causal=True, has_q_start=True, q_total=1024),
+                          shape=[1, 256, 1024, 4, 4, 128]),
+}
+
+
+def _compile_ptx(name, spec, directory):
+    spec = {"dtype": "bfloat16", **spec}
+    environment = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+                       CUTE_DSL_DUMP_DIR=str(directory),
+                       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{name}: compile failed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    files = glob.glob(os.path.join(str(directory), "*.ptx"))
+    assert len(files) == 1, f"{name}: expected one PTX file, found {files}"
+    with open(files[0]) as handle:
+        return files[0], handle.read()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
+    path, ptx = _compile_ptx(name, CASES[name], tmp_path)
+    assert ".target sm_90a" in ptx
+    # 5 GEMMs per query block: S^T, dP^T (K = D), dV, dK (K = 64 query rows), dQ (K = 128 keys).
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
+    assert re.search(r"red(\.[a-z]+)*\.global(\.[a-z0-9]+)*\.add\.f32", ptx), "no fp32 red.add for dQ"
+    if CASES[name]["config"].get("deterministic"):
+        assert re.search(r"ld(\.[a-z]+)*\.acquire", ptx), "no acquire load for the dQ ordering"
+        assert re.search(r"red\.release", ptx) or re.search(r"red(\.[a-z]+)*\.release", ptx)
+    assert ".local" not in ptx, "local memory in the PTX"
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return
+    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                            capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-2000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stderr)]
+    assert spills and max(spills) == 0, f"{name}: spills\n{report.stderr[-1500:]}"

@@ -1,0 +1,186 @@
+"""The Hopper backward kernel against the float64 NumPy oracle, on an H200 (skipped without a GPU).
+
+The kernel gets the oracle's own out and LSE (rounded to the kernel's types), so these tests do not
+depend on the forward kernel; one test goes through `jax.grad` of the public API as well. Device memory
+is poisoned with NaN before each run, so an element the kernel forgets to write shows up.
+
+Tolerance: the kernel rounds P and dS to bf16/fp16 before the tensor-core GEMMs (as every
+FlashAttention backward does), so its error is a few roundings of the inputs' type relative to the
+gradient's magnitude; we allow 2x the fa4_jax reference's error or 4 roundings, whichever is larger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+import numpy_reference
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import reference, sm90_backward
+
+pytestmark = pytest.mark.gpu
+
+ROUNDING = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    head_dim: int = 128
+    dtype: object = jnp.bfloat16
+    batch: int = 2
+    q_len: int = 197
+    kv_len: int = 333
+    q_heads: int = 4
+    kv_heads: int = 4
+    causal: bool = False
+    window: Optional[tuple] = None
+    softcap: Optional[float] = None
+    sinks: bool = False
+    segments: bool = False
+    q_lengths: bool = False
+    kv_lengths: bool = False
+    d_lse: bool = False
+    scale: Optional[float] = None
+
+
+CASES = [
+    Case("plain-aligned", q_len=256, kv_len=256),
+    *[Case(f"plain-d{d}", head_dim=d) for d in (64, 128)],
+    Case("fp16", dtype=jnp.float16),
+    *[Case(f"causal-d{d}", head_dim=d, causal=True, q_len=300, kv_len=300) for d in (64, 128)],
+    Case("causal-cross", causal=True, q_len=100, kv_len=357),
+    Case("causal-more-queries", causal=True, q_len=300, kv_len=150, head_dim=64),
+    Case("window", window=(32, 16), q_len=300, kv_len=300),
+    Case("window-causal-left", window=(70, None), causal=True, q_len=400, kv_len=400, head_dim=64),
+    Case("gqa", q_heads=8, kv_heads=2, causal=True),
+    Case("softcap", softcap=5.0, scale=1.0),
+    Case("sinks-dlse", sinks=True, d_lse=True),
+    Case("sinks-causal-empty-rows", sinks=True, causal=True, q_len=300, kv_len=150, head_dim=64),
+    Case("segments", segments=True, q_len=300, kv_len=300),
+    Case("lengths-causal", q_lengths=True, kv_lengths=True, causal=True),
+    Case("single-row", q_len=1, kv_len=77),
+]
+
+
+def _poison_device_memory(nbytes: int):
+    poison = jnp.full((nbytes // 4 + 1024,), jnp.nan, dtype=jnp.float32)
+    poison.block_until_ready()
+    del poison
+
+
+def _error(actual, expected) -> float:
+    actual = numpy_reference.to_float64(actual)
+    magnitude = max(np.max(np.abs(expected)), 1e-6)
+    return float(np.max(np.abs(actual - expected)) / magnitude)
+
+
+def _make_problem(case: Case, inputs):
+    shape_q = (case.batch, case.q_len, case.q_heads, case.head_dim)
+    shape_k = (case.batch, case.kv_len, case.kv_heads, case.head_dim)
+    query, key, value = (inputs.normal(shape_q, case.dtype), inputs.normal(shape_k, case.dtype),
+                         inputs.normal(shape_k, case.dtype))
+    d_out = inputs.normal(shape_q, case.dtype)
+    options, optional = dict(scale=case.scale, causal=case.causal, window=case.window,
+                             softcap=case.softcap), {}
+    if case.sinks:
+        optional["sinks"] = options["sinks"] = inputs.normal((case.q_heads,), jnp.float32, scale=2.0)
+    if case.segments:
+        ids = inputs.segment_ids(case.batch, case.q_len, segments=4)
+        options["segment_ids"] = ids
+        optional["q_segment_ids"] = optional["kv_segment_ids"] = ids
+    if case.q_lengths:
+        optional["q_seq_lengths"] = options["q_seq_lengths"] = inputs.lengths(case.batch, case.q_len)
+    if case.kv_lengths:
+        optional["kv_seq_lengths"] = options["kv_seq_lengths"] = inputs.lengths(case.batch, case.kv_len)
+    d_lse = inputs.normal((case.batch, case.q_heads, case.q_len), jnp.float32) if case.d_lse else None
+    config = AttentionConfig(
+        scale=case.scale if case.scale is not None else case.head_dim ** -0.5, causal=case.causal,
+        window_left=case.window[0] if case.window else None,
+        window_right=case.window[1] if case.window else None, softcap=case.softcap,
+        has_sinks=case.sinks, has_segment_ids=case.segments, has_q_seq_lengths=case.q_lengths,
+        has_kv_seq_lengths=case.kv_lengths)
+    return query, key, value, d_out, d_lse, options, optional, config
+
+
+def _numpy_options(options):
+    return {name: (np.asarray(value) if hasattr(value, "shape") else value)
+            for name, value in options.items()}
+
+
+def _oracle(query, key, value, d_out, d_lse, options):
+    as64 = numpy_reference.to_float64
+    numpy_options = _numpy_options(options)
+    out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), **numpy_options)
+    grads = numpy_reference.attention_backward(
+        as64(query), as64(key), as64(value), as64(d_out),
+        None if d_lse is None else np.asarray(d_lse, np.float64), **numpy_options)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_backward_matches_oracle(case: Case, inputs):
+    query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
+    out64, lse64, expected = _oracle(query, key, value, d_out, d_lse, options)
+    out = jnp.asarray(out64, jnp.float32).astype(case.dtype)
+    lse = jnp.asarray(lse64, jnp.float32)
+
+    reference_grads = reference.reference_backward(query, key, value, out, lse, d_out, d_lse,
+                                                   optional, config)
+    _poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
+    grads = jax.jit(lambda *a: sm90_backward.attention_backward(*a, optional, config))(
+        query, key, value, out, lse, d_out, d_lse)
+
+    rounding = ROUNDING[case.dtype]
+    for name, actual, from_reference in zip(("dq", "dk", "dv", "dsinks"), grads, reference_grads):
+        if expected[name] is None:
+            assert actual is None
+            continue
+        actual = np.asarray(jnp.asarray(actual, jnp.float32))
+        assert not np.any(np.isnan(actual)), f"{case.name} {name}: NaN"
+        tolerance = max(2 * _error(jnp.asarray(from_reference, jnp.float32), expected[name]),
+                        4 * rounding)
+        numpy_reference.assert_close(actual, expected[name], tolerance, f"{case.name} {name}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_is_bitwise_reproducible(causal, inputs):
+    """deterministic=True: ten runs give identical bits (many key blocks add into each dQ tile)."""
+    batch, length, heads, dim = 2, 1024, 4, 128
+    query, key, value, d_out = (inputs.normal((batch, length, heads, dim), jnp.bfloat16)
+                                for _ in range(4))
+    config = AttentionConfig(scale=dim ** -0.5, causal=causal, deterministic=True)
+    out, lse = reference.reference_forward(query, key, value, {}, config)
+    backward = jax.jit(lambda *a: sm90_backward.attention_backward(*a, None, {}, config)[:3])
+    first = [np.asarray(g.astype(jnp.float32)) for g in backward(query, key, value, out, lse, d_out)]
+    for _ in range(9):
+        again = backward(query, key, value, out, lse, d_out)
+        for a, b in zip(first, again):
+            assert np.array_equal(a, np.asarray(b.astype(jnp.float32)))
+    loose = jax.jit(lambda *a: sm90_backward.attention_backward(
+        *a, None, {}, config.replace(deterministic=False))[:3])(query, key, value, out, lse, d_out)
+    for a, b in zip(first, loose):
+        np.testing.assert_allclose(a, np.asarray(b.astype(jnp.float32)), atol=2e-2, rtol=2e-2)
+
+
+def test_grad_through_public_api(inputs):
+    """jax.grad of fa4_jax.attention(implementation='cute') reaches this kernel through the custom VJP."""
+    batch, length, heads, dim = 2, 256, 4, 128
+    query, key, value = (inputs.normal((batch, length, heads, dim), jnp.bfloat16) for _ in range(3))
+
+    def loss(q, k, v, implementation):
+        out = fa4_jax.attention(q, k, v, causal=True, implementation=implementation)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grads = jax.jit(jax.grad(lambda *a: loss(*a, "cute"), argnums=(0, 1, 2)))(query, key, value)
+    expected = jax.jit(jax.grad(lambda *a: loss(*a, "reference"), argnums=(0, 1, 2)))(query, key, value)
+    for name, actual, wanted in zip("qkv", grads, expected):
+        wanted = np.asarray(wanted.astype(jnp.float32), np.float64)
+        numpy_reference.assert_close(np.asarray(actual.astype(jnp.float32)), wanted, 4 * 2.0 ** -8,
+                                     f"d{name}")
