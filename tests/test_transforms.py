@@ -1,0 +1,301 @@
+"""`fa4_jax.attention` under JAX transformations: jit, grad, vmap (any in_axes), jacobian, vmap(grad),
+remat (with the residual names), scan, shard_map and jax.export; each checked against the oracle or
+against the same computation without the transformation."""
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+import fa4_jax
+import numpy_reference as oracle
+from fa4_jax.primitive import attention_fwd_p
+
+TOLERANCE = 1e-5  # float32 against the float64 oracle (see test_attention.py)
+
+# Options that exercise every operand kind (per-head sinks, per-batch ids and lengths) at once.
+OPTIONS = dict(causal=True, window=(9, None), softcap=3.0)
+
+
+def _small(inputs, batch=2, q_len=21, kv_len=26, q_heads=4, kv_heads=2, head_dim=16, value_dim=8):
+    query = inputs.normal((batch, q_len, q_heads, head_dim), scale=1.5)
+    key = inputs.normal((batch, kv_len, kv_heads, head_dim))
+    value = inputs.normal((batch, kv_len, kv_heads, value_dim))
+    sinks = inputs.normal((q_heads,))
+    return query, key, value, sinks
+
+
+def _oracle(query, key, value, sinks=None, **options):
+    out, lse = oracle.attention_forward(query, key, value, sinks=sinks, **options)
+    return out, lse
+
+
+def _loss(query, key, value, sinks, d_out, d_lse, **options):
+    """A scalar that reads both outputs, so gradients cover the out and the lse paths (with sinks
+    every lse is finite)."""
+    out, lse = fa4_jax.attention(query, key, value, sinks=sinks, return_lse=True, **options)
+    return jnp.sum(out * d_out) + jnp.sum(lse * d_lse)
+
+
+def _check_gradients(grads, query, key, value, sinks, d_out, d_lse, **options):
+    expected = oracle.attention_backward(query, key, value, d_out, d_lse, sinks=sinks, **options)
+    for name, grad in zip(("dq", "dk", "dv", "dsinks"), grads):
+        oracle.assert_close(grad, expected[name], TOLERANCE, name)
+
+
+def test_jit_equals_eager(inputs):
+    query, key, value, sinks = _small(inputs)
+    eager = fa4_jax.attention(query, key, value, sinks=sinks, return_lse=True, **OPTIONS)
+    jitted = jax.jit(lambda *a: fa4_jax.attention(*a[:3], sinks=a[3], return_lse=True, **OPTIONS))(
+        query, key, value, sinks)
+    for a, b in zip(eager, jitted):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    expected = _oracle(query, key, value, sinks, **OPTIONS)
+    oracle.assert_close(eager[0], expected[0], TOLERANCE, "out")
+    oracle.assert_close(eager[1], expected[1], TOLERANCE, "lse", floor=1.0)
+
+
+def test_grad(inputs):
+    query, key, value, sinks = _small(inputs)
+    d_out = inputs.normal((2, 21, 4, 8))
+    d_lse = inputs.normal((2, 4, 21))
+    grads = jax.jit(jax.grad(functools.partial(_loss, **OPTIONS), argnums=(0, 1, 2, 3)))(
+        query, key, value, sinks, d_out, d_lse)
+    _check_gradients(grads, query, key, value, sinks, d_out, d_lse, **OPTIONS)
+
+
+def _vmapped_case(inputs, name):
+    """Operands with a leading vmapped axis of size 3 on the operands named in `name`."""
+    size = 3
+    query, key, value, sinks = _small(inputs)
+    q_lengths = jnp.asarray([21, 15], jnp.int32)
+    kv_ids = inputs.segment_ids(2, 26)
+    q_ids = inputs.segment_ids(2, 21)
+    operands = dict(query=query, key=key, value=value, sinks=sinks, q_seq_lengths=q_lengths,
+                    q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    batched = {
+        "query": lambda: inputs.normal((size,) + query.shape, scale=1.5),
+        "key": lambda: inputs.normal((size,) + key.shape),
+        "value": lambda: inputs.normal((size,) + value.shape),
+        "sinks": lambda: inputs.normal((size,) + sinks.shape),
+        "q_seq_lengths": lambda: jnp.asarray([[21, 3], [0, 20], [10, 21]], jnp.int32),
+        "q_segment_ids": lambda: jnp.stack([inputs.segment_ids(2, 21) for _ in range(size)]),
+        "kv_segment_ids": lambda: jnp.stack([inputs.segment_ids(2, 26) for _ in range(size)]),
+    }
+    in_axes = {}
+    for operand in name.split("+"):
+        operands[operand] = batched[operand]()
+        in_axes[operand] = 0
+    return operands, in_axes, size
+
+
+def _attention_of(operands):
+    return fa4_jax.attention(
+        operands["query"], operands["key"], operands["value"], sinks=operands["sinks"],
+        segment_ids=(operands["q_segment_ids"], operands["kv_segment_ids"]),
+        q_seq_lengths=operands["q_seq_lengths"], return_lse=True, **OPTIONS)
+
+
+def _oracle_of(operands):
+    numpy_operands = {name: np.asarray(array) for name, array in operands.items()}
+    return _oracle(numpy_operands["query"], numpy_operands["key"], numpy_operands["value"],
+                   numpy_operands["sinks"],
+                   segment_ids=(numpy_operands["q_segment_ids"], numpy_operands["kv_segment_ids"]),
+                   q_seq_lengths=numpy_operands["q_seq_lengths"], **OPTIONS)
+
+
+# Which operands carry the vmapped axis: batch-like operands, per-head sinks, and mixtures (the
+# batching rule folds into batch, into heads, or maps element by element).
+VMAPPED = ["query", "key+value", "value", "sinks", "query+sinks", "q_seq_lengths", "kv_segment_ids",
+           "q_segment_ids+kv_segment_ids+q_seq_lengths", "query+key+value+sinks+q_seq_lengths"]
+
+
+@pytest.mark.parametrize("vmapped", VMAPPED)
+def test_vmap_partial_in_axes(inputs, vmapped):
+    operands, mapped, size = _vmapped_case(inputs, vmapped)
+    names = list(operands)
+    in_axes = [mapped.get(name) for name in names]
+    function = jax.jit(jax.vmap(lambda *arrays: _attention_of(dict(zip(names, arrays))), in_axes=in_axes))
+    out, lse = function(*operands.values())
+    for index in range(size):
+        sliced = {name: array[index] if name in mapped else array for name, array in operands.items()}
+        expected_out, expected_lse = _oracle_of(sliced)
+        oracle.assert_close(out[index], expected_out, TOLERANCE, f"out[{index}]")
+        oracle.assert_close(lse[index], expected_lse, TOLERANCE, f"lse[{index}]", floor=1.0)
+
+
+def test_vmap_over_a_non_leading_axis_and_out_axes(inputs):
+    """Key and value vmapped on their axis 1 (sequence comes after it); results stacked on axis 2."""
+    query, key, value, sinks = _small(inputs)
+    keys = inputs.normal((2, 3, 26, 2, 16))
+    values = inputs.normal((2, 3, 26, 2, 8))
+    function = jax.vmap(lambda k, v: fa4_jax.attention(query, k, v, sinks=sinks, **OPTIONS),
+                        in_axes=(1, 1), out_axes=2)
+    out = jax.jit(function)(keys, values)
+    assert out.shape == (2, 21, 3, 4, 8)
+    for index in range(3):
+        expected, _ = _oracle(query, keys[:, index], values[:, index], sinks, **OPTIONS)
+        oracle.assert_close(out[:, :, index], expected, TOLERANCE, f"out[{index}]")
+
+
+def test_nested_vmap(inputs):
+    query = inputs.normal((2, 3, 1, 21, 4, 16))
+    key = inputs.normal((3, 1, 26, 2, 16))
+    value = inputs.normal((3, 1, 26, 2, 8))
+    inner = jax.vmap(lambda q, k, v: fa4_jax.attention(q, k, v, causal=True), in_axes=(0, 0, 0))
+    out = jax.jit(jax.vmap(inner, in_axes=(0, None, None)))(query, key, value)
+    for outer in range(2):
+        for index in range(3):
+            expected, _ = _oracle(query[outer, index], key[index], value[index], causal=True)
+            oracle.assert_close(out[outer, index], expected, TOLERANCE, f"out[{outer}, {index}]")
+
+
+def test_jacobian(inputs):
+    """jax.jacobian (reverse mode: a custom_vjp has no forward mode) on a tiny problem, every entry."""
+    query, key, value, sinks = _small(inputs, batch=1, q_len=3, kv_len=4, q_heads=2, kv_heads=1, head_dim=4,
+                                      value_dim=3)
+    options = dict(causal=True, softcap=2.0)
+
+    def function(q, k, v, s):
+        return fa4_jax.attention(q, k, v, sinks=s, return_lse=True, **options)
+
+    jacobians = jax.jit(jax.jacobian(function, argnums=(0, 1, 2, 3)))(query, key, value, sinks)
+    out, lse = function(query, key, value, sinks)
+    for output_index, output in enumerate((out, lse)):
+        for position in np.ndindex(output.shape):
+            d_out = np.zeros(out.shape)
+            d_lse = np.zeros(lse.shape)
+            (d_out, d_lse)[output_index][position] = 1.0
+            expected = oracle.attention_backward(query, key, value, d_out, d_lse, sinks=sinks, **options)
+            for name, jacobian in zip(("dq", "dk", "dv", "dsinks"), jacobians[output_index]):
+                oracle.assert_close(jacobian[position], expected[name], TOLERANCE,
+                                    f"d {['out', 'lse'][output_index]}{list(position)} / {name}")
+
+
+def test_vmap_of_grad(inputs):
+    """Per-example gradients: every example's gradient equals the oracle's for that example alone."""
+    examples = 3
+    query = inputs.normal((examples, 1, 21, 4, 16), scale=1.5)
+    key = inputs.normal((examples, 1, 26, 2, 16))
+    value = inputs.normal((examples, 1, 26, 2, 8))
+    sinks = inputs.normal((4,))
+    d_out = inputs.normal((examples, 1, 21, 4, 8))
+    d_lse = inputs.normal((examples, 1, 4, 21))
+    per_example = jax.vmap(jax.grad(functools.partial(_loss, **OPTIONS), argnums=(0, 1, 2, 3)),
+                           in_axes=(0, 0, 0, None, 0, 0))
+    grads = jax.jit(per_example)(query, key, value, sinks, d_out, d_lse)
+    for index in range(examples):
+        _check_gradients([g[index] for g in grads], query[index], key[index], value[index], sinks,
+                         d_out[index], d_lse[index], **OPTIONS)
+
+
+def _count_forward_calls(jaxpr) -> int:
+    """How many times the attention forward primitive runs, looking inside every sub-jaxpr."""
+    count = 0
+    for equation in jaxpr.eqns:
+        if equation.primitive is attention_fwd_p:
+            count += 1
+        for sub_jaxpr in jax.extend.core.jaxprs_in_params(equation.params):
+            count += _count_forward_calls(sub_jaxpr)
+    return count
+
+
+@pytest.mark.parametrize("policy,forward_calls", [
+    (None, 2),  # plain jax.checkpoint saves nothing: the backward recomputes the forward
+    (jax.checkpoint_policies.nothing_saveable, 2),
+    (jax.checkpoint_policies.save_only_these_names(*fa4_jax.RESIDUAL_NAMES), 1),
+], ids=["default", "nothing-saveable", "save-residual-names"])
+def test_remat(inputs, policy, forward_calls):
+    query, key, value, sinks = _small(inputs)
+    d_out = inputs.normal((2, 21, 4, 8))
+    d_lse = inputs.normal((2, 4, 21))
+    loss = functools.partial(_loss, **OPTIONS)
+    remat_loss = jax.checkpoint(loss, policy=policy)
+    gradient = jax.grad(remat_loss, argnums=(0, 1, 2, 3))
+    grads = jax.jit(gradient)(query, key, value, sinks, d_out, d_lse)
+    _check_gradients(grads, query, key, value, sinks, d_out, d_lse, **OPTIONS)
+    jaxpr = jax.make_jaxpr(gradient)(query, key, value, sinks, d_out, d_lse).jaxpr
+    assert _count_forward_calls(jaxpr) == forward_calls
+
+
+def test_residual_names_are_public():
+    assert fa4_jax.RESIDUAL_NAMES == ("fa4_query", "fa4_key", "fa4_value", "fa4_out", "fa4_lse")
+
+
+def _layer(x, weights):
+    """A small pre-projection attention block on x [B, S, 4 * 8]: GQA with 4 query and 2 KV heads."""
+    batch, length, _ = x.shape
+    query = (x @ weights["query"]).reshape(batch, length, 4, 8)
+    key = (x @ weights["key"]).reshape(batch, length, 2, 8)
+    value = (x @ weights["value"]).reshape(batch, length, 2, 8)
+    out = fa4_jax.attention(query, key, value, causal=True, sinks=weights["sinks"])
+    return x + out.reshape(batch, length, 32) @ weights["out"]
+
+
+def test_scan_over_layers_equals_unrolled(inputs):
+    layers = 3
+    weights = {"query": inputs.normal((layers, 32, 32), scale=0.2), "key": inputs.normal((layers, 32, 16), scale=0.2),
+               "value": inputs.normal((layers, 32, 16), scale=0.2), "out": inputs.normal((layers, 32, 32), scale=0.2),
+               "sinks": inputs.normal((layers, 4))}
+    x = inputs.normal((2, 19, 32))
+
+    def scanned(weights, x):
+        y, _ = jax.lax.scan(lambda h, w: (_layer(h, w), None), x, weights)
+        return jnp.sum(y ** 2)
+
+    def unrolled(weights, x):
+        for index in range(layers):
+            x = _layer(x, jax.tree.map(lambda w: w[index], weights))
+        return jnp.sum(x ** 2)
+
+    scan_value, scan_grads = jax.jit(jax.value_and_grad(scanned))(weights, x)
+    loop_value, loop_grads = jax.jit(jax.value_and_grad(unrolled))(weights, x)
+    np.testing.assert_allclose(scan_value, loop_value, rtol=1e-5)
+    for name in weights:
+        oracle.assert_close(scan_grads[name], np.asarray(loop_grads[name]), TOLERANCE, name)
+
+
+def test_shard_map_with_grad(inputs):
+    """Each device runs attention and its backward on its batch shard inside shard_map."""
+    devices = np.array(jax.devices()[:4])
+    if devices.size < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py fakes 8 CPU devices)")
+    mesh = Mesh(devices, ("data",))
+    query, key, value, sinks = _small(inputs, batch=4)
+    d_out = inputs.normal((4, 21, 4, 8))
+    d_lse = inputs.normal((4, 4, 21))
+    loss = functools.partial(_loss, **OPTIONS)
+
+    def per_shard(q, k, v, s, d_o, d_l):
+        d_q, d_k, d_v, d_s = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, s, d_o, d_l)
+        return d_q, d_k, d_v, jax.lax.psum(d_s, "data")
+
+    data = PartitionSpec("data")
+    function = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(data, data, data, PartitionSpec(), data, data),
+                                     out_specs=(data, data, data, PartitionSpec())))
+    grads = function(query, key, value, sinks, d_out, d_lse)
+    _check_gradients(grads, query, key, value, sinks, d_out, d_lse, **OPTIONS)
+
+
+def test_export_round_trip(inputs):
+    """Serialize, deserialize and call (also its VJP) with the same results as the function itself."""
+    query, key, value, sinks = _small(inputs)
+    d_out = inputs.normal((2, 21, 4, 8))
+
+    def function(q, k, v, s):
+        return fa4_jax.attention(q, k, v, sinks=s, **OPTIONS)
+
+    exported = jax.export.export(jax.jit(function))(query, key, value, sinks)
+    restored = jax.export.deserialize(exported.serialize(vjp_order=1))
+    np.testing.assert_array_equal(np.asarray(restored.call(query, key, value, sinks)),
+                                  np.asarray(jax.jit(function)(query, key, value, sinks)))
+
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(restored.call(*a) * d_out), argnums=(0, 1, 2, 3)))(
+        query, key, value, sinks)
+    expected = oracle.attention_backward(query, key, value, d_out, sinks=sinks, **OPTIONS)
+    for name, grad in zip(("dq", "dk", "dv", "dsinks"), grads):
+        oracle.assert_close(grad, expected[name], TOLERANCE, name)
