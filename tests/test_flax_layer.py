@@ -224,3 +224,14 @@ def test_linen_decode_with_adapter(inputs):
                                      mutable=["cache"])
         cache = updated["cache"]
         assert_same(out, full[:, position:position + 1])
+
+
+def test_flax_swap_example(capsys):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "flax_swap.py"
+    spec = importlib.util.spec_from_file_location("flax_swap", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main()
+    assert "swapped 2 attention layers in place" in capsys.readouterr().out
