@@ -1,0 +1,230 @@
+"""Sharding on 8 fake CPU devices: batch and head splits must need no communication (the compiled HLO
+has no collective), and sequence splits of the keys or the queries must give the unsharded result."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import fa4_jax
+import numpy_reference as oracle
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8,
+                                reason="needs 8 devices (tests/conftest.py fakes them on the CPU)")
+
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+TOLERANCE = 1e-5  # float32; a sharded run differs from the unsharded one only in summation order
+
+
+def _mesh(shape, names) -> Mesh:
+    return Mesh(np.array(jax.devices()[:math.prod(shape)]).reshape(shape), names)
+
+
+def _collectives(compiled_text: str) -> list[str]:
+    return [line.strip() for line in compiled_text.splitlines()
+            if any(f" {name}" in line or f"{name}-start" in line for name in COLLECTIVES)]
+
+
+def _problem(inputs, batch, q_len, kv_len, q_heads, kv_heads, features):
+    """Operands (a dict, so each can get its own sharding) and the static options."""
+    head_dim, value_dim = 16, 8
+    operands = {
+        "query": inputs.normal((batch, q_len, q_heads, head_dim), scale=1.5),
+        "key": inputs.normal((batch, kv_len, kv_heads, head_dim)),
+        "value": inputs.normal((batch, kv_len, kv_heads, value_dim)),
+        "d_out": inputs.normal((batch, q_len, q_heads, value_dim)),
+        "d_lse": inputs.normal((batch, q_heads, q_len)),
+    }
+    options = {name: features[name] for name in ("causal", "window", "softcap") if name in features}
+    if features.get("sinks"):
+        operands["sinks"] = inputs.normal((q_heads,))
+    if features.get("segments"):
+        operands["q_segment_ids"] = inputs.segment_ids(batch, q_len, segments=4)
+        operands["kv_segment_ids"] = inputs.segment_ids(batch, kv_len, segments=4)
+    if features.get("lengths"):
+        operands["q_seq_lengths"] = inputs.lengths(batch, q_len, minimum=q_len // 2)
+        operands["kv_seq_lengths"] = inputs.lengths(batch, kv_len, minimum=kv_len // 2)
+    return operands, options
+
+
+def _attention(operands, options):
+    segment_ids = None
+    if "q_segment_ids" in operands:
+        segment_ids = (operands["q_segment_ids"], operands["kv_segment_ids"])
+    def function(query, key, value, sinks):
+        return fa4_jax.attention(query, key, value, sinks=sinks, segment_ids=segment_ids,
+                                 q_seq_lengths=operands.get("q_seq_lengths"),
+                                 kv_seq_lengths=operands.get("kv_seq_lengths"), return_lse=True, **options)
+    return function
+
+
+def _forward(operands, options):
+    return _attention(operands, options)(operands["query"], operands["key"], operands["value"],
+                                         operands.get("sinks"))
+
+
+def _gradients(operands, options):
+    """VJP with explicit cotangents (no loss reduction, which would itself need an all-reduce)."""
+    _, pullback = jax.vjp(_attention(operands, options), operands["query"], operands["key"], operands["value"],
+                          operands.get("sinks"))
+    return pullback((operands["d_out"], operands["d_lse"]))
+
+
+PASSES = {"forward": _forward, "gradient": _gradients}
+
+
+def _place(operands, mesh, specs):
+    """Each operand on the mesh with its PartitionSpec (replicated when not named)."""
+    return {name: jax.device_put(array, NamedSharding(mesh, specs.get(name, PartitionSpec())))
+            for name, array in operands.items()}
+
+
+def _run(pass_name, operands, options):
+    function = jax.jit(lambda operands: PASSES[pass_name](operands, options))
+    return function, function(operands)
+
+
+def _check_equal_to_unsharded(pass_name, sharded_results, operands, options):
+    single = jax.devices()[0]
+    unsharded = {name: jax.device_put(np.asarray(array), single) for name, array in operands.items()}
+    _, expected = _run(pass_name, unsharded, options)
+    for index, (actual, reference) in enumerate(zip(sharded_results, expected)):
+        if reference is None:
+            assert actual is None
+            continue
+        oracle.assert_close(actual, np.asarray(reference), TOLERANCE, f"{pass_name} result {index}", floor=1.0)
+
+
+def _check_against_oracle(operands, options, out, lse):
+    numpy = {name: np.asarray(array) for name, array in operands.items()}
+    expected_out, expected_lse = oracle.attention_forward(
+        numpy["query"], numpy["key"], numpy["value"], sinks=numpy.get("sinks"),
+        segment_ids=(numpy["q_segment_ids"], numpy["kv_segment_ids"]) if "q_segment_ids" in numpy else None,
+        q_seq_lengths=numpy.get("q_seq_lengths"), kv_seq_lengths=numpy.get("kv_seq_lengths"), **options)
+    oracle.assert_close(out, expected_out, TOLERANCE, "out")
+    oracle.assert_close(lse, expected_lse, TOLERANCE, "lse", floor=1.0)
+
+
+BATCH_HEAD_FEATURES = {
+    "plain": dict(),
+    "causal-window-softcap": dict(causal=True, window=(11, 3), softcap=3.0),
+    "segments-lengths": dict(causal=True, segments=True, lengths=True),
+}
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+@pytest.mark.parametrize("features", BATCH_HEAD_FEATURES.values(), ids=BATCH_HEAD_FEATURES.keys())
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["gqa", "mqa"])
+def test_batch_and_head_sharding_needs_no_collectives(inputs, pass_name, features, kv_heads):
+    mesh = _mesh((2, 4), ("batch", "heads"))
+    operands, options = _problem(inputs, batch=2, q_len=40, kv_len=56, q_heads=8, kv_heads=kv_heads,
+                                 features=features)
+    heads = "heads" if kv_heads % 4 == 0 else None  # a single KV head is replicated
+    specs = {"query": PartitionSpec("batch", None, "heads"), "d_out": PartitionSpec("batch", None, "heads"),
+             "key": PartitionSpec("batch", None, heads), "value": PartitionSpec("batch", None, heads),
+             "d_lse": PartitionSpec("batch", "heads"), "q_segment_ids": PartitionSpec("batch"),
+             "kv_segment_ids": PartitionSpec("batch"), "q_seq_lengths": PartitionSpec("batch"),
+             "kv_seq_lengths": PartitionSpec("batch")}
+    placed = _place(operands, mesh, specs)
+    function, results = _run(pass_name, placed, options)
+    collectives = _collectives(function.lower(placed).compile().as_text())
+    if pass_name == "gradient" and kv_heads == 1:
+        # The one KV head is shared by query heads on every head shard: its dK / dV are partial sums
+        # that must be all-reduced over the head axis; nothing else may communicate.
+        collectives = [line for line in collectives if "all-reduce" not in line]
+    assert not collectives, "batch/head sharded attention communicates:\n" + "\n".join(collectives[:10])
+    if pass_name == "forward":
+        out, lse = results
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("batch", None, "heads")), 4)
+        _check_against_oracle(operands, options, out, lse)
+    else:
+        assert results[0].sharding.is_equivalent_to(placed["query"].sharding, 4)
+    _check_equal_to_unsharded(pass_name, results, operands, options)
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+def test_sinks_with_batch_and_head_sharding(inputs, pass_name):
+    """The forward needs no communication; the backward only sums the [Hq] sink gradient over batch."""
+    mesh = _mesh((2, 4), ("batch", "heads"))
+    operands, options = _problem(inputs, batch=2, q_len=40, kv_len=40, q_heads=8, kv_heads=4,
+                                 features=dict(causal=True, sinks=True))
+    specs = {"query": PartitionSpec("batch", None, "heads"), "d_out": PartitionSpec("batch", None, "heads"),
+             "key": PartitionSpec("batch", None, "heads"), "value": PartitionSpec("batch", None, "heads"),
+             "d_lse": PartitionSpec("batch", "heads"), "sinks": PartitionSpec("heads")}
+    placed = _place(operands, mesh, specs)
+    function, results = _run(pass_name, placed, options)
+    collectives = _collectives(function.lower(placed).compile().as_text())
+    if pass_name == "forward":
+        assert not collectives, "\n".join(collectives[:10])
+    else:
+        # At most all-reduces of the sink gradient (8 heads over 4 shards: f32[2]).
+        unexpected = [line for line in collectives if "all-reduce" not in line or "f32[2]" not in line]
+        assert not unexpected, "\n".join(unexpected[:10])
+    _check_equal_to_unsharded(pass_name, results, operands, options)
+
+
+SEQUENCE_FEATURES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window=(13, 5)),
+    "causal-window-sinks": dict(causal=True, window=(20, None), sinks=True, softcap=3.0),
+    "segments": dict(segments=True),
+    "causal-segments-lengths": dict(causal=True, segments=True, lengths=True, sinks=True),
+}
+SHAPES = {"square": (64, 64), "q-shorter": (32, 96), "q-longer": (96, 32)}
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+@pytest.mark.parametrize("features", SEQUENCE_FEATURES.values(), ids=SEQUENCE_FEATURES.keys())
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_query_sequence_sharding_equals_unsharded(inputs, pass_name, features, shape):
+    """Query rows split over 4 devices: each shard must mask with global row positions."""
+    q_len, kv_len = shape
+    mesh = _mesh((4,), ("seq",))
+    operands, options = _problem(inputs, batch=2, q_len=q_len, kv_len=kv_len, q_heads=4, kv_heads=2,
+                                 features=features)
+    specs = {"query": PartitionSpec(None, "seq"), "d_out": PartitionSpec(None, "seq"),
+             "d_lse": PartitionSpec(None, None, "seq"), "q_segment_ids": PartitionSpec(None, "seq")}
+    placed = _place(operands, mesh, specs)
+    _, results = _run(pass_name, placed, options)
+    if pass_name == "forward":
+        _check_against_oracle(operands, options, *results)
+    _check_equal_to_unsharded(pass_name, results, operands, options)
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+@pytest.mark.parametrize("features", [SEQUENCE_FEATURES["plain"], SEQUENCE_FEATURES["causal-segments-lengths"],
+                                      SEQUENCE_FEATURES["causal-window-sinks"]],
+                         ids=["plain", "causal-segments-lengths", "causal-window-sinks"])
+def test_key_value_sequence_sharding_equals_unsharded(inputs, pass_name, features):
+    """Keys and values split over 8 devices: the result must not depend on it (XLA may gather)."""
+    mesh = _mesh((8,), ("seq",))
+    operands, options = _problem(inputs, batch=2, q_len=48, kv_len=64, q_heads=4, kv_heads=2,
+                                 features=features)
+    specs = {"key": PartitionSpec(None, "seq"), "value": PartitionSpec(None, "seq"),
+             "kv_segment_ids": PartitionSpec(None, "seq")}
+    placed = _place(operands, mesh, specs)
+    _, results = _run(pass_name, placed, options)
+    if pass_name == "forward":
+        _check_against_oracle(operands, options, *results)
+    _check_equal_to_unsharded(pass_name, results, operands, options)
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+def test_batch_and_both_sequences_sharded(inputs, pass_name):
+    """Batch on one mesh axis, query and key sequences on the other, causal with sinks and segments."""
+    mesh = _mesh((2, 4), ("batch", "seq"))
+    operands, options = _problem(inputs, batch=2, q_len=64, kv_len=80, q_heads=4, kv_heads=2,
+                                 features=dict(causal=True, sinks=True, segments=True, window=(30, 2)))
+    on_sequence = PartitionSpec("batch", "seq")
+    specs = {"query": on_sequence, "key": on_sequence, "value": on_sequence, "d_out": on_sequence,
+             "d_lse": PartitionSpec("batch", None, "seq"), "q_segment_ids": on_sequence,
+             "kv_segment_ids": on_sequence}
+    placed = _place(operands, mesh, specs)
+    _, results = _run(pass_name, placed, options)
+    if pass_name == "forward":
+        _check_against_oracle(operands, options, *results)
+    _check_equal_to_unsharded(pass_name, results, operands, options)
