@@ -235,3 +235,35 @@ def test_flax_swap_example(capsys):
     spec.loader.exec_module(example)
     example.main()
     assert "swapped 2 attention layers in place" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bfloat16_layer_on_gpu_matches_flax(inputs, head_dim):
+    """On the GPU the layer runs fa4_jax's kernels (where they take the call): training and decoding."""
+    heads, length = 4, 256
+    features = heads * head_dim
+    # No biases: the key bias's gradient is zero up to rounding, so it has no scale to compare against.
+    settings = dict(num_heads=heads, in_features=features, num_kv_heads=2, decode=False, use_bias=False,
+                    dtype=jnp.bfloat16)
+    theirs = nnx.MultiHeadAttention(**settings, rngs=nnx.Rngs(0))
+    ours = flax_layer.MultiHeadAttention(**settings, rngs=nnx.Rngs(1))
+    nnx.update(ours, nnx.state(theirs, nnx.Param))
+    x = inputs.normal((2, length, features), jnp.bfloat16)
+    cotangent = inputs.normal((2, length, features), jnp.bfloat16)
+
+    def relative_errors(mine, reference):
+        return [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                      / (float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-6))
+                for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(reference), strict=True)]
+
+    train_step = nnx.jit(lambda layer, x, c: loss_and_grads(layer, x, x, c, is_causal=True))
+    mine, reference = train_step(ours, x, cotangent), train_step(theirs, x, cotangent)
+    assert max(relative_errors(mine, reference)) < 3e-2
+
+    full = mine[0]
+    ours.init_cache((2, length, features), jnp.bfloat16)
+    step = nnx.jit(lambda layer, chunk: layer(chunk, decode=True, is_causal=True))
+    prompt = length - 4
+    decoded = [step(ours, x[:, :prompt])] + [step(ours, x[:, i:i + 1]) for i in range(prompt, length)]
+    assert max(relative_errors(jnp.concatenate(decoded, axis=1), full)) < 3e-2
