@@ -18,7 +18,6 @@ each block, and sums only once, in `finalize`.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import cutlass
@@ -32,58 +31,49 @@ LN_2 = math.log(2.0)
 
 
 class OnlineSoftmax:
-    """Running maxima and sums for `num_rows` rows held by this thread."""
+    """The static rules of the update; the state (per-row maximum and sum) lives in register tensors
+    owned by the caller (`new_state`), since the DSL threads plain local tensors through dynamic
+    loops and branches but not tensors stored on objects."""
 
-    def __init__(self, scale_log2, num_rows: int, threads_per_row: int = 4,
-                 rescale_threshold: float = 8.0, poly_exp2_every: int = 0):
+    def __init__(self, scale_log2, threads_per_row: int = 4, rescale_threshold: float = 8.0,
+                 poly_exp2_every: int = 0):
         self.scale_log2 = scale_log2
-        self.num_rows = num_rows
         self.threads_per_row = threads_per_row
         self.rescale_threshold = rescale_threshold
         self.poly_exp2_every = poly_exp2_every
-        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
-        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
-    # A softmax lives across the kernel's dynamic loops, so the DSL must be able to carry its
-    # register tensors through them as loop values.
-    def __extract_mlir_values__(self):
-        max_values = cutlass.extract_mlir_values(self.row_max)
-        self._max_value_count = len(max_values)
-        return max_values + cutlass.extract_mlir_values(self.row_sum)
+    @staticmethod
+    def new_state(num_rows: int):
+        """(row_max, row_sum) register tensors for `num_rows` rows; call `reset` before each tile."""
+        return cute.make_rmem_tensor(num_rows, Float32), cute.make_rmem_tensor(num_rows, Float32)
 
-    def __new_from_mlir_values__(self, values):
-        clone = copy.copy(self)
-        split = self._max_value_count
-        clone.row_max = cutlass.new_from_mlir_values(self.row_max, values[:split])
-        clone.row_sum = cutlass.new_from_mlir_values(self.row_sum, values[split:])
-        return clone
-
-    def reset(self):
-        self.row_max.fill(-Float32.inf)
-        self.row_sum.fill(0.0)
+    @staticmethod
+    def reset(row_max: cute.Tensor, row_sum: cute.Tensor):
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, scores_mn: cute.Tensor, row_scale: cute.Tensor):
+    def step(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor):
         """Turn one block of raw scores (rows, cols) into unnormalised probabilities, in place.
 
         Writes each row's O rescale factor into `row_scale` (1.0 when the maximum did not move).
         """
-        for r in cutlass.range_constexpr(self.num_rows):
+        for r in cutlass.range_constexpr(cute.size(row_max)):
             block_max = scores_mn[r, 0]
             for c in cutlass.range_constexpr(1, cute.size(scores_mn, mode=[1])):
                 block_max = cute.arch.fmax(block_max, scores_mn[r, c])
             block_max = cute.arch.warp_reduction_max(block_max, threads_in_group=self.threads_per_row)
-            old_max = self.row_max[r]
+            old_max = row_max[r]
             new_max = cute.arch.fmax(old_max, block_max)
             scale = Float32(1.0)
             # -inf - -inf is NaN: a row with nothing visible so far keeps max -inf and scale 1.
             if new_max != -Float32.inf:
                 if (new_max - old_max) * self.scale_log2 > self.rescale_threshold:
                     scale = cute.math.exp2((old_max - new_max) * self.scale_log2, fastmath=True)
-                    self.row_max[r] = new_max
-                    self.row_sum[r] = self.row_sum[r] * scale
+                    row_max[r] = new_max
+                    row_sum[r] = row_sum[r] * scale
             row_scale[r] = scale
-            kept_max = self.row_max[r]
+            kept_max = row_max[r]
             max_scaled = kept_max * self.scale_log2
             if kept_max == -Float32.inf:
                 max_scaled = Float32(0.0)
@@ -96,17 +86,18 @@ class OnlineSoftmax:
                     p = cute.math.exp2(x, fastmath=True)
                 scores_mn[r, c] = p
                 block_sum += p
-            self.row_sum[r] = self.row_sum[r] + block_sum
+            row_sum[r] = row_sum[r] + block_sum
 
     @cute.jit
-    def finalize(self, sink_logit, lse: cute.Tensor, output_scale: cute.Tensor):
+    def finalize(self, row_max: cute.Tensor, row_sum: cute.Tensor, sink_logit, lse: cute.Tensor,
+                 output_scale: cute.Tensor):
         """Per row: lse (natural log, -inf for a row that saw nothing) and the factor 1/l for O.
 
         sink_logit: None, or this tile's sink logit (one head per tile), added to the denominator only.
         """
-        for r in cutlass.range_constexpr(self.num_rows):
-            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=self.threads_per_row)
-            kept_max = self.row_max[r]
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=self.threads_per_row)
+            kept_max = row_max[r]
             max_scaled = kept_max * self.scale_log2
             if kept_max == -Float32.inf:
                 max_scaled = -Float32.inf

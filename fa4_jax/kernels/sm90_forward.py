@@ -43,7 +43,8 @@ TILE_M = 64 * NUM_CONSUMER_WARPGROUPS
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; the real count is passed in when a GPU is present.
-KERNEL_VERSION = 1  # bump when the generated code changes, so on-disk caches do not serve stale kernels
+SCHEDULER_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads)
+KERNEL_VERSION = 2  # bump when the generated code changes, so on-disk caches do not serve stale kernels
 
 # (key tile, pipeline stages) per head dim, sized to fit 227 KiB of shared memory and 240 registers.
 _TILE_N_AND_STAGES = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
@@ -68,6 +69,7 @@ class KernelOptions:
     sm_count: int
     rescale_threshold: float = 8.0
     poly_exp2_every: int = 0
+    pingpong: bool = True
 
     @property
     def tile_n(self) -> int:
@@ -139,6 +141,12 @@ def _warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, 
     warpgroup.commit_group()
 
 
+def _advanced(state):
+    """state.advance(), rebound by the caller: the DSL threads only rebound names out of a dynamic if."""
+    state.advance()
+    return state
+
+
 class Sm90ForwardKernel:
     """Warp-specialised TMA + wgmma attention forward for one static configuration."""
 
@@ -153,9 +161,13 @@ class Sm90ForwardKernel:
         self.mask = options.mask
         self.threads = THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
         self.consumer_threads = THREADS_PER_WARPGROUP * NUM_CONSUMER_WARPGROUPS
+        self.pingpong = options.pingpong and options.head_dim <= 128
         # With a softcap the logits are capped before the softmax, so the exp2 scale is just log2(e).
         logit_scale = 1.0 if options.softcap is not None else options.scale
         self.scale_log2 = logit_scale * online_softmax.LOG2_E
+        self.softmax = online_softmax.OnlineSoftmax(
+            self.scale_log2, rescale_threshold=options.rescale_threshold,
+            poly_exp2_every=options.poly_exp2_every)
 
     # ----------------------------------------------------------------------------------------------
     # Host side: layouts, TMA atoms, shared storage, launch.
@@ -301,7 +313,9 @@ class Sm90ForwardKernel:
                 q_start: Optional[cute.Tensor], num_m_blocks: Int32, num_tiles: Int32):
         """Producer warp: TMA loads of Q once per tile and of the visible K/V blocks, last first."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        # K and V of one key block share a stage index; V runs one block behind K within a tile.
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile = cute.arch.block_idx()[0]
         while tile < num_tiles:
             m_block, head, batch_index = tile_scheduler.tile_coordinates(
@@ -322,16 +336,27 @@ class Sm90ForwardKernel:
 
             pipeline_q.producer_acquire(q_state)
             cute.copy(tma_q, t_q_gmem, t_q_smem, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            q_state.advance()
-            for i in cutlass.range(end - first, unroll=1):
-                n_block = end - 1 - i
+            q_state = _advanced(q_state)
+            # Order of use by the overlapped consumers: K_last, then (K_j, V_{j+1}) pairs, then V_first.
+            num_blocks = end - first
+            if num_blocks > 0:
                 pipeline_k.producer_acquire(kv_state)
-                cute.copy(tma_k, t_k_gmem[None, n_block], t_k_smem[None, kv_state.index],
+                cute.copy(tma_k, t_k_gmem[None, end - 1], t_k_smem[None, kv_state.index],
                           tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-                pipeline_v.producer_acquire(kv_state)
-                cute.copy(tma_v, t_v_gmem[None, n_block], t_v_smem[None, kv_state.index],
-                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-                kv_state.advance()
+                kv_state = _advanced(kv_state)
+                for i in cutlass.range(1, num_blocks, unroll=1):
+                    pipeline_k.producer_acquire(kv_state)
+                    cute.copy(tma_k, t_k_gmem[None, end - 1 - i], t_k_smem[None, kv_state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                    pipeline_v.producer_acquire(v_state)
+                    cute.copy(tma_v, t_v_gmem[None, end - i], t_v_smem[None, v_state.index],
+                              tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                    v_state = _advanced(v_state)
+                    kv_state = _advanced(kv_state)
+                pipeline_v.producer_acquire(v_state)
+                cute.copy(tma_v, t_v_gmem[None, first], t_v_smem[None, v_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                v_state = _advanced(v_state)
             tile += cute.arch.grid_dim()[0]
 
     @cute.jit
@@ -368,15 +393,15 @@ class Sm90ForwardKernel:
             cute.make_identity_tensor((self.tile_m, self.v_head_dim))))
         acc_o_mn = _accumulator_mn(acc_o)
         num_rows = cute.size(acc_o_mn, mode=[0])
-        softmax = online_softmax.OnlineSoftmax(
-            self.scale_log2, num_rows, rescale_threshold=self.options.rescale_threshold,
-            poly_exp2_every=self.options.poly_exp2_every)
+        row_max, row_sum = online_softmax.OnlineSoftmax.new_state(num_rows)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         output_scale = cute.make_rmem_tensor(num_rows, Float32)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        self.scheduler_start(warpgroup_index)
         tile = cute.arch.block_idx()[0]
         while tile < num_tiles:
             m_block, head, batch_index = tile_scheduler.tile_coordinates(
@@ -389,43 +414,95 @@ class Sm90ForwardKernel:
                 q_segments = m_q_segments[None, batch_index]
                 kv_segments = m_kv_segments[None, batch_index]
 
-            softmax.reset()
+            online_softmax.OnlineSoftmax.reset(row_max, row_sum)
             acc_o.fill(0.0)
             pipeline_q.consumer_wait(q_state)
-            for i in cutlass.range(end - first, unroll=1):
-                n_block = end - 1 - i
+            num_blocks = end - first
+            if num_blocks > 0:
+                # First block: S = Q K^T alone, then its probabilities become the P of the next step.
                 acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
                 pipeline_k.consumer_wait(kv_state)
                 _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, kv_state.index], True)
                 warpgroup.wait_group(0)
                 pipeline_k.consumer_release(kv_state)
-
-                if cutlass.const_expr(self.options.softcap is not None):
-                    masking.apply_softcap(acc_s, self.options.softcap, self.options.scale)
-                acc_s_mn = _accumulator_mn(acc_s)
-                if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
-                                            kv_len, q_len, offset):
-                    masking.apply_mask(acc_s_mn, coords_s, self.mask, row_start, n_block * self.tile_n,
-                                       kv_len, q_len, offset, m_block * self.tile_m, q_segments, kv_segments)
-                softmax.step(acc_s_mn, row_scale)
-                online_softmax.rescale_rows(acc_o_mn, row_scale, self.options.rescale_threshold > 0)
+                self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1, row_start, kv_len,
+                                             q_len, offset, m_block * self.tile_m, q_segments, kv_segments)
                 frag_p.store(_accumulator_as_operand_a(acc_s).load().to(self.dtype))
-
-                pipeline_v.consumer_wait(kv_state)
-                _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, kv_state.index], False)
+                kv_state = _advanced(kv_state)
+                # Steady state: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are in flight together; the
+                # softmax of S_j runs while P V still computes (intra-warpgroup overlap), and the
+                # scheduler barrier hands the tensor cores to the other warpgroup meanwhile.
+                for i in cutlass.range(1, num_blocks, unroll=1):
+                    acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
+                    pipeline_k.consumer_wait(kv_state)
+                    self.scheduler_wait(warpgroup_index)
+                    _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, kv_state.index], True)
+                    pipeline_v.consumer_wait(v_state)
+                    _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
+                    self.scheduler_signal(warpgroup_index)
+                    warpgroup.wait_group(1)
+                    pipeline_k.consumer_release(kv_state)
+                    self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1 - i, row_start,
+                                                 kv_len, q_len, offset, m_block * self.tile_m, q_segments,
+                                                 kv_segments)
+                    warpgroup.wait_group(0)
+                    pipeline_v.consumer_release(v_state)
+                    online_softmax.rescale_rows(acc_o_mn, row_scale, self.options.rescale_threshold > 0)
+                    frag_p.store(_accumulator_as_operand_a(acc_s).load().to(self.dtype))
+                    v_state = _advanced(v_state)
+                    kv_state = _advanced(kv_state)
+                pipeline_v.consumer_wait(v_state)
+                _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
                 warpgroup.wait_group(0)
-                pipeline_v.consumer_release(kv_state)
-                kv_state.advance()
+                pipeline_v.consumer_release(v_state)
+                v_state = _advanced(v_state)
             pipeline_q.consumer_release(q_state)
-            q_state.advance()
+            q_state = _advanced(q_state)
 
             sink_logit = None
             if cutlass.const_expr(sinks is not None):
                 sink_logit = Float32(sinks[head])
-            softmax.finalize(sink_logit, lse_rows, output_scale)
+            self.softmax.finalize(row_max, row_sum, sink_logit, lse_rows, output_scale)
             online_softmax.rescale_rows(acc_o_mn, output_scale, False)
             self.store_tile(acc_o, coords_o, lse_rows, m_o, m_lse, thread_mma_pv, m_block, head, batch_index)
             tile += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def scores_to_probabilities(self, acc_s: cute.Tensor, row_max: cute.Tensor,
+                                row_sum: cute.Tensor, row_scale: cute.Tensor,
+                                coords_s: cute.Tensor, n_block: Int32, row_start: Int32, kv_len: Int32,
+                                q_len: Int32, offset: Int32, local_row_start: Int32,
+                                q_segments: Optional[cute.Tensor], kv_segments: Optional[cute.Tensor]):
+        """Softcap, mask (partial blocks only) and online softmax of one S block, in place."""
+        if cutlass.const_expr(self.options.softcap is not None):
+            masking.apply_softcap(acc_s, self.options.softcap, self.options.scale)
+        acc_s_mn = _accumulator_mn(acc_s)
+        if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
+                                    kv_len, q_len, offset):
+            masking.apply_mask(acc_s_mn, coords_s, self.mask, row_start, n_block * self.tile_n,
+                               kv_len, q_len, offset, local_row_start, q_segments, kv_segments)
+        self.softmax.step(acc_s_mn, row_max, row_sum, row_scale)
+
+    # Ping-pong between the two consumer warpgroups (named barriers 1 and 2, 256 threads each):
+    # a warpgroup waits on its own barrier before issuing its GEMMs and then releases the other's,
+    # so one warpgroup's softmax runs while the other's GEMMs own the tensor cores.
+    @cute.jit
+    def scheduler_start(self, warpgroup_index: Int32):
+        if cutlass.const_expr(self.pingpong):
+            if warpgroup_index == 0:
+                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=self.consumer_threads)
+
+    @cute.jit
+    def scheduler_wait(self, warpgroup_index: Int32):
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + warpgroup_index,
+                              number_of_threads=self.consumer_threads)
+
+    @cute.jit
+    def scheduler_signal(self, warpgroup_index: Int32):
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 1 - warpgroup_index,
+                                     number_of_threads=self.consumer_threads)
 
     @cute.jit
     def store_tile(self, acc_o: cute.Tensor, coords_o: cute.Tensor, lse_rows: cute.Tensor,
