@@ -33,19 +33,23 @@ tests/test_kernel_compile_sm100.py), not run.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import functools
 from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import jax
+import jax.numpy as jnp
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.jax import cutlass_call
 
+from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import masking, online_softmax, tile_scheduler
 
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
@@ -53,6 +57,7 @@ TMEM_COLUMNS = 512
 THREADS_PER_WARP = 32
 ROWS_PER_TILE = 128
 DEFAULT_SM_COUNT = 148  # B200; the real count is passed in when a GPU is present.
+KERNEL_VERSION = 1  # bump when the generated code changes, so on-disk caches do not serve stale kernels
 SMEM_TILE_BUDGET = 220 * 1024  # Q, O and K/V tiles; the rest of the 227 KiB holds barriers and stats
 MAX_KV_STAGES = 8
 
@@ -121,6 +126,14 @@ class Sm100ForwardKernel:
         # With a softcap the logits are capped before the softmax, so the exp2 scale is just log2(e).
         logit_scale = 1.0 if options.softcap is not None else options.scale
         self.scale_log2 = logit_scale * online_softmax.LOG2_E
+        # One row per thread, so no cross-lane reductions.
+        self.softmax = online_softmax.OnlineSoftmax(
+            self.scale_log2, threads_per_row=1, rescale_threshold=options.rescale_threshold,
+            poly_exp2_every=options.poly_exp2_every)
+        # Masked scores are -inf, which only MUFU.EX2 takes; partial blocks are few, so they skip
+        # the FMA-pipe exp2 (as FA4 does).
+        self.softmax_on_mufu = online_softmax.OnlineSoftmax(
+            self.scale_log2, threads_per_row=1, rescale_threshold=options.rescale_threshold)
 
         self.q_stage, self.n_block = _tile_shape(head_dim)
         self.cta_rows = self.q_stage * ROWS_PER_TILE
@@ -135,7 +148,8 @@ class Sm100ForwardKernel:
         element_bytes = self.dtype.width // 8
         q_bytes = self.q_stage * ROWS_PER_TILE * head_dim * element_bytes
         kv_tile_bytes = self.n_block * head_dim * element_bytes
-        self.epi_stage = self.q_stage if head_dim <= 128 else 1
+        # Double-buffer the O staging tile only where that still leaves 3+ K/V stages (d = 64).
+        self.epi_stage = self.q_stage if head_dim <= 64 else 1
         o_bytes = self.epi_stage * ROWS_PER_TILE * head_dim * element_bytes
         self.kv_stage = min(MAX_KV_STAGES, (SMEM_TILE_BUDGET - q_bytes - o_bytes) // kv_tile_bytes)
         assert self.kv_stage >= 2, (head_dim, self.kv_stage)
@@ -363,19 +377,15 @@ class Sm100ForwardKernel:
                           s_full, p_ready, o_full, problem, optional)
         if warp_idx == self.mma_warp_id + 3:
             cute.arch.setmaxregister_decrease(self.registers_other)
-        softmax_args = (qk_thr_mma, row_scale, row_stats, s_full, p_ready, stats_ready, stats_final,
-                        problem, optional)
-        if warp_idx < self.softmax_warp_ids[1][0]:
-            cute.arch.setmaxregister_increase(self.registers_softmax)
-            self.tmem_ready_barrier.arrive_and_wait()
-            tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_address)
-            self.softmax_role(0, tmem, *softmax_args)
-        if warp_idx >= self.softmax_warp_ids[1][0] and warp_idx < self.correction_warp_ids[0]:
-            if const_expr(self.q_stage == 2):
+        if warp_idx < self.correction_warp_ids[0]:
+            # Both softmax warpgroups run one copy of the code; the stage only moves addresses.
+            stage = warp_idx // len(self.softmax_warp_ids[0])
+            if stage < self.q_stage:
                 cute.arch.setmaxregister_increase(self.registers_softmax)
                 self.tmem_ready_barrier.arrive_and_wait()
                 tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_address)
-                self.softmax_role(1, tmem, *softmax_args)
+                self.softmax_role(stage, tmem, qk_thr_mma, row_scale, row_stats, s_full, p_ready,
+                                  stats_ready, stats_final, problem, optional)
             else:
                 cute.arch.setmaxregister_decrease(self.registers_other)
                 self.tmem_ready_barrier.arrive_and_wait()
@@ -512,7 +522,9 @@ class Sm100ForwardKernel:
         # A fresh atom per call: its ACCUMULATE field is per-call state, which must not leak into
         # the other roles' (shared) tiled MMA objects.
         atom = cute.make_mma_atom(tiled_mma.op)
-        for k_block in cutlass.range_constexpr(cute.size(a, mode=[2])):
+        # A rolled loop: unrolled, the hoisted shared-memory descriptors of all k-blocks and both
+        # query tiles outgrow the MMA warp's register budget.
+        for k_block in cutlass.range(cute.size(a, mode=[2]), unroll=1):
             atom.set(tcgen05.Field.ACCUMULATE, accumulate or k_block != 0)
             cute.gemm(atom, accumulator, a[None, None, k_block], b[None, None, k_block],
                       accumulator)
@@ -573,14 +585,14 @@ class Sm100ForwardKernel:
     # Softmax warpgroups: S (TMEM) -> registers -> mask, online softmax -> P (TMEM), a row per thread
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def softmax_role(self, stage: cutlass.Constexpr, tmem, qk_thr_mma, row_scale, row_stats, s_full, p_ready,
+    def softmax_role(self, stage: Int32, tmem, qk_thr_mma, row_scale, row_stats, s_full, p_ready,
                      stats_ready, stats_final, problem, optional):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
         mSinks, mQSegmentIds, mKVSegmentIds = optional[0], optional[1], optional[2]
         row = cute.arch.thread_idx()[0] % ROWS_PER_TILE
         s_layout = qk_thr_mma.make_fragment_C(
             qk_thr_mma.partition_shape_C(self.qk_mma_tiler[:2])).layout
-        tStS = cute.make_tensor(tmem + self.tmem_s_offset[stage], s_layout)
+        tStS = cute.make_tensor(tmem + stage * self.n_block, s_layout)
         tScS = qk_thr_mma.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2]))
         tiled_load = tcgen05.make_tmem_copy(cute.make_copy_atom(
             tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32), tStS)
@@ -594,7 +606,7 @@ class Sm100ForwardKernel:
         # P: the row's n_block 16-bit values packed into n_block / 2 32-bit columns over S's second
         # half, which the softmax has already read.
         p_columns = self.n_block // 2
-        tStP = cute.make_tensor(tmem + self.tmem_p_offset[stage], cute.composition(
+        tStP = cute.make_tensor(tmem + stage * self.n_block + self.n_block // 2, cute.composition(
             s_layout, cute.make_layout((ROWS_PER_TILE, p_columns))))
         tScP = cute.make_tensor(tScS.iterator, cute.composition(
             tScS.layout, cute.make_layout((ROWS_PER_TILE, p_columns))))
@@ -604,9 +616,7 @@ class Sm100ForwardKernel:
         tSTtP = thr_store.partition_D(tStP)
         tSTcP = thr_store.partition_S(tScP)
 
-        softmax = online_softmax.OnlineSoftmax(
-            self.scale_log2, 1, threads_per_row=1, rescale_threshold=self.options.rescale_threshold,
-            poly_exp2_every=self.options.poly_exp2_every)
+        row_max, row_sum = online_softmax.OnlineSoftmax.new_state(1)
         scale_rows = cute.make_rmem_tensor(1, Float32)
         lse_rows = cute.make_rmem_tensor(1, Float32)
         output_scale = cute.make_rmem_tensor(1, Float32)
@@ -624,7 +634,7 @@ class Sm100ForwardKernel:
             if const_expr(self.mask.has_segments):
                 q_segments = mQSegmentIds[batch_index, None]
                 kv_segments = mKVSegmentIds[batch_index, None]
-            softmax.reset()
+            online_softmax.OnlineSoftmax.reset(row_max, row_sum)
             for n_block in cutlass.range(n_min, n_max, unroll=1):
                 cute.arch.mbarrier_wait(s_full + stage, s_full_phase)
                 s_full_phase ^= 1
@@ -639,34 +649,29 @@ class Sm100ForwardKernel:
                     masking.apply_mask(scores_mn, coords_mn, self.mask, stage_row_start,
                                        n_block * self.n_block, kv_len, q_len, offset,
                                        local_row_start, q_segments, kv_segments)
-                    # Masked scores are -inf, which only MUFU.EX2 takes; partial blocks are few, so
-                    # they skip the FMA-pipe exp2 (as FA4 does).
-                    self.softmax_step_on_mufu(softmax, scores_mn, scale_rows)
+                    self.softmax_on_mufu.step(scores_mn, row_max, row_sum, scale_rows)
                 else:
-                    softmax.step(scores_mn, scale_rows)
+                    self.softmax.step(scores_mn, row_max, row_sum, scale_rows)
                 row_scale[row, stage] = scale_rows[0]
                 cute.arch.mbarrier_arrive(stats_ready + stage)
-                tSTrP = cute.make_rmem_tensor(tSTcP.shape, Float32)
-                tSTrP_narrow = cute.make_tensor(
-                    cute.recast_ptr(tSTrP.iterator, dtype=self.dtype), tLrS.layout)
-                tSTrP_narrow.store(tLrS.load().to(self.dtype))
-                cute.copy(tiled_store, tSTrP, tSTtP)
+                # Convert and store P a 32-score chunk at a time, so each chunk's fp32 registers
+                # die as soon as its packed half is in TMEM.
+                for k in cutlass.range_constexpr(cute.size(tLrS, mode=[1])):
+                    scores = tLrS[None, k, None, None]
+                    packed = cute.make_rmem_tensor(tSTcP[None, None, k].shape, Float32)
+                    cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype),
+                                     scores.layout).store(scores.load().to(self.dtype))
+                    cute.copy(tiled_store, packed, tSTtP[None, None, k])
                 cute.arch.fence_view_async_tmem_store()
                 cute.arch.mbarrier_arrive(p_ready + stage)
             sink_logit = None
             if const_expr(self.options.has_sinks):
                 sink_logit = Float32(mSinks[head])
-            softmax.finalize(sink_logit, lse_rows, output_scale)
+            self.softmax.finalize(row_max, row_sum, sink_logit, lse_rows, output_scale)
             row_stats[row, 0, stage] = output_scale[0]
             row_stats[row, 1, stage] = lse_rows[0]
             cute.arch.mbarrier_arrive(stats_final + stage)
             tile_index += cute.arch.grid_dim()[0]
-
-    @cute.jit
-    def softmax_step_on_mufu(self, softmax, scores_mn, scale_rows):
-        mufu_only = copy.copy(softmax)
-        mufu_only.poly_exp2_every = 0
-        mufu_only.step(scores_mn, scale_rows)
 
     # ------------------------------------------------------------------------------------------
     # Correction warpgroup: rescale O_i in TMEM when a row's max moved, then normalise O into smem
@@ -798,3 +803,89 @@ class Sm100ForwardKernel:
                 handle.release()
             tile_index += cute.arch.grid_dim()[0]
 
+
+# --------------------------------------------------------------------------------------------------
+# JAX entry points (called by fa4_jax/lowering/cuda.py on compute capability 10.x).
+
+_DTYPE_NAMES = ("bfloat16", "float16")
+
+
+def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
+    """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
+    dtype_name = getattr(dtype, "name", str(dtype))
+    if dtype_name not in _DTYPE_NAMES:
+        return f"the sm100 kernel takes bfloat16 or float16 inputs, not {dtype_name}"
+    batch, q_len, q_heads, head_dim = query_shape
+    _, kv_len, kv_heads, _ = key_shape
+    v_head_dim = value_shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"the sm100 kernel takes head dims {SUPPORTED_HEAD_DIMS}, not {head_dim}"
+    if v_head_dim != head_dim:
+        return (f"the sm100 kernel needs the value head dim ({v_head_dim}) to equal the query/key head dim "
+                f"({head_dim})")
+    if q_heads % kv_heads != 0:
+        return f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})"
+    if batch == 0 or q_len == 0 or kv_len == 0:
+        return "the sm100 kernel needs non-empty batch and sequence axes"
+    if config.has_q_start and (config.has_q_seq_lengths or config.has_kv_seq_lengths or config.has_segment_ids):
+        return ("the sm100 kernel does not combine a sequence-sharded query (q_start) with sequence lengths "
+                "or segment ids")
+    return None
+
+
+def _sm_count() -> int:
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+        return int(getattr(device, "core_count", DEFAULT_SM_COUNT))
+    except (RuntimeError, IndexError):
+        return DEFAULT_SM_COUNT
+
+
+def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape, dtype,
+                   sm_count: Optional[int] = None) -> KernelOptions:
+    """The static kernel configuration for one call (also what the compile test builds)."""
+    return KernelOptions(
+        dtype_name=getattr(dtype, "name", str(dtype)),
+        head_dim=query_shape[-1],
+        group=query_shape[2] // key_shape[2],
+        scale=float(config.scale),
+        mask=masking.MaskShape(
+            causal=config.causal, window_left=config.window_left, window_right=config.window_right,
+            has_q_lengths=config.has_q_seq_lengths, has_segments=config.has_segment_ids),
+        softcap=None if config.softcap is None else float(config.softcap),
+        has_sinks=config.has_sinks,
+        has_kv_lengths=config.has_kv_seq_lengths,
+        has_q_start=config.has_q_start,
+        q_total=config.q_total if config.has_q_start else None,
+        sm_count=_sm_count() if sm_count is None else sm_count,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(options: KernelOptions) -> Sm100ForwardKernel:
+    return Sm100ForwardKernel(options)
+
+
+def kernel_arguments(query, key, value, optional: dict):
+    """The positional inputs of `Sm100ForwardKernel.__call__` after the stream (absent ones None)."""
+    return (query, key, value, optional.get("sinks"), optional.get("q_segment_ids"),
+            optional.get("kv_segment_ids"), optional.get("q_seq_lengths"),
+            optional.get("kv_seq_lengths"), optional.get("q_start"))
+
+
+def attention_forward(query, key, value, optional: dict, config: AttentionConfig):
+    """(out [B, Sq, Hq, D] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit."""
+    return forward_with_options(query, key, value, optional, config)
+
+
+def forward_with_options(query, key, value, optional: dict, config: AttentionConfig, **overrides):
+    """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
+    options = dataclasses.replace(
+        kernel_options(config, query.shape, key.shape, value.shape, query.dtype), **overrides)
+    batch, q_len, q_heads, _ = query.shape
+    outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
+               jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
+    call = cutlass_call(
+        _kernel(options), output_shape_dtype=outputs,
+        compile_key=("fa4_jax.sm100_forward", KERNEL_VERSION, options))
+    return call(*kernel_arguments(query, key, value, optional))
