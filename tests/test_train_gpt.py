@@ -95,3 +95,28 @@ def test_mesh_flag(train_gpt):
     assert train_gpt.parse_mesh("data=2,model=2", 8) == {"data": 2, "model": 2}
     with pytest.raises(SystemExit):
         train_gpt.parse_mesh("data=4,model=4", 8)
+
+
+def test_compare_script_summary_and_plot(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "train_gpt_compare", EXAMPLE.parents[1] / "benchmarks" / "train_gpt_compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+
+    def run(name, attention, losses, step):
+        return {"name": name, "ok": True, "attention": attention, "fa4_implementation": "auto",
+                "loss": losses, "median_step_seconds": step, "tokens_per_second": 1000 / step,
+                "devices": {"kind": "cpu", "used": 1},
+                "config": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 32, "batch": 8,
+                           "dtype": "float32"}}
+
+    runs = [run("cudnn", "cudnn", [3.0, 2.0, 1.0], 0.2), run("fa4", "fa4", [3.0, 2.1, 1.0], 0.1),
+            {"name": "fa4_reference", "ok": False}]
+    numbers = compare.compare(runs)["fa4"]
+    assert numbers["step_time_ratio_vs_cudnn"] == pytest.approx(0.5)
+    assert numbers["max_abs_loss_difference"] == pytest.approx(0.1)
+    pytest.importorskip("matplotlib")
+    result = tmp_path / "summary.json"
+    result.write_text(json.dumps({"runs": runs}))
+    compare.main(["plot", str(result), "--png", str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").stat().st_size > 0
