@@ -1,0 +1,94 @@
+"""Unit tests of the building blocks shared by the sm90 and sm100 kernels, on the CPU.
+
+The block-grain mask functions and the tile scheduler are plain integer code that the kernels run on
+`cutlass.Int32`; here the same functions run on Python ints against the NumPy oracle's visibility
+matrix. The polynomial exp2 is checked through its float32 NumPy mirror. (The online softmax is DSL
+code only: its numerics, classic and lazy rescaling, with and without the polynomial, are tested on
+the H200 in tests/test_sm90_forward.py; its compilation in tests/test_kernel_compile_sm90.py.)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import numpy_reference
+from fa4_jax.kernels import exp2_polynomial, masking, tile_scheduler
+
+TILE_M, TILE_N = 128, 64
+
+
+def _mask_cases():
+    rng = np.random.default_rng(1234)
+    windows = [None, (0, 0), (70, 10), (None, 33), (200, None), (5, None)]
+    for causal, window, q_lengths in itertools.product((False, True), windows, (False, True)):
+        for q_len, kv_len in ((300, 300), (100, 457), (460, 150), (1, 77), (129, 64)):
+            q_valid = int(rng.integers(1, q_len + 1)) if q_lengths else q_len
+            kv_valid = int(rng.integers(1, kv_len + 1))
+            yield causal, window, q_lengths, q_len, kv_len, q_valid, kv_valid
+
+
+@pytest.mark.parametrize("causal,window,q_lengths,q_len,kv_len,q_valid,kv_valid", list(_mask_cases()))
+def test_block_range_and_partial_blocks_match_oracle(causal, window, q_lengths, q_len, kv_len, q_valid, kv_valid):
+    left, right = window if window is not None else (None, None)
+    shape = masking.MaskShape(causal=causal, window_left=left, window_right=right, has_q_lengths=q_lengths)
+    visible = numpy_reference.visible_keys(1, q_len, kv_len, numpy_reference.Masking(
+        causal=causal, window=window, q_seq_lengths=np.array([q_valid]),
+        kv_seq_lengths=np.array([kv_valid])))[0]
+    offset = kv_valid - q_valid
+    for m_block in range(-(-q_len // TILE_M)):
+        row_start = m_block * TILE_M
+        num_rows = min(TILE_M, q_valid - row_start)
+        first, end = masking.key_block_range(shape, row_start, num_rows, TILE_N, kv_valid, offset)
+        rows = visible[row_start:row_start + TILE_M]
+        blocks_needed = [n for n in range(-(-kv_len // TILE_N)) if rows[:, n * TILE_N:(n + 1) * TILE_N].any()]
+        assert 0 <= first <= end
+        assert all(first <= n < end for n in blocks_needed), (first, end, blocks_needed)
+        if blocks_needed:  # tight: the range starts and ends on blocks that hold visible keys
+            assert first == blocks_needed[0] and end == blocks_needed[-1] + 1, (first, end, blocks_needed)
+        stored_rows = rows[:max(0, q_len - row_start)]
+        for n in range(first, end):
+            if not masking.block_is_partial(shape, n, row_start, TILE_M, TILE_N, kv_valid, q_valid, offset):
+                block = stored_rows[:, n * TILE_N:(n + 1) * TILE_N]
+                assert block.shape[1] == TILE_N and block.all(), (m_block, n)
+
+
+def test_right_reach_combines_causal_and_window():
+    assert masking.MaskShape(causal=True).right_reach == 0
+    assert masking.MaskShape(causal=True, window_right=5).right_reach == 0
+    assert masking.MaskShape(causal=True, window_right=-3).right_reach == -3
+    assert masking.MaskShape(window_right=7).right_reach == 7
+    assert masking.MaskShape().right_reach is None
+
+
+@pytest.mark.parametrize("longest_first", [False, True])
+@pytest.mark.parametrize("num_m_blocks,num_heads,batch", [(1, 1, 1), (7, 3, 2), (16, 32, 1)])
+def test_tile_coordinates_visit_every_tile_once(num_m_blocks, num_heads, batch, longest_first):
+    grid = tile_scheduler.TileGrid(num_m_blocks, num_heads, batch, longest_first)
+    tiles = [tile_scheduler.tile_coordinates(t, num_m_blocks, num_heads, batch, longest_first)
+             for t in range(grid.num_tiles)]
+    assert sorted(tiles) == sorted(itertools.product(range(num_m_blocks), range(num_heads), range(batch)))
+    if longest_first:  # causal: the longest (last) query blocks come first
+        m_blocks = [m for m, _, _ in tiles]
+        assert m_blocks == sorted(m_blocks, reverse=True)
+    else:  # one head's query blocks are adjacent (its K/V stay in L2)
+        assert [m for m, _, _ in tiles[:num_m_blocks]] == list(range(num_m_blocks))
+    assert grid.grid_size(sm_count=132) == min(grid.num_tiles, 132)
+
+
+@pytest.mark.parametrize("degree", sorted(exp2_polynomial.COEFFICIENTS))
+def test_polynomial_exp2_accuracy(degree):
+    x = np.linspace(-125.0, 10.0, 400_001, dtype=np.float32)
+    relative = np.abs(exp2_polynomial.exp2_reference(x, degree) / np.exp2(x.astype(np.float64)) - 1)
+    assert relative.max() < {3: 1e-4, 4: 5e-6}[degree]
+    # Masked scores are -inf; anything at or below the clamp must give exactly +0, never NaN.
+    special = exp2_polynomial.exp2_reference(np.float32([-np.inf, -127.0, -300.0]), degree)
+    assert np.array_equal(special, np.zeros(3, np.float32)) and not np.signbit(special).any()
+    assert exp2_polynomial.COEFFICIENTS[degree][0] == 1.0
+
+
+def test_polynomial_exp2_ptx_uses_fmas():
+    text = exp2_polynomial._exp2_ptx(3)
+    assert text.count("fma.rn.f32") == 3 and "cvt.rmi.f32.f32" in text and "ex2" not in text
