@@ -1,0 +1,104 @@
+"""On-disk cache of compiled CuTe kernels for `cutlass.jax.cutlass_call`, so a new process's first call
+does not trace and compile the kernel again.
+
+`cutlass_call` keeps compiled kernels in a per-process dictionary keyed by (compile key, argument
+spec, environment). `prepare` fills that dictionary before JAX lowers the call: from a file when one
+exists, else by compiling now and writing the object code to a file. The file name hashes the
+compile key, the argument spec, the cutlass-dsl version and the CUTE_DSL_* variables (the ones that
+change code generation), so a stale kernel is never served.
+
+Directory: $FA4_JAX_CACHE_DIR, else $XDG_CACHE_HOME/fa4_jax/kernels, else ~/.cache/fa4_jax/kernels.
+FA4_JAX_CACHE_DIR="" turns the disk cache off. Anything unexpected (an unwritable directory, a
+changed cutlass-dsl internal) only skips the cache, with one warning: compilation then happens as usual.
+
+This leans on cutlass.jax internals (`build_function_spec`, `_CUTLASS_COMPILE_CACHE`), pinned by the
+project's nvidia-cutlass-dsl version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import warnings
+from typing import Hashable, Optional
+
+import jax
+
+logger = logging.getLogger(__name__)
+_warned = False
+
+
+def cache_directory() -> Optional[str]:
+    configured = os.environ.get("FA4_JAX_CACHE_DIR")
+    if configured is not None:
+        return configured or None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fa4_jax", "kernels")
+
+
+def _cutlass_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("nvidia-cutlass-dsl")
+    except Exception:
+        import cutlass
+        return str(getattr(cutlass, "__version__", "unknown"))
+
+
+def _function_spec(arguments, outputs):
+    """The spec cutlass_call builds for these inputs and outputs (no aliases, options or kwargs)."""
+    from cutlass.jax import compile as cutlass_compile
+    from cutlass.jax import primitive as cutlass_primitive
+
+    arguments_flat, arguments_tree = jax.tree.flatten(arguments)
+    outputs_flat, outputs_tree = jax.tree.flatten(outputs)
+    input_specs = cutlass_primitive._resolve_input_spec_flat(None, arguments, arguments_flat)
+    output_specs = cutlass_primitive._resolve_spec_flat(None, outputs_flat)
+    return cutlass_compile.build_function_spec(
+        arguments_flat, arguments_tree, outputs_flat, outputs_tree, input_specs, output_specs, {}, None,
+        False, {})
+
+
+def _file_name(compile_key: Hashable, spec) -> str:
+    code_generation_environment = sorted(
+        (name, value) for name, value in os.environ.items() if name.startswith("CUTE_DSL_"))
+    description = repr((compile_key, spec.in_args, spec.out_args, str(spec.input_tree), str(spec.output_tree),
+                        _cutlass_version(), code_generation_environment))
+    return hashlib.sha256(description.encode()).hexdigest() + ".o"
+
+
+def prepare(function, arguments, outputs, compile_key: Hashable) -> None:
+    """Make sure `cutlass_call(function, compile_key=compile_key)` on `arguments` finds its kernel
+    compiled: in this process's cache, else loaded from disk, else compiled now and saved."""
+    global _warned
+    directory = cache_directory()
+    if directory is None:
+        return
+    try:
+        from cutlass.jax import compile as cutlass_compile
+
+        spec = _function_spec(arguments, outputs)
+        key = cutlass_compile.CompileCacheKey(
+            compile_key=compile_key, spec=spec, environment=str(sorted(os.environ.items())))
+        if key in cutlass_compile._CUTLASS_COMPILE_CACHE:
+            return
+        path = os.path.join(directory, _file_name(compile_key, spec))
+        if os.path.exists(path):
+            with open(path, "rb") as handle:
+                module = handle.read()
+            cutlass_compile._CUTLASS_COMPILE_CACHE[key] = cutlass_compile.CompileResult(
+                module=module, fingerprint=hashlib.sha256(module).digest(), spec=spec)
+            logger.debug("fa4_jax kernel loaded from %s", path)
+            return
+        result = cutlass_compile.get_or_compile_kernel(function, spec, compile_key=compile_key)
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, delete=False) as handle:
+            handle.write(result.module)
+        os.replace(handle.name, path)  # atomic: concurrent processes never read a partial file
+    except Exception as error:  # the cache is an optimisation: never let it break a call
+        if not _warned:
+            _warned = True
+            warnings.warn(f"fa4_jax: on-disk kernel cache skipped ({type(error).__name__}: {error})",
+                          stacklevel=2)
