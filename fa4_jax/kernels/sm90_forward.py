@@ -31,7 +31,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.jax import cutlass_call
-from cutlass.utils import LayoutEnum
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import compile_cache, masking, online_softmax, tile_scheduler
@@ -184,10 +185,10 @@ class Sm90ForwardKernel:
         m_kv_segments = None if cutlass.const_expr(kv_segment_ids is None) else _select_modes(kv_segment_ids, [1, 0])
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.tile_n))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.v_head_dim),
             a_source=warpgroup.OperandSource.RMEM)
 
@@ -241,7 +242,7 @@ class Sm90ForwardKernel:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage once per warp (PipelineTmaAsync signals from one lane per warp).
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
