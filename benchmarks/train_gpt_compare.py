@@ -80,7 +80,7 @@ def run_command(args):
         if run["ok"]:
             print(f"{run['name']:>14}: {run['tokens_per_second']:>12,.0f} tokens/s, median step "
                   f"{run['median_step_seconds'] * 1e3:.2f} ms, final loss {run['loss'][-1]:.4f}, "
-                  f"warnings {run['warnings']}")
+                  f"custom calls {run['custom_calls']}, warnings {run['warnings']}")
 
 
 def plot_command(args):

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -189,6 +190,15 @@ def collective_counts(hlo_text: str) -> dict:
     return counts
 
 
+def custom_call_targets(hlo_text: str) -> dict:
+    """{target: count} of the compiled HLO's custom calls: which kernels the step really runs (fa4_jax's
+    CuTe kernels appear as CuteDSLRT_NvJaxCutlassCall*, cuDNN attention as __cudnn$fmha*)."""
+    counts = {}
+    for target in re.findall(r'custom_call_target="([^"]+)"', hlo_text):
+        counts[target] = counts.get(target, 0) + 1
+    return counts
+
+
 def build_training(args, mesh: Mesh):
     """(compiled train step, params, optimizer state, data function, parameter count, HLO text)."""
     model = GPT(args, mesh, nnx.Rngs(args.seed))
@@ -326,6 +336,7 @@ def main(argv=None) -> dict:
         "median_step_seconds": median_step,
         "tokens_per_second": tokens_per_step / median_step,
         "collectives": collective_counts(hlo_text),
+        "custom_calls": custom_call_targets(hlo_text),
         "devices": {"platform": jax.devices()[0].platform, "kind": jax.devices()[0].device_kind,
                     "count": jax.device_count(), "used": sizes[DATA] * sizes[MODEL]},
         "versions": versions(),
