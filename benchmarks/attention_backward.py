@@ -10,6 +10,7 @@ runnable on its own. Per shape it times, with CUPTI (all kernels of the call, me
 TFLOP/s counts backward FLOPs = 2.5x forward (forward = 4*B*H*Sq*Sk*D, halved when causal).
 
 Usage: python benchmarks/attention_backward.py --out results.json [--quick] [--iterations N]
+       [--head-dims 64 128] [--seq-lens 1024 4096]
 """
 
 from __future__ import annotations
@@ -84,7 +85,16 @@ attention.SECTIONS["backward"] = backward_section
 
 
 def main(argv=None):
+    """attention.py's command line, plus --head-dims / --seq-lens to measure part of the grid."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    for flag, name in (("--head-dims", "HEAD_DIMS"), ("--seq-lens", "SEQUENCE_LENGTHS")):
+        if flag in argv:
+            start = argv.index(flag)
+            end = start + 1
+            while end < len(argv) and not argv[end].startswith("--"):
+                end += 1
+            setattr(attention, name, tuple(int(value) for value in argv[start + 1:end]))
+            del argv[start:end]
     if "--sections" not in argv and "--plot" not in argv:
         argv += ["--sections", "backward"]
     attention.main(argv)
