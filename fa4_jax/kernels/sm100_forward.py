@@ -708,13 +708,13 @@ class Sm100ForwardKernel:
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
             n_min, n_max = self.tile_bounds(m_block, batch_index, problem, optional)[4:]
-            for n_block in cutlass.range(n_min, n_max, unroll=1):
+            for step in cutlass.range(n_max - n_min, unroll=1):
                 for stage in cutlass.range_constexpr(self.q_stage):
                     cute.arch.mbarrier_wait(stats_ready + stage, stats_phase)
                     scale_rows[0] = row_scale[row, stage]
                     # The first block's PV overwrites O, so there is nothing to rescale yet; later,
                     # a warp touches O only when one of its rows moved its max (lazy rescaling).
-                    if n_block > n_min and cute.arch.vote_any_sync(scale_rows[0] != 1.0):
+                    if step > 0 and cute.arch.vote_any_sync(scale_rows[0] != 1.0):
                         for k in cutlass.range_constexpr(self.head_dim // slice_columns):
                             column = self.tmem_o_offset[stage] + k * slice_columns
                             values = cute.make_rmem_tensor(tSLcO.shape, Float32)

@@ -22,72 +22,86 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TARGET = "sm_100a"
 
 _COMPILE = r"""
-import json, sys
+import glob, json, os, sys, time
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import sm100_forward
 
-spec = json.loads(sys.argv[1])
-config = AttentionConfig(**spec["config"])
-B, Sq, Sk, Hq, Hkv, D = spec["shape"]
-element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec["dtype"]]
+specs = json.loads(sys.argv[1])
+dump_dir = os.environ["CUTE_DSL_DUMP_DIR"]
+named = set()
 
 def fake(dtype, shape):
     return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape)))[::-1],
                                     assumed_align=16)
 
-class DtypeName:
-    name = spec["dtype"]
+class Dtype:
+    def __init__(self, name):
+        self.name = name
 
-options = sm100_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
-                                       DtypeName, sm_count=spec["sm_count"])
-kernel = sm100_forward.Sm100ForwardKernel(options)
-i32, f32 = cutlass.Int32, cutlass.Float32
-arguments = [
-    fake(element, (B, Sq, Hq, D)), fake(element, (B, Sk, Hkv, D)), fake(element, (B, Sk, Hkv, D)),
-    fake(f32, (Hq,)) if config.has_sinks else None,
-    fake(i32, (B, Sq)) if config.has_segment_ids else None,
-    fake(i32, (B, Sk)) if config.has_segment_ids else None,
-    fake(i32, (B,)) if config.has_q_seq_lengths else None,
-    fake(i32, (B,)) if config.has_kv_seq_lengths else None,
-    fake(i32, (1,)) if config.has_q_start else None,
-    fake(element, (B, Sq, Hq, D)), fake(f32, (B, Hq, Sq)),
-]
-cute.compile(kernel, make_fake_stream(), *arguments)
-print("SM100_LAYOUT " + json.dumps({
-    "query_tiles_per_cta": kernel.q_stage,
-    "key_block": kernel.n_block,
-    "kv_stages": kernel.kv_stage,
-    "tmem_columns_used": kernel.tmem_columns_used,
-    "tmem_columns_allocated": kernel.tmem_columns_allocated,
-    "shared_memory_bytes": kernel.shared_storage.size_in_bytes(),
-    "threads_per_cta": kernel.threads_per_cta,
-}))
+for name, spec in specs.items():
+    config = AttentionConfig(**spec["config"])
+    B, Sq, Sk, Hq, Hkv, D = spec["shape"]
+    element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec["dtype"]]
+    options = sm100_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
+                                           Dtype(spec["dtype"]), sm_count=spec["sm_count"])
+    kernel = sm100_forward.Sm100ForwardKernel(options)
+    i32, f32 = cutlass.Int32, cutlass.Float32
+    arguments = [
+        fake(element, (B, Sq, Hq, D)), fake(element, (B, Sk, Hkv, D)), fake(element, (B, Sk, Hkv, D)),
+        fake(f32, (Hq,)) if config.has_sinks else None,
+        fake(i32, (B, Sq)) if config.has_segment_ids else None,
+        fake(i32, (B, Sk)) if config.has_segment_ids else None,
+        fake(i32, (B,)) if config.has_q_seq_lengths else None,
+        fake(i32, (B,)) if config.has_kv_seq_lengths else None,
+        fake(i32, (1,)) if config.has_q_start else None,
+        fake(element, (B, Sq, Hq, D)), fake(f32, (B, Hq, Sq)),
+    ]
+    start = time.perf_counter()
+    cute.compile(kernel, make_fake_stream(), *arguments)
+    seconds = time.perf_counter() - start
+    # The dump name does not tell configs apart: move each PTX next to its spec's name at once.
+    (ptx,) = set(glob.glob(os.path.join(dump_dir, "*.ptx"))) - named
+    named.add(os.path.join(dump_dir, name + ".ptx"))
+    os.replace(ptx, os.path.join(dump_dir, name + ".ptx"))
+    print("SM100_KERNEL " + json.dumps({"name": name, "compile_seconds": round(seconds, 2), "layout": {
+        "query_tiles_per_cta": kernel.q_stage,
+        "key_block": kernel.n_block,
+        "kv_stages": kernel.kv_stage,
+        "tmem_columns_used": kernel.tmem_columns_used,
+        "tmem_columns_allocated": kernel.tmem_columns_allocated,
+        "shared_memory_bytes": kernel.shared_storage.size_in_bytes(),
+        "threads_per_cta": kernel.threads_per_cta,
+    }}), flush=True)
 """
 
 
-def compile_kernel(spec: dict, directory: str) -> tuple[str, str, dict]:
-    """Compile one spec {config, shape [B, Sq, Sk, Hq, Hkv, D], dtype} for sm_100a.
+def compile_kernels(specs: dict, directory: str) -> dict:
+    """Compile each named spec {config, shape [B, Sq, Sk, Hq, Hkv, D], dtype} for sm_100a.
 
-    Returns (PTX path, PTX text, kernel layout facts: query tiles, TMEM columns, shared memory...).
+    One subprocess compiles them in turn (the DSL import is paid once). Returns, per name,
+    {"ptx_path", "ptx", "compile_seconds", "layout": query tiles, key block, TMEM columns, ...}.
     """
-    spec = {"dtype": "bfloat16", "sm_count": 148, **spec}
+    specs = {name: {"dtype": "bfloat16", "sm_count": 148, **spec} for name, spec in specs.items()}
     os.makedirs(directory, exist_ok=True)
     environment = dict(os.environ, CUTE_DSL_ARCH=TARGET, CUTE_DSL_KEEP="ptx",
                        CUTE_DSL_DUMP_DIR=str(directory),
                        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], env=environment,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(specs)], env=environment,
+                            capture_output=True, text=True, timeout=300 + 120 * len(specs))
     if result.returncode != 0:
-        raise RuntimeError(f"sm100 compile failed for {spec}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    files = glob.glob(os.path.join(str(directory), "*.ptx"))
-    if len(files) != 1:
-        raise RuntimeError(f"expected one PTX file in {directory}, found {files}")
-    layout = json.loads(result.stdout.split("SM100_LAYOUT ", 1)[1].splitlines()[0])
-    with open(files[0]) as handle:
-        return files[0], handle.read(), layout
+        raise RuntimeError(f"sm100 compile failed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    compiled = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("SM100_KERNEL "):
+            record = json.loads(line[len("SM100_KERNEL "):])
+            path = os.path.join(str(directory), record["name"] + ".ptx")
+            with open(path) as handle:
+                record.update(ptx_path=path, ptx=handle.read())
+            compiled[record.pop("name")] = record
+    return compiled
 
 
 # Instructions whose presence makes the FA4 design real, by what they show.
@@ -148,4 +162,84 @@ def ptxas_resources(ptx_path: str) -> Optional[dict]:
         "spill_store_bytes": number(r"(\d+) bytes spill stores"),
         "spill_load_bytes": number(r"(\d+) bytes spill loads"),
         "stack_frame_bytes": number(r"(\d+) bytes stack frame"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# The committed compile report (benchmarks/results/sm100_compile_report.json)
+
+REPORT_PATH = os.path.join(REPO, "benchmarks", "results", "sm100_compile_report.json")
+
+# Every head dim, causal and not, in bf16 with GQA; plus fp16 and the feature paths.
+REPORT_SPECS = {
+    **{f"d{d}{'-causal' if causal else ''}": dict(
+        config=dict(scale=d ** -0.5, causal=causal), shape=[2, 2048, 2048, 16, 4, d])
+       for d in (64, 128, 192, 256) for causal in (False, True)},
+    "d128-fp16": dict(config=dict(scale=128 ** -0.5), shape=[2, 2048, 2048, 16, 16, 128],
+                      dtype="float16"),
+    "d128-window-softcap-sinks": dict(
+        config=dict(scale=128 ** -0.5, window_left=512, window_right=0, softcap=30.0, has_sinks=True),
+        shape=[2, 2048, 2048, 16, 4, 128]),
+    "d128-segments-lengths": dict(
+        config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True,
+                    has_kv_seq_lengths=True),
+        shape=[2, 2048, 2048, 16, 4, 128]),
+}
+
+# The files whose content decides the generated code; the report records their digest.
+REPORT_SOURCES = (
+    "fa4_jax/config.py",
+    "fa4_jax/kernels/sm100_forward.py",
+    "fa4_jax/kernels/sm100_inspect.py",
+    "fa4_jax/kernels/masking.py",
+    "fa4_jax/kernels/online_softmax.py",
+    "fa4_jax/kernels/exp2_polynomial.py",
+    "fa4_jax/kernels/tile_scheduler.py",
+)
+
+
+def source_digest() -> str:
+    import hashlib
+    import importlib.metadata
+
+    digest = hashlib.sha256()
+    digest.update(importlib.metadata.version("nvidia-cutlass-dsl").encode())
+    for relative in REPORT_SOURCES:
+        with open(os.path.join(REPO, relative), "rb") as handle:
+            digest.update(relative.encode() + b"\0" + handle.read())
+    return digest.hexdigest()
+
+
+def kernel_record(compiled: dict) -> dict:
+    """The reported facts of one compiled kernel (everything but timing, so reruns reproduce it)."""
+    from fa4_jax.kernels.sm100_forward import Sm100ForwardKernel
+
+    ptx = compiled["ptx"]
+    record = dict(compiled["layout"])
+    record["registers_per_role"] = {
+        "softmax": Sm100ForwardKernel.registers_softmax,
+        "correction": Sm100ForwardKernel.registers_correction,
+        "mma_load_epilogue": Sm100ForwardKernel.registers_other,
+    }
+    resources = ptxas_resources(compiled["ptx_path"])
+    if resources is not None:
+        record.update(resources)
+    record["instructions"] = instruction_counts(ptx)
+    record["mma_issued_by_one_thread"] = mma_issue_is_elected(ptx)
+    record["local_memory"] = uses_local_memory(ptx)
+    return record
+
+
+def build_report(directory: str, names=None) -> dict:
+    import importlib.metadata
+
+    specs = {name: REPORT_SPECS[name] for name in (names or REPORT_SPECS)}
+    compiled = compile_kernels(specs, directory)
+    return {
+        "what": "sm100 forward kernel compiled for sm_100a on a CPU (fake tensors), not run: no "
+                "Blackwell GPU was available. Regenerate: python benchmarks/sm100_report.py",
+        "target": TARGET,
+        "cutlass_dsl": importlib.metadata.version("nvidia-cutlass-dsl"),
+        "source_digest": source_digest(),
+        "configs": {name: {"spec": specs[name], **kernel_record(compiled[name])} for name in specs},
     }
