@@ -6,7 +6,7 @@ What each shard needs, whatever the operands arrive with:
   shard's query heads find their own KV group.
 - query rows may be split on sequence: each shard then needs every key, and the mask needs each row's
   global position, which the shard computes from its index (`q_start`). The backward sums the partial
-  dK / dV (and the sink gradient) over those shards.
+  dK / dV (and the sink gradient) over those shards, and over head shards that share one KV head.
 - key/value are always whole along sequence on each shard; a split there is gathered by XLA because
   `partition` asks for it. (Ring attention, which avoids the gather, is future work.)
 """
@@ -142,9 +142,12 @@ def _backward_partition(config, has_d_lse, mesh, arg_infos, result_infos):
     def lower(*operands):
         local_config, local_operands = plan.local_config(config, operands)
         grads = list(attention_bwd_inner_p.bind(*local_operands, config=local_config, has_d_lse=has_d_lse))
-        if plan.seq:  # each row shard saw every key: its dK / dV are partial sums
-            grads[1] = lax.psum(grads[1], plan.seq)
-            grads[2] = lax.psum(grads[2], plan.seq)
+        # dK / dV are partial sums when other shards used the same keys: row shards (every key
+        # each), and head shards sharing a single replicated KV head (MQA).
+        shared_kv = plan.seq + tuple(a for a in plan.heads if a not in plan.kv_heads)
+        if shared_kv:
+            grads[1] = lax.psum(grads[1], shared_kv)
+            grads[2] = lax.psum(grads[2], shared_kv)
         if config.has_sinks and (plan.batch or plan.seq):  # a sink's gradient sums over batch and rows
             grads[3] = lax.psum(grads[3], plan.batch + plan.seq)
         return tuple(grads)
