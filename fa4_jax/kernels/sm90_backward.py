@@ -10,7 +10,7 @@ Three stages, one obvious place each:
   dP^T = V dO^T, dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and
   dK += dS^T Q with P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in
   shared memory for dQ = dS K, which it adds into the fp32 accumulator in global memory with `red.add`;
-- postprocess (`_postprocess`, JAX): dQ scaled and cast, the sinks gradient.
+- postprocess (in `attention_backward`, JAX): dQ scaled and cast, the sinks gradient.
 
 Warp roles: warp group 0 is the producer (one warp issues the TMA loads of K, V once and of Q, dO per
 query block into a `stages`-deep ring of mbarrier-guarded buffers); warp groups 1 and 2 are consumers,
@@ -28,10 +28,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.jax as cutlass_jax
 import cutlass.pipeline as pipeline
 import cutlass.utils as cutlass_utils
 import cutlass.utils.hopper_helpers as sm90_helpers
@@ -47,6 +47,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 TILE_M = 64      # query rows per block
 TILE_N = 128     # keys per CTA (64 per consumer warp group)
 STAGES = 2       # depth of the Q / dO ring
+KERNEL_VERSION = 1   # bump when the generated code changes (part of the compile key)
 
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
@@ -61,63 +62,16 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
         return f"sm90 backward needs value head dim == query head dim ({value_shape[-1]} != {head_dim})"
     if query_shape[2] % key_shape[2] != 0:
         return f"query heads {query_shape[2]} not a multiple of key heads {key_shape[2]}"
+    if query_shape[1] == 0 or key_shape[1] == 0:
+        return "sm90 backward needs at least one query row and one key"
+    if config.has_q_start:
+        # Like the forward kernel: the sequence-sharded path has not yet run on a GPU.
+        return "sm90 backward does not yet take a sequence-sharded query (q_start)"
     return None
 
 
-# ----------------------------------------------------------------------------------------------------
-# Block ranges shared by the producer, the consumers and the deterministic ordering
-# ----------------------------------------------------------------------------------------------------
-
 def _ceil_div(a, b):
     return (a + b - 1) // b
-
-
-def _floor_div_clamped(a, b):
-    """floor(a / b) for a >= 0, 0 for a < 0: block indices never go below 0."""
-    return max(a, 0) // b
-
-
-class _BlockRange:
-    """Which query blocks a key block touches, from causal / window / key length alone.
-
-    Key j is visible to local query row i iff j < kv_len, and (causal) j <= i + offset, and (window)
-    i + offset - left <= j <= i + offset + right, where offset = kv_len - q_len + q_start folds the
-    bottom-right alignment and the shard's first global row into one number. Segments and q_len only
-    mask elements; they never skip blocks.
-    """
-
-    def __init__(self, causal, window_left, window_right, tile_m, tile_n):
-        self.right = 0 if causal else window_right
-        if causal and window_right is not None:
-            self.right = min(0, window_right)
-        self.left = window_left
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-
-    def query_blocks(self, n_block, offset, kv_len, num_m_blocks):
-        """[m_lo, m_hi) of query blocks that key block n_block touches."""
-        key_lo = n_block * self.tile_n
-        key_hi = min(key_lo + self.tile_n, kv_len) - 1          # last valid key of the block
-        m_lo = 0
-        if self.right is not None:                              # j <= i + offset + right
-            m_lo = _floor_div_clamped(key_lo - offset - self.right, self.tile_m)
-        m_hi = num_m_blocks
-        if self.left is not None:                               # i <= j + left - offset
-            last_row = key_hi + self.left - offset
-            m_hi = min(num_m_blocks, _floor_div_clamped(last_row, self.tile_m) + 1)
-            if last_row < 0:
-                m_hi = 0
-        if key_lo >= kv_len:
-            m_hi = 0
-        return m_lo, m_hi
-
-    def first_key_block(self, m_block, offset):
-        """Smallest key block whose range holds m_block (ranges of later key blocks start no earlier)."""
-        if self.left is None:
-            return 0
-        # m_hi(n) > m  <=>  n * tile_n + tile_n - 1 + left - offset >= m * tile_m
-        need = m_block * self.tile_m - self.tile_n + 1 - self.left + offset
-        return _ceil_div(max(need, 0), self.tile_n)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,10 +84,12 @@ WARP_GROUP = 128
 DS_READY_BARRIER = 1
 DQ_ORDER_BARRIER = 2
 
+
 def transpose_view(tensor):
     """Swap the first two modes of a (swizzled) shared-memory tensor: same bytes, other operand role."""
     modes = [1, 0] + list(range(2, cute.rank(tensor)))
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=modes))
+
 
 def k_major_layout(dtype, rows, cols, stages, atom_cols):
     """Row-major [rows, cols] tile(s), swizzle atom `atom_cols` wide, tiled rows first.
@@ -146,17 +102,20 @@ def k_major_layout(dtype, rows, cols, stages, atom_cols):
     order = (0, 1) if stages is None else (0, 1, 2)
     return cute.tile_to_shape(atom, shape, order=order)
 
+
 def mn_major_layout(dtype, rows, cols, stages):
     """[rows, cols] tiles with rows contiguous: the MN-major A operand (M = rows, K = cols)."""
     atom = warpgroup.make_smem_layout_atom(
         sm90_helpers.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, rows), dtype)
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2))
 
+
 def fresh_atom(tiled_mma, accumulate):
     """A new MMA atom per GEMM, so toggling ACCUMULATE never leaks across loop iterations."""
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, accumulate)
     return atom
+
 
 def query_major_view(fragment):
     """A thread's S^T accumulator (keys x queries) as a (query, key) matrix view.
@@ -167,6 +126,7 @@ def query_major_view(fragment):
     query_major = cute.make_layout(((2, chunks), 2), stride=((1, 4), 2))
     return cute.make_tensor(fragment.iterator, cute.composition(fragment.layout, query_major))
 
+
 @cute.jit
 def gemm(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr):
     """acc (+)= A B over the K blocks of the fragments, issued async (caller commits and waits)."""
@@ -174,6 +134,7 @@ def gemm(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr):
     for k in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
+
 
 class Sm90BackwardKernel:
     """Static configuration of one backward kernel; `__call__` is the host-side launcher."""
@@ -570,6 +531,7 @@ class Sm90BackwardKernel:
 # JAX side: preprocess, the kernel call, postprocess
 # ----------------------------------------------------------------------------------------------------
 
+
 def _padded_rows(q_len):
     return _ceil_div(q_len, TILE_M) * TILE_M
 
@@ -595,7 +557,7 @@ def _sinks_gradient(sinks, lse, dpsum_unpadded):
 
 
 def _compile_key(config: AttentionConfig, dtype_name, head_dim, group):
-    return ("fa4_jax.sm90_backward", 1, dtype_name, head_dim, group, config.scale, config.causal,
+    return ("fa4_jax.sm90_backward", KERNEL_VERSION, dtype_name, head_dim, group, config.scale, config.causal,
             config.window_left, config.window_right, config.softcap, config.has_segment_ids,
             config.has_q_seq_lengths, config.has_kv_seq_lengths, config.has_q_start,
             config.q_total, config.deterministic)
@@ -604,10 +566,10 @@ def _compile_key(config: AttentionConfig, dtype_name, head_dim, group):
 def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int):
     """The configured kernel object (its `__call__` is the cute.jit launcher)."""
     return Sm90BackwardKernel(dtype_name, head_dim, group, config.scale, config.causal,
-                           config.window_left, config.window_right, config.softcap,
-                           config.has_segment_ids, config.has_q_seq_lengths,
-                           config.has_kv_seq_lengths, config.has_q_start, config.q_total,
-                           config.deterministic)
+                              config.window_left, config.window_right, config.softcap,
+                              config.has_segment_ids, config.has_q_seq_lengths,
+                              config.has_kv_seq_lengths, config.has_q_start, config.q_total,
+                              config.deterministic)
 
 
 def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
@@ -615,8 +577,6 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
     reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
     if reason is not None:
         raise NotImplementedError(reason)
-    import cutlass.jax as cutlass_jax
-
     batch, q_len, q_heads, head_dim = query.shape
     _, kv_len, kv_heads, _ = key.shape
     group = q_heads // kv_heads
