@@ -1,0 +1,59 @@
+"""CPU: `masking.query_block_range` (the backward's walk over query blocks per key block) is the exact
+inverse of `masking.key_block_range` (the forward's walk), which the deterministic dQ ordering needs:
+key block n is then the (n - first)-th visitor of query block m, first = key_block_range(m)[0]."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from fa4_jax.kernels import masking
+
+SHAPES = [
+    masking.MaskShape(),
+    masking.MaskShape(causal=True),
+    masking.MaskShape(window_left=37),
+    masking.MaskShape(window_right=5),
+    masking.MaskShape(causal=True, window_left=100),
+    masking.MaskShape(window_left=70, window_right=200),
+    masking.MaskShape(causal=True, window_left=0),
+    masking.MaskShape(causal=True, window_right=-3),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=repr)
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 128), (64, 64)])
+def test_query_block_range_inverts_key_block_range(shape, tile_m, tile_n):
+    num_m_blocks = 12
+    for kv_len, row_offset in itertools.product((1, 130, 700, 1000), (0, 300, -200, 37, -4000)):
+        num_n_blocks = -(-kv_len // tile_n)
+        for n_block in range(num_n_blocks + 1):
+            first, end = masking.query_block_range(shape, n_block, tile_m, tile_n, kv_len, row_offset,
+                                                   num_m_blocks)
+            for m_block in range(num_m_blocks):
+                key_first, key_end = masking.key_block_range(shape, m_block * tile_m, tile_m, tile_n,
+                                                             kv_len, row_offset)
+                assert (first <= m_block < end) == (key_first <= n_block < key_end), (
+                    kv_len, row_offset, n_block, m_block)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:6], ids=repr)
+def test_block_ranges_cover_every_visible_pair(shape):
+    """Every (row, key) pair visible under the element rule lies in a visited block pair."""
+    tile_m, tile_n, q_len, kv_len = 64, 128, 300, 517
+    offset = kv_len - q_len
+    rows = np.arange(q_len)[:, None] + offset
+    keys = np.arange(kv_len)[None, :]
+    visible = np.broadcast_to(keys < kv_len, (q_len, kv_len)).copy()
+    if shape.right_reach is not None:
+        visible &= keys <= rows + shape.right_reach
+    if shape.window_left is not None:
+        visible &= keys >= rows - shape.window_left
+    num_m_blocks = -(-q_len // tile_m)
+    for n_block in range(-(-kv_len // tile_n)):
+        first, end = masking.query_block_range(shape, n_block, tile_m, tile_n, kv_len, offset, num_m_blocks)
+        block = visible[:, n_block * tile_n:(n_block + 1) * tile_n]
+        touched = np.nonzero(block.any(axis=1))[0] // tile_m
+        assert all(first <= m < end for m in touched), (n_block, first, end, set(touched))
