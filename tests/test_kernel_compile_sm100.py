@@ -162,3 +162,41 @@ def test_supported_configs_build_kernel_options():
     assert kernel.tmem_columns_used <= 512 and kernel.q_stage == 2
     assert hash(options) == hash(sm100_forward.kernel_options(config, *shapes, _Dtype("bfloat16"),
                                                               sm_count=148))
+
+
+_LOWER = r"""
+import json
+import jax, jax.numpy as jnp
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import sm100_forward
+query = jax.ShapeDtypeStruct((1, 200, 4, 128), jnp.bfloat16)
+key = jax.ShapeDtypeStruct((1, 300, 2, 128), jnp.bfloat16)
+sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+config = AttentionConfig(scale=0.125, causal=True, has_sinks=True, has_kv_seq_lengths=True)
+lowered = jax.jit(lambda q, k, v, s, l: sm100_forward.attention_forward(
+    q, k, v, {"sinks": s, "kv_seq_lengths": l}, config)).trace(
+    query, key, key, sinks, lengths).lower(lowering_platforms=("cuda",))
+calls = [line for line in lowered.as_text().splitlines() if "stablehlo.custom_call" in line]
+print("LOWERED " + json.dumps({"calls": len(calls), "sm100": sum("sm100_forward" in c for c in calls),
+                               "types": [c.split(" : ")[-1] for c in calls]}))
+"""
+
+
+def test_attention_forward_lowers_for_cuda(tmp_path):
+    """The JAX entry point the CUDA dispatch calls on 10.x traces and lowers to one kernel call
+    (the DSL compiles for sm_100a on this CPU), operands and results as the contract says."""
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, CUTE_DSL_ARCH=sm100_inspect.TARGET, FA4_JAX_CACHE_DIR=str(tmp_path),
+                       PYTHONPATH=sm100_inspect.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    process = subprocess.run([sys.executable, "-c", _LOWER], env=environment, capture_output=True,
+                             text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-4000:]
+    line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
+    lowered = json.loads(line[len("LOWERED "):])
+    assert lowered["calls"] == 1 and lowered["sm100"] == 1, lowered
+    assert lowered["types"] == ["(tensor<1x200x4x128xbf16>, tensor<1x300x2x128xbf16>, "
+                                "tensor<1x300x2x128xbf16>, tensor<4xf32>, tensor<1xi32>) -> "
+                                "(tensor<1x200x4x128xbf16>, tensor<1x4x200xf32>)"], lowered

@@ -50,7 +50,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.jax import cutlass_call
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import masking, online_softmax, tile_scheduler
+from fa4_jax.kernels import compile_cache, masking, online_softmax, tile_scheduler
 
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 TMEM_COLUMNS = 512
@@ -885,7 +885,9 @@ def forward_with_options(query, key, value, optional: dict, config: AttentionCon
     batch, q_len, q_heads, _ = query.shape
     outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
                jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
-    call = cutlass_call(
-        _kernel(options), output_shape_dtype=outputs,
-        compile_key=("fa4_jax.sm100_forward", KERNEL_VERSION, options))
-    return call(*kernel_arguments(query, key, value, optional))
+    kernel = _kernel(options)
+    compile_key = ("fa4_jax.sm100_forward", KERNEL_VERSION, options)
+    arguments = kernel_arguments(query, key, value, optional)
+    compile_cache.prepare(kernel, arguments, outputs, compile_key)
+    out, lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
+    return out, lse
