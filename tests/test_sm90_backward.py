@@ -6,7 +6,10 @@ is poisoned with NaN before each run, so an element the kernel forgets to write 
 
 Tolerance: the kernel rounds P and dS to bf16/fp16 before the tensor-core GEMMs (as every
 FlashAttention backward does), so its error is a few roundings of the inputs' type relative to the
-gradient's magnitude; we allow 2x the fa4_jax reference's error or 4 roundings, whichever is larger.
+gradient's magnitude: we allow 4 roundings of max |expected|. (The fa4_jax reference, fp32 throughout,
+is within ~1e-6 of the oracle on these inputs, so "2x the reference's error" would be tighter than any
+bf16 kernel can be; compiling it per case on the GPU also cost ~10 s each.) Measured on the H200 against
+the reference: 3e-3 to 6e-3 for bf16.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 import fa4_jax
 import numpy_reference
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import reference, sm90_backward
+from fa4_jax.kernels import sm90_backward
 
 pytestmark = pytest.mark.gpu
 
@@ -75,12 +78,6 @@ def _poison_device_memory(nbytes: int):
     del poison
 
 
-def _error(actual, expected) -> float:
-    actual = numpy_reference.to_float64(actual)
-    magnitude = max(np.max(np.abs(expected)), 1e-6)
-    return float(np.max(np.abs(actual - expected)) / magnitude)
-
-
 def _make_problem(case: Case, inputs):
     shape_q = (case.batch, case.q_len, case.q_heads, case.head_dim)
     shape_k = (case.batch, case.kv_len, case.kv_heads, case.head_dim)
@@ -131,21 +128,17 @@ def test_backward_matches_oracle(case: Case, inputs):
     out = jnp.asarray(out64, jnp.float32).astype(case.dtype)
     lse = jnp.asarray(lse64, jnp.float32)
 
-    reference_grads = reference.reference_backward(query, key, value, out, lse, d_out, d_lse,
-                                                   optional, config)
     _poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
     grads = jax.jit(lambda *a: sm90_backward.attention_backward(*a, optional, config))(
         query, key, value, out, lse, d_out, d_lse)
 
-    rounding = ROUNDING[case.dtype]
-    for name, actual, from_reference in zip(("dq", "dk", "dv", "dsinks"), grads, reference_grads):
+    tolerance = 4 * ROUNDING[case.dtype]
+    for name, actual in zip(("dq", "dk", "dv", "dsinks"), grads):
         if expected[name] is None:
             assert actual is None
             continue
         actual = np.asarray(jnp.asarray(actual, jnp.float32))
         assert not np.any(np.isnan(actual)), f"{case.name} {name}: NaN"
-        tolerance = max(2 * _error(jnp.asarray(from_reference, jnp.float32), expected[name]),
-                        4 * rounding)
         numpy_reference.assert_close(actual, expected[name], tolerance, f"{case.name} {name}")
 
 
@@ -156,7 +149,9 @@ def test_deterministic_is_bitwise_reproducible(causal, inputs):
     query, key, value, d_out = (inputs.normal((batch, length, heads, dim), jnp.bfloat16)
                                 for _ in range(4))
     config = AttentionConfig(scale=dim ** -0.5, causal=causal, deterministic=True)
-    out, lse = reference.reference_forward(query, key, value, {}, config)
+    as64 = numpy_reference.to_float64
+    out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
+    out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
     backward = jax.jit(lambda *a: sm90_backward.attention_backward(*a, None, {}, config)[:3])
     first = [np.asarray(g.astype(jnp.float32)) for g in backward(query, key, value, out, lse, d_out)]
     for _ in range(9):
