@@ -159,7 +159,9 @@ def attention_forward(query, key, value, *, scale=None, causal=False, window=Non
 def attention_backward(query, key, value, d_out, d_lse=None, *, scale=None, causal=False,
                        window=None, softcap=None, sinks=None, segment_ids=None,
                        q_seq_lengths=None, kv_seq_lengths=None):
-    """Gradients of sum(out * d_out) + sum(lse * d_lse): dict with dq, dk, dv and dsinks (or None).
+    """Gradients of sum(out * d_out) + sum(lse * d_lse): dict with dq, dk, dv and dsinks (or None),
+    and dsinks_scale: the largest sum of |terms| behind one dsinks entry, the scale its rounding error
+    grows with (the terms can cancel, so |dsinks| itself may be far smaller).
 
     With P the probabilities, O the output and Delta_i = dO_i . O_i:
       dV_j   = sum_i P_ij dO_i
@@ -192,14 +194,17 @@ def attention_backward(query, key, value, d_out, d_lse=None, *, scale=None, caus
     d_query = scale * np.einsum("bhqk,bkhd->bqhd", d_logits, state.key)
     d_key = scale * np.einsum("bhqk,bqhd->bkhd", d_logits, query_64)
 
-    d_sinks = None
+    d_sinks = d_sinks_scale = None
     if sinks is not None:
-        d_sinks = (state.sink_probability * (d_lse - delta)).sum(axis=(0, 2))
+        sink_terms = state.sink_probability * (d_lse - delta)
+        d_sinks = sink_terms.sum(axis=(0, 2))
+        d_sinks_scale = np.abs(sink_terms).sum(axis=(0, 2)).max()
     return {
         "dq": d_query,
         "dk": _fold_kv_heads(d_key, kv_heads),
         "dv": _fold_kv_heads(d_value, kv_heads),
         "dsinks": d_sinks,
+        "dsinks_scale": d_sinks_scale,
     }
 
 
