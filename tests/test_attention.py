@@ -460,3 +460,17 @@ def test_default_implementation_is_the_reference_on_cpu(inputs):
         outputs[implementation] = function(arguments.query, arguments.key, arguments.value, arguments.sinks)
     for default, reference in zip(outputs[None], outputs["reference"]):
         np.testing.assert_array_equal(np.asarray(default), np.asarray(reference))
+
+
+def test_reference_memory_grows_linearly_with_sequence():
+    """The reference is blockwise over keys: compiled forward + backward scratch memory grows ~linearly
+    with the sequence (4x for 4x), far below one [Sq, Sk] logits matrix."""
+    scratch = {}
+    for length in (1024, 4096):
+        spec = jax.ShapeDtypeStruct((1, length, 2, 64), jnp.float32)
+        gradient = jax.jit(jax.grad(lambda q, k, v: fa4_jax.attention(
+            q, k, v, causal=True, implementation="reference").sum(), argnums=(0, 1, 2)))
+        scratch[length] = gradient.lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+    logits_bytes = 4096 * 4096 * 2 * 4
+    assert scratch[4096] < 5 * scratch[1024], scratch
+    assert scratch[4096] < logits_bytes / 2, (scratch, logits_bytes)
