@@ -7,6 +7,9 @@ failing test prints its seed, and FA4_TEST_SEED=<seed> replays it.
 import os
 import sys
 
+# Test the working tree, whether or not the package is installed in the environment.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 # The sharding tests need 8 devices; on the CPU they are faked. XLA reads the flag when the backend
 # starts, so it must be in the environment before jax is first imported.
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
