@@ -83,6 +83,14 @@ def run_command(args):
                   f"custom calls {run['custom_calls']}, warnings {run['warnings']}")
 
 
+def describe(run: dict) -> str:
+    """What the run's attention really was, read off its compiled step's custom calls."""
+    if run["attention"] != "fa4":
+        return {"cudnn": "cuDNN", "xla": "XLA"}[run["attention"]]
+    kernels = any(target.startswith("CuteDSLRT") for target in run.get("custom_calls", {}))
+    return "fa4_jax (CuTe kernels)" if kernels else "fa4_jax (reference path)"
+
+
 def plot_command(args):
     import matplotlib
     matplotlib.use("Agg")
@@ -90,8 +98,7 @@ def plot_command(args):
 
     summary = json.loads(pathlib.Path(args.result).read_text())
     runs = [run for run in summary["runs"] if run["ok"]]
-    labels = {run["name"]: f"{run['name']} ({run.get('fa4_implementation') or 'cuDNN'})"
-              if run["attention"] == "fa4" else "cuDNN" for run in runs}
+    labels = {run["name"]: describe(run) for run in runs}
     figure, (loss_axes, speed_axes) = plt.subplots(1, 2, figsize=(12, 4.5),
                                                    gridspec_kw={"width_ratios": [2, 1]})
     for run in runs:
@@ -103,7 +110,9 @@ def plot_command(args):
     loss_axes.grid(alpha=0.3)
     speeds = [run["tokens_per_second"] for run in runs]
     bars = speed_axes.bar([labels[run["name"]] for run in runs], speeds, color=["C0", "C1", "C2"][:len(runs)])
-    speed_axes.bar_label(bars, labels=[f"{speed:,.0f}" for speed in speeds])
+    speed_axes.bar_label(bars, labels=[f"{speed:,.0f}\n{run['median_step_seconds'] * 1e3:.2f} ms/step"
+                                       for speed, run in zip(speeds, runs)])
+    speed_axes.set_ylim(0, max(speeds) * 1.2)
     speed_axes.set_ylabel("tokens/s (median step)")
     speed_axes.tick_params(axis="x", labelrotation=15)
     device = runs[0]["devices"]
