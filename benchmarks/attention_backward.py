@@ -5,6 +5,8 @@ runnable on its own. Per shape it times, with CUPTI (all kernels of the call, me
 - fa4_jax: preprocess + dq/dk/dv kernel + postprocess (`sm90_backward.attention_backward`), given the
   forward's out and LSE;
 - fa4_jax_deterministic: the same with deterministic=True (ordered dQ additions);
+- fa4_jax_<other>_dq: the other dQ reduction (red.add per element vs TMA bulk reduce-add), to pick
+  the default from measurements;
 - cudnn: the VJP of jax.nn.dot_product_attention(implementation="cudnn"), residuals precomputed, so
   only its backward kernels are timed.
 TFLOP/s counts backward FLOPs = 2.5x forward (forward = 4*B*H*Sq*Sk*D, halved when causal).
@@ -40,10 +42,10 @@ def backward_section(shape, arguments, args):
     d_out = jax.random.normal(jax.random.key(1), query.shape, jnp.float32).astype(query.dtype)
     out, lse = jax.jit(lambda q, k, v: reference.reference_forward(q, k, v, {}, config))(query, key, value)
 
-    def ours(deterministic):
+    def ours(deterministic, dq_reduction=sm90_backward.DQ_REDUCTION):
         configured = config.replace(deterministic=deterministic)
-        return jax.jit(lambda q, k, v, o, l, g: sm90_backward.attention_backward(
-            q, k, v, o, l, g, None, {}, configured)[:3])
+        return jax.jit(lambda q, k, v, o, l, g: sm90_backward.backward_with_options(
+            q, k, v, o, l, g, None, {}, configured, dq_reduction=dq_reduction)[:3])
 
     cudnn_forward = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                  implementation="cudnn")
@@ -54,6 +56,9 @@ def backward_section(shape, arguments, args):
     if reason is None:
         candidates["fa4_jax"] = (ours(False), (query, key, value, out, lse, d_out))
         candidates["fa4_jax_deterministic"] = (ours(True), (query, key, value, out, lse, d_out))
+        for other in sm90_backward.DQ_REDUCTIONS:
+            if other != sm90_backward.DQ_REDUCTION:
+                candidates[f"fa4_jax_{other}_dq"] = (ours(False, other), (query, key, value, out, lse, d_out))
     else:
         row["fa4_jax_error"] = f"unsupported: {reason}"
     try:
@@ -74,9 +79,9 @@ def backward_section(shape, arguments, args):
         for label, ours_grad, theirs in zip(("dq", "dk", "dv"), outputs["fa4_jax"], outputs["cudnn"]):
             difference = jnp.abs(ours_grad.astype(jnp.float32) - theirs.astype(jnp.float32))
             row[f"max_abs_diff_{label}_vs_cudnn"] = float(jnp.max(difference))
-    for name in ("fa4_jax", "fa4_jax_deterministic"):
-        if f"{name}_ms" in row and "cudnn_ms" in row:
-            suffix = "" if name == "fa4_jax" else "_deterministic"
+    for name in candidates:
+        if name != "cudnn" and f"{name}_ms" in row and "cudnn_ms" in row:
+            suffix = name[len("fa4_jax"):]
             row[f"ratio{suffix}_vs_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
     return [row]
 

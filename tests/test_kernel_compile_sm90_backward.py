@@ -53,11 +53,14 @@ arguments = [
     fake(i32, (B, Hq, padded // sm90_backward.TILE_M)) if config.deterministic else None,
     fake(dtype, (B, Sk, Hkv, D)), fake(dtype, (B, Sk, Hkv, D)),
 ]
-kernel = sm90_backward.make_kernel(config, spec["dtype"], D, Hq // Hkv)
+kernel = sm90_backward.make_kernel(config, spec["dtype"], D, Hq // Hkv, spec.get("dq_reduction", "red"))
 cute.compile(kernel.__call__, make_fake_stream(), *arguments)
 """
 
 CASES = {
+    "d128-tma-dq": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128], dq_reduction="tma"),
+    "d64-tma-dq-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True),
+                                     shape=[2, 300, 300, 8, 2, 64], dq_reduction="tma"),
     "d128": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128]),
     "d64-causal-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 300, 4, 4, 64],
                             dtype="float16"),
@@ -95,7 +98,10 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
     assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
-    assert re.search(r"red(\.[a-z]+)*\.global(\.[a-z0-9]+)*\.add\.f32", ptx), "no fp32 red.add for dQ"
+    if CASES[name].get("dq_reduction") == "tma":
+        assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"
+    else:
+        assert re.search(r"red(\.[a-z]+)*\.global(\.[a-z0-9]+)*\.add\.f32", ptx), "no fp32 red.add for dQ"
     if CASES[name]["config"].get("deterministic"):
         assert re.search(r"ld(\.[a-z]+)*\.acquire", ptx), "no acquire load for the dQ ordering"
         assert re.search(r"red\.release", ptx) or re.search(r"red(\.[a-z]+)*\.release", ptx)

@@ -48,6 +48,7 @@ TILE_M = 64      # query rows per block
 TILE_N = 128     # keys per CTA (64 per consumer warp group)
 STAGES = 2       # depth of the Q / dO ring
 KERNEL_VERSION = 1   # bump when the generated code changes (part of the compile key)
+DQ_REDUCTION = "red"  # "red" has run on the H200; "tma" waits for its benchmark (see Sm90BackwardKernel)
 
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
@@ -83,6 +84,8 @@ MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
 WARP_GROUP = 128
 DS_READY_BARRIER = 1
 DQ_ORDER_BARRIER = 2
+DQ_STAGING_BARRIER = 3     # 3 and 4: one per consumer warp group
+DQ_REDUCTIONS = ("red", "tma")
 
 
 def transpose_view(tensor):
@@ -141,7 +144,7 @@ class Sm90BackwardKernel:
 
     def __init__(self, dtype_name, head_dim, group, scale, causal, window_left, window_right,
                  softcap, has_segment_ids, has_q_seq_lengths, has_kv_seq_lengths, has_q_start,
-                 q_total, deterministic):
+                 q_total, deterministic, dq_reduction="red"):
         self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
         self.head_dim = head_dim
         self.group = group
@@ -156,6 +159,12 @@ class Sm90BackwardKernel:
         self.has_q_start = has_q_start
         self.q_total = q_total
         self.deterministic = deterministic
+        # How dQ reaches global memory: "red" (each thread's fp32 values, one red.add each; the
+        # path that has run on the H200) or "tma" (staged in shared memory, one bulk tensor
+        # reduce-add per warp group, as FA3 does). Kept side by side until the benchmark decides.
+        if dq_reduction not in DQ_REDUCTIONS:
+            raise ValueError(f"dq_reduction must be one of {DQ_REDUCTIONS}, got {dq_reduction!r}")
+        self.dq_reduction = dq_reduction
         self.tile_m = TILE_M
         self.tile_n = TILE_N
         self.stages = STAGES
@@ -191,7 +200,10 @@ class Sm90BackwardKernel:
         k_layout = k_major_layout(self.dtype, self.tile_n, d, None, min(64, d // 2))
         v_layout = k_major_layout(self.dtype, self.tile_n, d, None, min(64, d))
         ds_layout = mn_major_layout(self.dtype, self.tile_m, self.tile_n, 2)
-        return q_layout, k_layout, v_layout, ds_layout
+        # dQ staging for the TMA reduce: one fp32 [tile_m, D/2] tile per consumer warp group,
+        # 128-byte swizzled so the accumulator stores do not conflict on banks.
+        dq_layout = k_major_layout(Float32, self.tile_m, d // 2, 2, min(32, d // 2))
+        return q_layout, k_layout, v_layout, ds_layout, dq_layout
 
     @cute.jit
     def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
@@ -206,7 +218,7 @@ class Sm90BackwardKernel:
                         for t in (mLSE, mdPsum)]
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
-        q_layout, k_layout, v_layout, ds_layout = self._smem_layouts()
+        q_layout, k_layout, v_layout, ds_layout, dq_layout = self._smem_layouts()
         q_stage_layout = cute.select(q_layout, mode=[0, 1])
 
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
@@ -217,6 +229,12 @@ class Sm90BackwardKernel:
             cpasync.CopyBulkTensorTileG2SOp(), mK, k_layout, (self.tile_n, self.head_dim))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mV, v_layout, (self.tile_n, self.head_dim))
+        tma_dq, tma_mdQ, dq_staging = None, None, 0
+        if const_expr(self.dq_reduction == "tma"):
+            tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
+                (self.tile_m, self.head_dim // 2))
+            dq_staging = cute.cosize(dq_layout)
         self.query_block_bytes = 2 * cute.size_in_bytes(self.dtype, q_stage_layout)
         self.key_block_bytes = (cute.size_in_bytes(self.dtype, k_layout)
                                 + cute.size_in_bytes(self.dtype, v_layout))
@@ -232,20 +250,22 @@ class Sm90BackwardKernel:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], align]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], align]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], align]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_staging], align]
 
         self.shared_storage = SharedStorage
         num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
                     tma_v, tma_mV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mdQacc,
-                    mSem, mdK, mdV, mQ.shape[0], q_layout, k_layout, v_layout, ds_layout).launch(
+                    mSem, mdK, mdV, tma_dq, tma_mdQ, mQ.shape[0], q_layout, k_layout, v_layout,
+                    ds_layout, dq_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mdQacc, mSem, mdK, mdV,
-               q_len_static, q_layout, k_layout, v_layout, ds_layout):
+               tma_dq, mdQ_tma, q_len_static, q_layout, k_layout, v_layout, ds_layout, dq_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -258,6 +278,9 @@ class Sm90BackwardKernel:
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
+        sdQ = None
+        if const_expr(self.dq_reduction == "tma"):
+            sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -302,10 +325,10 @@ class Sm90BackwardKernel:
                               iterations)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
-            self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, query_pipe, key_pipe,
-                          mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, mSem, mdK, mdV, tidx - WARP_GROUP,
-                          n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len,
-                          q_len, q_start)
+            self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, query_pipe,
+                          key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem, mdK,
+                          mdV, tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count,
+                          iterations, offset, kv_len, q_len, q_start)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
@@ -345,9 +368,10 @@ class Sm90BackwardKernel:
             query_state.advance()
 
     @cute.jit
-    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, query_pipe, key_pipe,
-                 mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, mSem, mdK, mdV, tidx, n_block, kv_head,
-                 batch, m_lo, m_count, iterations, offset, kv_len, q_len, q_start):
+    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, query_pipe, key_pipe,
+                 mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem, mdK, mdV, tidx,
+                 n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len, q_len,
+                 q_start):
         d = self.head_dim
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
@@ -466,18 +490,16 @@ class Sm90BackwardKernel:
             query_pipe.consumer_release(query_state)
             query_state.advance()
 
-            gdQ = cute.local_tile(mdQacc[None, None, q_head, batch], (self.tile_m, d),
-                                  (m_block, 0))
-            tdQgdQ = thr_dq.partition_C(gdQ)
-            if const_expr(self.deterministic):
-                self._wait_turn(mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset,
-                                tidx)
-            for e in cutlass.range_constexpr(cute.size(acc_dq)):
-                cute.arch.red(tdQgdQ.iterator + cute.crd2idx(e, tdQgdQ.layout), acc_dq[e],
-                              op="add", dtype=Float32, sem="relaxed", scope="gpu")
-            if const_expr(self.deterministic):
-                self._pass_turn(mSem, batch, q_head, m_block, tidx)
+            if const_expr(self.dq_reduction == "red"):
+                self._add_dq_red(acc_dq, thr_dq, mdQacc, mSem, q_head, batch, m_block, n_block,
+                                 row_start, kv_len, offset, tidx)
+            else:
+                self._add_dq_tma(acc_dq, thr_dq, sdQ, tma_dq, mdQ_tma, mSem, q_head, batch,
+                                 m_block, n_block, row_start, kv_len, offset, tidx)
 
+        if const_expr(self.dq_reduction == "tma"):
+            if (tidx % WARP_GROUP) // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem must outlive the reduce
         self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
 
     @cute.jit
@@ -489,6 +511,53 @@ class Sm90BackwardKernel:
         if probability == 0.0:
             slope = Float32(0.0)
         return slope
+
+    @cute.jit
+    def _add_dq_red(self, acc_dq, thr_dq, mdQacc, mSem, q_head, batch, m_block, n_block, row_start,
+                    kv_len, offset, tidx):
+        """dQ tile += this thread's fp32 values, one red.global.add each."""
+        gdQ = cute.local_tile(mdQacc[None, None, q_head, batch], (self.tile_m, self.head_dim),
+                              (m_block, 0))
+        tdQgdQ = thr_dq.partition_C(gdQ)
+        if const_expr(self.deterministic):
+            self._wait_turn(mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset, tidx)
+        for e in cutlass.range_constexpr(cute.size(acc_dq)):
+            cute.arch.red(tdQgdQ.iterator + cute.crd2idx(e, tdQgdQ.layout), acc_dq[e],
+                          op="add", dtype=Float32, sem="relaxed", scope="gpu")
+        if const_expr(self.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            self._pass_turn(mSem, batch, q_head, m_block, tidx)
+
+    @cute.jit
+    def _add_dq_tma(self, acc_dq, thr_dq, sdQ, tma_dq, mdQ_tma, mSem, q_head, batch, m_block,
+                    n_block, row_start, kv_len, offset, tidx):
+        """dQ tile += the accumulators, staged in shared memory and added by one bulk tensor
+        reduce per warp group (issued by the group's first warp)."""
+        group = tidx // WARP_GROUP
+        issuing_warp = (tidx % WARP_GROUP) // 32 == 0
+        staging = pipeline.NamedBarrier(barrier_id=DQ_STAGING_BARRIER + group,
+                                        num_threads=WARP_GROUP)
+        if issuing_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)   # last reduce has read the buffer
+        staging.arrive_and_wait()
+        # The two [tile_m, D/2] halves viewed as one [tile_m, D] tile: column c in half c // (D/2).
+        cute.autovec_copy(acc_dq, thr_dq.partition_C(cute.group_modes(sdQ, 1, 3)))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        staging.arrive_and_wait()
+        if const_expr(self.deterministic):
+            self._wait_turn(mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset, tidx)
+        gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
+                              (self.tile_m, self.head_dim // 2), (m_block, None))
+        tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
+                                               cute.group_modes(sdQ, 0, 2),
+                                               cute.group_modes(gdQ, 0, 2))
+        if issuing_warp:
+            cute.copy(tma_dq, tdQsdQ[None, group], tdQgdQ[None, group])
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)           # added, not just read
+        if const_expr(self.deterministic):
+            self._pass_turn(mSem, batch, q_head, m_block, tidx)
 
     @cute.jit
     def _wait_turn(self, mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset, tidx):
@@ -505,7 +574,7 @@ class Sm90BackwardKernel:
 
     @cute.jit
     def _pass_turn(self, mSem, batch, q_head, m_block, tidx):
-        cute.arch.fence_acq_rel_gpu()
+        """After both warp groups' additions are complete: let the next key block add."""
         cute.arch.barrier(barrier_id=DQ_ORDER_BARRIER, number_of_threads=self.consumer_threads)
         if tidx == 0:
             flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
@@ -556,24 +625,31 @@ def _sinks_gradient(sinks, lse, dpsum_unpadded):
     return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
 
 
-def _compile_key(config: AttentionConfig, dtype_name, head_dim, group):
-    return ("fa4_jax.sm90_backward", KERNEL_VERSION, dtype_name, head_dim, group, config.scale, config.causal,
-            config.window_left, config.window_right, config.softcap, config.has_segment_ids,
-            config.has_q_seq_lengths, config.has_kv_seq_lengths, config.has_q_start,
-            config.q_total, config.deterministic)
+def _compile_key(config: AttentionConfig, dtype_name, head_dim, group, dq_reduction):
+    return ("fa4_jax.sm90_backward", KERNEL_VERSION, dtype_name, head_dim, group, config.scale,
+            config.causal, config.window_left, config.window_right, config.softcap,
+            config.has_segment_ids, config.has_q_seq_lengths, config.has_kv_seq_lengths,
+            config.has_q_start, config.q_total, config.deterministic, dq_reduction)
 
 
-def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int):
+def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int,
+                dq_reduction: str = DQ_REDUCTION):
     """The configured kernel object (its `__call__` is the cute.jit launcher)."""
     return Sm90BackwardKernel(dtype_name, head_dim, group, config.scale, config.causal,
                               config.window_left, config.window_right, config.softcap,
                               config.has_segment_ids, config.has_q_seq_lengths,
                               config.has_kv_seq_lengths, config.has_q_start, config.q_total,
-                              config.deterministic)
+                              config.deterministic, dq_reduction)
 
 
 def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
+    return backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config)
+
+
+def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig,
+                          dq_reduction: str = DQ_REDUCTION):
+    """`attention_backward` with the kernel's tuning options exposed (tests and benchmarks)."""
     reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
     if reason is not None:
         raise NotImplementedError(reason)
@@ -588,7 +664,7 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
     semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32)
                   if config.deterministic else None)
 
-    kernel = make_kernel(config, dtype_name, head_dim, group)
+    kernel = make_kernel(config, dtype_name, head_dim, group, dq_reduction)
     inputs = (query, key, value, d_out, lse_log2, dpsum,
               optional.get("q_segment_ids"), optional.get("kv_segment_ids"),
               optional.get("q_seq_lengths"), optional.get("kv_seq_lengths"),
@@ -605,7 +681,7 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
 
     results = cutlass_jax.cutlass_call(
         launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
-        compile_key=_compile_key(config, dtype_name, head_dim, group))(*inputs)
+        compile_key=_compile_key(config, dtype_name, head_dim, group, dq_reduction))(*inputs)
     dq_accum, d_key, d_value = results[0], results[-2], results[-1]
     d_query = (dq_accum[:, :q_len] * config.scale).astype(query.dtype)
     d_sinks = None
