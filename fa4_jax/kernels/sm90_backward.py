@@ -9,7 +9,8 @@ Three stages, one obvious place each:
   every query head of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE,
   dP^T = V dO^T, dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and
   dK += dS^T Q with P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in
-  shared memory for dQ = dS K, which it adds into the fp32 accumulator in global memory with `red.add`;
+  shared memory for dQ = dS K, which it adds into the fp32 accumulator in global memory with `red.add`
+  (or, dq_reduction="tma", staged in shared memory and added by one TMA bulk reduce per warp group);
 - postprocess (in `attention_backward`, JAX): dQ scaled and cast, the sinks gradient.
 
 Warp roles: warp group 0 is the producer (one warp issues the TMA loads of K, V once and of Q, dO per
@@ -33,11 +34,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.jax as cutlass_jax
 import cutlass.pipeline as pipeline
-import cutlass.utils as cutlass_utils
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import masking
@@ -271,7 +272,7 @@ class Sm90BackwardKernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group = cute.arch.make_warp_uniform(tidx // WARP_GROUP)
 
-        smem = cutlass_utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
