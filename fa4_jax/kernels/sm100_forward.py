@@ -21,7 +21,7 @@ Hand-offs per query tile i and key block j (mbarriers; the MMA warp signals with
   stats_ready[i] softmax i -> corr.   the row's rescale factor for step j is in shared memory
   p_ready[i]     softmax i + corr. -> MMA   P_i(j) is in TMEM and O_i is rescaled: PV_i(j) may run
   o_full[i]      MMA -> correction    the last PV of the tile has landed
-  stats_final[i] softmax i -> corr.   final row max / row sum in shared memory
+  stats_final[i] softmax i -> corr.   the row's 1/sum and LSE (OnlineSoftmax.finalize) in shared memory
 The MMA warp issues PV_i(j-1) before QK_i(j), so tcgen05's in-order execution keeps P_i(j-1) alive until
 the PV that reads it is done, and S_i's columns can be reused for P without another barrier.
 
@@ -40,11 +40,11 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import jax
-import jax.numpy as jnp
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
+import jax
+import jax.numpy as jnp
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.jax import cutlass_call
@@ -130,8 +130,8 @@ class Sm100ForwardKernel:
         self.softmax = online_softmax.OnlineSoftmax(
             self.scale_log2, threads_per_row=1, rescale_threshold=options.rescale_threshold,
             poly_exp2_every=options.poly_exp2_every)
-        # Masked scores are -inf, which only MUFU.EX2 takes; partial blocks are few, so they skip
-        # the FMA-pipe exp2 (as FA4 does).
+        # Partial (masked) blocks are few: as in FA4 they exponentiate on MUFU.EX2 alone. (A single
+        # step for both kinds of block spills registers with ptxas 13.0 at 192 per softmax thread.)
         self.softmax_on_mufu = online_softmax.OnlineSoftmax(
             self.scale_log2, threads_per_row=1, rescale_threshold=options.rescale_threshold)
 

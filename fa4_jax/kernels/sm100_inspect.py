@@ -124,11 +124,12 @@ def instruction_counts(ptx: str) -> dict:
     return {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
 
 
-def mma_issue_is_elected(ptx: str) -> bool:
-    """Every tcgen05.mma sits behind an elect.sync predicate: one thread of the MMA warp issues it."""
+def issued_by_one_thread(ptx: str) -> bool:
+    """Every tcgen05.mma and tcgen05.commit sits behind an elect.sync predicate: one thread of the
+    MMA warp issues them (a whole warp issuing would run each MMA 32 times)."""
     lines = ptx.splitlines()
     for index, line in enumerate(lines):
-        if "tcgen05.mma." in line:
+        if "tcgen05.mma." in line or "tcgen05.commit." in line:
             window = "\n".join(lines[max(0, index - 40):index])
             if "elect.sync" not in window:
                 return False
@@ -225,7 +226,7 @@ def kernel_record(compiled: dict) -> dict:
     if resources is not None:
         record.update(resources)
     record["instructions"] = instruction_counts(ptx)
-    record["mma_issued_by_one_thread"] = mma_issue_is_elected(ptx)
+    record["tcgen05_issued_by_one_thread"] = issued_by_one_thread(ptx)
     record["local_memory"] = uses_local_memory(ptx)
     return record
 
