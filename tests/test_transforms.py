@@ -129,6 +129,33 @@ def test_vmap_partial_in_axes(inputs, vmapped):
         oracle.assert_close(lse[index], expected_lse, TOLERANCE, f"lse[{index}]", floor=1.0)
 
 
+@pytest.mark.parametrize("vmapped", ["query", "key+value", "sinks", "query+sinks", "q_seq_lengths",
+                                     "query+key+value+sinks+q_seq_lengths"])
+def test_vmap_of_vjp_partial_in_axes(inputs, vmapped):
+    """The backward's batching rule: cotangents always vmapped, the primal operands only where named."""
+    operands, mapped, size = _vmapped_case(inputs, vmapped)
+    d_out = inputs.normal((size, 2, 21, 4, 8))
+    d_lse = inputs.normal((size, 2, 4, 21))
+    names = list(operands)
+
+    def pullback(*arrays):
+        given = dict(zip(names, arrays[:-2]))
+
+        def function(query, key, value, sinks):
+            return _attention_of(dict(given, query=query, key=key, value=value, sinks=sinks))
+        _, vjp = jax.vjp(function, given["query"], given["key"], given["value"], given["sinks"])
+        return vjp(arrays[-2:])
+
+    in_axes = [mapped.get(name) for name in names] + [0, 0]
+    grads = jax.jit(jax.vmap(pullback, in_axes=in_axes))(*operands.values(), d_out, d_lse)
+    for index in range(size):
+        sliced = {name: np.asarray(array[index] if name in mapped else array) for name, array in operands.items()}
+        _check_gradients([grad[index] for grad in grads], sliced["query"], sliced["key"], sliced["value"],
+                         sliced["sinks"], np.asarray(d_out[index]), np.asarray(d_lse[index]),
+                         segment_ids=(sliced["q_segment_ids"], sliced["kv_segment_ids"]),
+                         q_seq_lengths=sliced["q_seq_lengths"], **OPTIONS)
+
+
 def test_vmap_over_a_non_leading_axis_and_out_axes(inputs):
     """Key and value vmapped on their axis 1 (sequence comes after it); results stacked on axis 2."""
     query, key, value, sinks = _small(inputs)
