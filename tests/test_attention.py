@@ -32,7 +32,8 @@ class Case:
     segments: None, "shared" (one [B, S] array, needs Sq == Sk), "pair" (independent query and key
       packings) or "disjoint" (a pair where one query segment has no key: fully masked rows).
     lengths: None, "q", "kv", "both" (random valid prefixes) or "empty" (the last batch has no key).
-    dtype None means the backend's `default_dtype`.
+    dtype None means the backend's `default_dtype`. logit_scale: the standard deviation of the
+    logits (query values are scaled by it); large values stress the online softmax's rescaling.
     """
 
     batch: int = 2
@@ -50,6 +51,7 @@ class Case:
     segments: Optional[str] = None
     lengths: Optional[str] = None
     scale: Optional[float] = None
+    logit_scale: float = 1.5
 
     @property
     def v_dim(self) -> int:
@@ -74,6 +76,8 @@ class Case:
             parts.append(f"len-{self.lengths}")
         if self.scale is not None:
             parts.append(f"scale{self.scale:g}")
+        if self.logit_scale != 1.5:
+            parts.append(f"logits{self.logit_scale:g}")
         return "_".join(parts)
 
 
@@ -189,8 +193,16 @@ FULLY_MASKED_CASES = [
     Case(lengths="empty", sinks=True, softcap=2.0),
 ]
 
+# Peaked softmax over more than one key block (256 in the reference, 128 in kernels): the running
+# maximum changes between blocks, so the online rescaling is exercised.
+PEAKED_CASES = [
+    Case(batch=1, q_len=40, kv_len=300, logit_scale=12.0, sinks=True),
+    Case(batch=1, q_len=300, kv_len=300, logit_scale=12.0, causal=True, softcap=30.0),
+    Case(batch=1, q_len=40, kv_len=300, logit_scale=12.0, dtype="bfloat16"),
+]
+
 ALL_CASES = (SINGLE_FEATURE_CASES + FEATURE_CASES + HEAD_DIM_CASES + DTYPE_CASES + ODD_LENGTH_CASES
-             + FULLY_MASKED_CASES)
+             + FULLY_MASKED_CASES + PEAKED_CASES)
 
 # Small sets for checks that need not sweep every feature.
 SMALL_CASES = [
@@ -232,8 +244,8 @@ class Arguments:
 
 def build_arguments(case: Case, inputs) -> Arguments:
     dtype = DTYPES[case.dtype]
-    # Logits of standard deviation ~1.5 (query scaled): peaked enough that softcap and masking matter.
-    query = inputs.normal((case.batch, case.q_len, case.q_heads, case.head_dim), dtype, scale=1.5)
+    # Logits of standard deviation ~logit_scale (default 1.5: peaked enough that softcap and masking matter).
+    query = inputs.normal((case.batch, case.q_len, case.q_heads, case.head_dim), dtype, scale=case.logit_scale)
     key = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.head_dim), dtype)
     value = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.v_dim), dtype)
     sinks = inputs.normal((case.q_heads,), jnp.float32) if case.sinks else None
