@@ -250,3 +250,33 @@ def test_batch_and_both_sequences_sharded(inputs, pass_name):
     if pass_name == "forward":
         _check_against_oracle(operands, options, *results)
     _check_equal_to_unsharded(pass_name, results, operands, options)
+
+
+@pytest.mark.parametrize("layout", ["batch-heads", "query-sequence"])
+def test_explicit_sharding_types_follow_the_query(inputs, layout):
+    """With Explicit mesh axes the sharding is part of the type: out and lse (and dq) take the query's."""
+    mesh = jax.make_mesh((2, 4), ("batch", "other"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    operands, options = _problem(inputs, batch=2, q_len=32, kv_len=32, q_heads=8, kv_heads=4,
+                                 features=dict(causal=True, sinks=True))
+    if layout == "batch-heads":
+        specs = {"query": PartitionSpec("batch", None, "other"), "key": PartitionSpec("batch", None, "other"),
+                 "value": PartitionSpec("batch", None, "other"), "sinks": PartitionSpec("other")}
+        out_spec, lse_spec = PartitionSpec("batch", None, "other", None), PartitionSpec("batch", "other", None)
+    else:
+        specs = {"query": PartitionSpec("batch", "other")}
+        out_spec, lse_spec = PartitionSpec("batch", "other", None, None), PartitionSpec("batch", None, "other")
+    with jax.set_mesh(mesh):
+        placed = {name: jax.device_put(array, specs.get(name, PartitionSpec())) for name, array in operands.items()}
+        function = _attention(placed, options)
+        out_type, lse_type = jax.eval_shape(function, placed["query"], placed["key"], placed["value"], placed["sinks"])
+        assert (out_type.sharding.spec, lse_type.sharding.spec) == (out_spec, lse_spec)
+        out, lse = jax.jit(function)(placed["query"], placed["key"], placed["value"], placed["sinks"])
+        grads = jax.jit(jax.grad(lambda q, k, v, s: jnp.sum(function(q, k, v, s)[0]), argnums=(0, 1, 2, 3)))(
+            placed["query"], placed["key"], placed["value"], placed["sinks"])
+    assert out.sharding.spec == out_spec and grads[0].sharding.is_equivalent_to(placed["query"].sharding, 4)
+    _check_against_oracle(operands, options, out, lse)
+    expected = oracle.attention_backward(*(np.asarray(operands[name]) for name in ("query", "key", "value")),
+                                         np.ones(out.shape), sinks=np.asarray(operands["sinks"]), **options)
+    for name, grad in zip(("dq", "dk", "dv", "dsinks"), grads):
+        oracle.assert_close(grad, expected[name], TOLERANCE, name,
+                            floor=expected["dsinks_scale"] if name == "dsinks" else 1e-6)
