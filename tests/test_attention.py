@@ -4,7 +4,18 @@
 `implementation` is passed to `fa4_jax.attention`, `default_dtype` fills cases that leave the dtype
 open, `supports(case)` drops what the backend cannot run (at collection, so nothing shows as skipped),
 and `tolerance(case, quantity)` sets how close it must be. `TestReferenceAttention` (the pure-JAX
-path on the CPU) is the first subclass; GPU kernel tests import the base and add `pytestmark = gpu`.
+path on the CPU) is the first subclass; a GPU kernel's tests look like
+
+    from test_attention import AttentionTestBase
+
+    class TestSm90Attention(AttentionTestBase):
+        pytestmark = pytest.mark.gpu
+        implementation = "cute"
+        default_dtype = "bfloat16"
+        has_backward = False  # a forward-only kernel
+
+        def supports(self, case):
+            return case.dtype != "float32" and case.head_dim in (64, 128)
 """
 
 from __future__ import annotations
