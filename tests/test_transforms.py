@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.extend
+import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,6 +59,24 @@ def test_jit_equals_eager(inputs):
     expected = _oracle(query, key, value, sinks, **OPTIONS)
     oracle.assert_close(eager[0], expected[0], TOLERANCE, "out")
     oracle.assert_close(eager[1], expected[1], TOLERANCE, "lse", floor=1.0)
+
+
+def test_eager_calls_reuse_the_compiled_computation(inputs):
+    """A second eager call with the same shapes and options must not compile again."""
+    query, key, value, sinks = _small(inputs)
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    jax.block_until_ready(fa4_jax.attention(query, key, value, sinks=sinks, **OPTIONS))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.block_until_ready(fa4_jax.attention(query, key, value, sinks=sinks, **OPTIONS))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiled, f"the second eager call compiled {len(compiled)} time(s)"
 
 
 def test_grad(inputs):
