@@ -236,6 +236,23 @@ def test_key_value_sequence_sharding_equals_unsharded(inputs, pass_name, feature
 
 
 @pytest.mark.parametrize("pass_name", PASSES)
+def test_query_sequence_over_two_mesh_axes(inputs, pass_name):
+    """Rows split over ("b", "a") of a 2 x 4 mesh: a shard's first global row comes from both axis
+    indices, minor axis last."""
+    mesh = _mesh((2, 4), ("a", "b"))
+    operands, options = _problem(inputs, batch=2, q_len=64, kv_len=48, q_heads=4, kv_heads=2,
+                                 features=dict(causal=True, window=(10, 3), lengths=True))
+    rows = ("b", "a")
+    specs = {"query": PartitionSpec(None, rows), "d_out": PartitionSpec(None, rows),
+             "d_lse": PartitionSpec(None, None, rows)}
+    placed = _place(operands, mesh, specs)
+    _, results = _run(pass_name, placed, options)
+    if pass_name == "forward":
+        _check_against_oracle(operands, options, *results)
+    _check_equal_to_unsharded(pass_name, results, operands, options)
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
 def test_batch_and_both_sequences_sharded(inputs, pass_name):
     """Batch on one mesh axis, query and key sequences on the other, causal with sinks and segments."""
     mesh = _mesh((2, 4), ("batch", "seq"))
