@@ -347,3 +347,20 @@ def test_export_round_trip(inputs):
     grads = jax.jit(jax.grad(lambda *a: jnp.sum(restored.call(*a) * d_out), argnums=(0, 1, 2, 3)))(
         query, key, value, sinks)
     _check_gradients(grads, query, key, value, sinks, d_out, None, **OPTIONS)
+
+
+def test_export_with_a_symbolic_batch(inputs):
+    """One exported artifact serves any batch size (shape polymorphism on the batch axis)."""
+    query_spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 21, 4, 16"), jnp.float32)
+    kv_spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 26, 2, 16"), jnp.float32)
+    value_spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 26, 2, 8"), jnp.float32)
+
+    def function(q, k, v):
+        return fa4_jax.attention(q, k, v, **OPTIONS)
+
+    exported = jax.export.export(jax.jit(function))(query_spec, kv_spec, value_spec)
+    restored = jax.export.deserialize(exported.serialize())
+    for batch in (1, 3):
+        query, key, value, _ = _small(inputs, batch=batch)
+        expected, _ = _oracle(query, key, value, **OPTIONS)
+        oracle.assert_close(restored.call(query, key, value), expected, TOLERANCE, f"out (batch {batch})")
