@@ -351,9 +351,10 @@ def test_export_round_trip(inputs):
 
 def test_export_with_a_symbolic_batch(inputs):
     """One exported artifact serves any batch size (shape polymorphism on the batch axis)."""
-    query_spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 21, 4, 16"), jnp.float32)
-    kv_spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 26, 2, 16"), jnp.float32)
-    value_spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 26, 2, 8"), jnp.float32)
+    (batch_size,) = jax.export.symbolic_shape("b")
+    query_spec = jax.ShapeDtypeStruct((batch_size, 21, 4, 16), jnp.float32)
+    kv_spec = jax.ShapeDtypeStruct((batch_size, 26, 2, 16), jnp.float32)
+    value_spec = jax.ShapeDtypeStruct((batch_size, 26, 2, 8), jnp.float32)
 
     def function(q, k, v):
         return fa4_jax.attention(q, k, v, **OPTIONS)
