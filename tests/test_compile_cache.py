@@ -1,4 +1,4 @@
-"""The on-disk kernel cache: a second process lowers the sm90 kernel from disk, not by compiling.
+"""The on-disk kernel cache: a second process lowers the sm90 kernels from disk, not by compiling.
 
 Lowering for the CUDA platform works on a CPU-only machine (the kernel compiles for sm_90a with the
 DSL's own tools), so this runs in CI. Each process lowers one jitted call and prints the time and a
@@ -29,10 +29,10 @@ print("LOWERED " + json.dumps({"seconds": time.perf_counter() - start,
 """
 
 
-def _lower_in_new_process(cache_directory):
+def _lower_in_new_process(cache_directory, script=_LOWER):
     environment = dict(os.environ, FA4_JAX_CACHE_DIR=str(cache_directory), CUTE_DSL_ARCH="sm_90a",
                        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    process = subprocess.run([sys.executable, "-c", _LOWER], env=environment, capture_output=True, text=True,
+    process = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
                              timeout=600)
     assert process.returncode == 0, process.stderr[-4000:]
     line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
@@ -44,6 +44,34 @@ def test_second_process_loads_the_kernel_from_disk(tmp_path):
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 1 and files[0].endswith(".o")
     warm = _lower_in_new_process(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == files, "the warm process compiled again"
+    assert warm["hlo"] == cold["hlo"], "the cached kernel differs from the compiled one"
+    assert warm["seconds"] < cold["seconds"]
+
+
+_LOWER_BACKWARD = r"""
+import hashlib, json, time
+import jax, jax.numpy as jnp
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import sm90_backward
+query = jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)
+lse = jax.ShapeDtypeStruct((1, 2, 200), jnp.float32)
+config = AttentionConfig(scale=0.125, causal=True, deterministic=True)
+start = time.perf_counter()
+lowered = jax.jit(lambda q, k, v, o, l, g: sm90_backward.attention_backward(q, k, v, o, l, g, None, {}, config)).trace(
+    query, query, query, query, lse, query).lower(lowering_platforms=("cuda",))
+print("LOWERED " + json.dumps({"seconds": time.perf_counter() - start,
+                               "hlo": hashlib.sha256(lowered.as_text().encode()).hexdigest()}))
+"""
+
+
+def test_aliased_outputs_load_from_disk(tmp_path):
+    """The backward updates its dQ accumulator and dQ-order counters in place (input-output aliases):
+    the cache keys and rebuilds those aliases, so a second process loads that kernel from disk too."""
+    cold = _lower_in_new_process(tmp_path, _LOWER_BACKWARD)
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 1 and files[0].endswith(".o")
+    warm = _lower_in_new_process(tmp_path, _LOWER_BACKWARD)
     assert sorted(os.listdir(tmp_path)) == files, "the warm process compiled again"
     assert warm["hlo"] == cold["hlo"], "the cached kernel differs from the compiled one"
     assert warm["seconds"] < cold["seconds"]

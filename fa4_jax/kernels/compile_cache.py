@@ -11,8 +11,11 @@ Directory: $FA4_JAX_CACHE_DIR, else $XDG_CACHE_HOME/fa4_jax/kernels, else ~/.cac
 FA4_JAX_CACHE_DIR="" turns the disk cache off. Anything unexpected (an unwritable directory, a
 changed cutlass-dsl internal) only skips the cache, with one warning: compilation then happens as usual.
 
-This leans on cutlass.jax internals (`build_function_spec`, `_CUTLASS_COMPILE_CACHE`), pinned by the
-project's nvidia-cutlass-dsl version.
+Input-output aliases (the backward's fp32 dQ accumulator and deterministic counters are updated in
+place) are part of the spec and of the file name: pass the same mapping `cutlass_call` gets.
+
+This leans on cutlass.jax internals (`build_function_spec`, `_normalize_input_output_aliases`,
+`_CUTLASS_COMPILE_CACHE`), pinned by the project's nvidia-cutlass-dsl version.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ def _cutlass_version() -> str:
         return str(getattr(cutlass, "__version__", "unknown"))
 
 
-def _function_spec(arguments, outputs):
-    """The spec cutlass_call builds for these inputs and outputs (no aliases, options or kwargs)."""
+def _function_spec(arguments, outputs, input_output_aliases):
+    """The spec cutlass_call builds for these inputs, outputs and aliases (no options or kwargs)."""
     from cutlass.jax import compile as cutlass_compile
     from cutlass.jax import primitive as cutlass_primitive
 
@@ -56,22 +59,25 @@ def _function_spec(arguments, outputs):
     outputs_flat, outputs_tree = jax.tree.flatten(outputs)
     input_specs = cutlass_primitive._resolve_input_spec_flat(None, arguments, arguments_flat)
     output_specs = cutlass_primitive._resolve_spec_flat(None, outputs_flat)
+    # cutlass_call normalises its aliases, then hands build_function_spec a dict of them.
+    aliases = dict(cutlass_compile._normalize_input_output_aliases(input_output_aliases))
     return cutlass_compile.build_function_spec(
-        arguments_flat, arguments_tree, outputs_flat, outputs_tree, input_specs, output_specs, {}, None,
-        False, {})
+        arguments_flat, arguments_tree, outputs_flat, outputs_tree, input_specs, output_specs, aliases,
+        None, False, {})
 
 
 def _file_name(compile_key: Hashable, spec) -> str:
     code_generation_environment = sorted(
         (name, value) for name, value in os.environ.items() if name.startswith("CUTE_DSL_"))
     description = repr((compile_key, spec.in_args, spec.out_args, str(spec.input_tree), str(spec.output_tree),
-                        _cutlass_version(), code_generation_environment))
+                        spec.input_output_aliases, _cutlass_version(), code_generation_environment))
     return hashlib.sha256(description.encode()).hexdigest() + ".o"
 
 
-def prepare(function, arguments, outputs, compile_key: Hashable) -> None:
-    """Make sure `cutlass_call(function, compile_key=compile_key)` on `arguments` finds its kernel
-    compiled: in this process's cache, else loaded from disk, else compiled now and saved."""
+def prepare(function, arguments, outputs, compile_key: Hashable, input_output_aliases=None) -> None:
+    """Make sure `cutlass_call(function, compile_key=compile_key,
+    input_output_aliases=input_output_aliases)` on `arguments` finds its kernel compiled: in this
+    process's cache, else loaded from disk, else compiled now and saved."""
     global _warned
     directory = cache_directory()
     if directory is None:
@@ -79,7 +85,7 @@ def prepare(function, arguments, outputs, compile_key: Hashable) -> None:
     try:
         from cutlass.jax import compile as cutlass_compile
 
-        spec = _function_spec(arguments, outputs)
+        spec = _function_spec(arguments, outputs, input_output_aliases)
         key = cutlass_compile.CompileCacheKey(
             compile_key=compile_key, spec=spec, environment=str(sorted(os.environ.items())))
         if key in cutlass_compile._CUTLASS_COMPILE_CACHE:

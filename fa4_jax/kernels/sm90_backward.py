@@ -41,7 +41,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import masking
+from fa4_jax.kernels import compile_cache, masking
 
 LOG2_E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -680,9 +680,11 @@ def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, c
     def launch(stream, *arrays):
         return kernel(stream, *arrays)
 
+    compile_key = _compile_key(config, dtype_name, head_dim, group, dq_reduction)
+    compile_cache.prepare(launch, inputs, tuple(outputs), compile_key, aliases)
     results = cutlass_jax.cutlass_call(
         launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
-        compile_key=_compile_key(config, dtype_name, head_dim, group, dq_reduction))(*inputs)
+        compile_key=compile_key)(*inputs)
     dq_accum, d_key, d_value = results[0], results[-2], results[-1]
     d_query = (dq_accum[:, :q_len] * config.scale).astype(query.dtype)
     d_sinks = None
