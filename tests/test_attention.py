@@ -202,6 +202,8 @@ FULLY_MASKED_CASES = [
     Case(lengths="q", sinks=True),
     Case(lengths="empty"),
     Case(lengths="empty", sinks=True, softcap=2.0),
+    Case(lengths="empty", causal=True, q_len=131, kv_len=50, dtype="bfloat16"),
+    Case(segments="disjoint", sinks=True, dtype="float16"),
 ]
 
 # Peaked softmax over more than one key block (256 in the reference, 128 in kernels): the running
