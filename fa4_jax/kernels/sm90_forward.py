@@ -13,6 +13,15 @@ Design (one CTA = one 128-row query tile at a time, persistent over tiles):
 - the persistent grid walks tiles through fa4_jax.kernels.tile_scheduler (causal: longest first).
 
 Grouped-query attention maps query head h to key/value head h // (Hq / Hkv).
+
+Tuning options (KernelOptions; the defaults are the configuration verified and timed on the H200, the
+others are candidates measured by benchmarks/attention.py --variants, see docs/sm90_forward_tuning.md):
+- consumer_warpgroups=3: a 192-row query tile, three consumers taking turns on the tensor cores;
+- key_tile: key/value block rows other than the per-head-dim default;
+- q_stages=2: two Q buffers, so the next tile's Q loads while this tile computes;
+- tma_store: O goes registers -> shared memory (stmatrix) -> global memory by TMA store, per
+  warpgroup, the store running on while the next tile computes;
+- pingpong_max_head_dim: the largest head dim that uses the ping-pong scheduler barriers.
 """
 
 from __future__ import annotations
@@ -39,12 +48,14 @@ from fa4_jax.kernels import compile_cache, masking, online_softmax, tile_schedul
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 THREADS_PER_WARPGROUP = 128
-NUM_CONSUMER_WARPGROUPS = 2
-TILE_M = 64 * NUM_CONSUMER_WARPGROUPS
-PRODUCER_REGISTERS = 24
-CONSUMER_REGISTERS = 240
+ROWS_PER_WARPGROUP = 64  # one wgmma M
+# (producer, consumer) registers per thread after setmaxnreg, by number of consumer warpgroups: the
+# total stays within the 64K register file (24 * 128 + 240 * 256 = 24 * 128 + 160 * 384 = 64512).
+REGISTERS = {2: (24, 240), 3: (24, 160)}
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per CTA on sm_90
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; the real count is passed in when a GPU is present.
-SCHEDULER_BARRIER = 1  # named barriers 1 and 2 (0 is __syncthreads)
+SCHEDULER_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup; 0 is __syncthreads)
+EPILOGUE_BARRIER = 4   # named barriers 4..6: one per consumer warpgroup, for the TMA-store epilogue
 KERNEL_VERSION = 2  # bump when the generated code changes, so on-disk caches do not serve stale kernels
 
 # (key tile, pipeline stages) per head dim, sized to fit 227 KiB of shared memory and 240 registers.
@@ -71,14 +82,51 @@ class KernelOptions:
     rescale_threshold: float = 8.0
     poly_exp2_every: int = 0
     pingpong: bool = True
+    # Tuning options (module docstring); the defaults are the GPU-verified configuration.
+    consumer_warpgroups: int = 2
+    key_tile: Optional[int] = None
+    q_stages: int = 1
+    tma_store: bool = False
+    pingpong_max_head_dim: int = 128
+
+    @property
+    def tile_m(self) -> int:
+        return ROWS_PER_WARPGROUP * self.consumer_warpgroups
 
     @property
     def tile_n(self) -> int:
-        return _TILE_N_AND_STAGES[self.head_dim][0]
+        return self.key_tile if self.key_tile is not None else _TILE_N_AND_STAGES[self.head_dim][0]
 
     @property
     def num_stages(self) -> int:
         return _TILE_N_AND_STAGES[self.head_dim][1]
+
+    def shared_memory_bytes(self) -> int:
+        """Shared memory one CTA needs: Q, K, V (and O) buffers, each 1024-byte aligned, and mbarriers."""
+        def aligned(elements):
+            return -(-2 * elements // 1024) * 1024
+        barriers = 8 * (2 * self.q_stages + 4 * self.num_stages)
+        total = barriers + aligned(self.tile_m * self.head_dim * self.q_stages)
+        total += aligned(self.tile_n * self.head_dim * self.num_stages)
+        total += aligned(self.tile_n * self.v_head_dim * self.num_stages)
+        if self.tma_store:
+            total += aligned(self.tile_m * self.v_head_dim)
+        return total + 1024  # the first buffer's alignment after the barriers
+
+    def check(self):
+        """Raise ValueError when these options cannot make a kernel (registers, wgmma shape, shared memory)."""
+        if self.consumer_warpgroups not in REGISTERS:
+            raise ValueError(f"consumer_warpgroups must be one of {sorted(REGISTERS)}")
+        if self.consumer_warpgroups == 3 and self.v_head_dim > 64:
+            # 160 registers per consumer thread: ptxas spills from Dv = 96 on (seen with ptxas 13.0).
+            raise ValueError("three consumer warpgroups fit in registers only for value head dims <= 64")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"key_tile {self.tile_n}: a multiple of 16 in [16, 256] (wgmma N and P V's K)")
+        if self.q_stages not in (1, 2):
+            raise ValueError("q_stages must be 1 or 2")
+        if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
+            raise ValueError(f"{self.shared_memory_bytes()} bytes of shared memory needed, "
+                             f"{SHARED_MEMORY_LIMIT} available")
 
 
 def _cutlass_dtype(name: str):
@@ -142,6 +190,23 @@ def _warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, 
     warpgroup.commit_group()
 
 
+def _shared_storage_struct(dtype, q_stages: int, kv_stages: int, q_elements: int, k_elements: int,
+                           v_elements: int, o_elements: Optional[int]):
+    """The CTA's shared storage: a full/empty mbarrier pair per pipeline stage, then the Q, K, V (and,
+    with the TMA-store epilogue, O) buffers, each 1024-byte aligned for the 128-byte swizzle."""
+    fields = {
+        "q_barriers": cute.struct.MemRange[cutlass.Int64, 2 * q_stages],
+        "k_barriers": cute.struct.MemRange[cutlass.Int64, 2 * kv_stages],
+        "v_barriers": cute.struct.MemRange[cutlass.Int64, 2 * kv_stages],
+        "s_q": cute.struct.Align[cute.struct.MemRange[dtype, q_elements], 1024],
+        "s_k": cute.struct.Align[cute.struct.MemRange[dtype, k_elements], 1024],
+        "s_v": cute.struct.Align[cute.struct.MemRange[dtype, v_elements], 1024],
+    }
+    if o_elements is not None:
+        fields["s_o"] = cute.struct.Align[cute.struct.MemRange[dtype, o_elements], 1024]
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
 def _advanced(state):
     """state.advance(), rebound by the caller: the DSL threads only rebound names out of a dynamic if."""
     state.advance()
@@ -152,17 +217,21 @@ class Sm90ForwardKernel:
     """Warp-specialised TMA + wgmma attention forward for one static configuration."""
 
     def __init__(self, options: KernelOptions):
+        options.check()
         self.options = options
         self.dtype = _cutlass_dtype(options.dtype_name)
         self.head_dim = options.head_dim
         self.v_head_dim = options.v_head_dim
-        self.tile_m = TILE_M
+        self.consumer_warpgroups = options.consumer_warpgroups
+        self.tile_m = options.tile_m
         self.tile_n = options.tile_n
         self.num_stages = options.num_stages
+        self.q_stages = options.q_stages
         self.mask = options.mask
-        self.threads = THREADS_PER_WARPGROUP * (1 + NUM_CONSUMER_WARPGROUPS)
-        self.consumer_threads = THREADS_PER_WARPGROUP * NUM_CONSUMER_WARPGROUPS
-        self.pingpong = options.pingpong and options.head_dim <= 128
+        self.threads = THREADS_PER_WARPGROUP * (1 + self.consumer_warpgroups)
+        self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
+        self.producer_registers, self.consumer_registers = REGISTERS[self.consumer_warpgroups]
+        self.pingpong = options.pingpong and options.head_dim <= options.pingpong_max_head_dim
         # With a softcap the logits are capped before the softmax, so the exp2 scale is just log2(e).
         logit_scale = 1.0 if options.softcap is not None else options.scale
         self.scale_log2 = logit_scale * online_softmax.LOG2_E
@@ -186,36 +255,47 @@ class Sm90ForwardKernel:
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.tile_n))
+            Float32, atom_layout_mnk=(self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.tile_n))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.v_head_dim),
+            Float32, atom_layout_mnk=(self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.v_head_dim),
             a_source=warpgroup.OperandSource.RMEM)
 
-        q_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
+        q_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim,
+                                None if cutlass.const_expr(self.q_stages == 1) else self.q_stages)
         k_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
         v_layout = _smem_layout(self.dtype, self.tile_n, self.v_head_dim, self.num_stages)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_m_q = cpasync.make_tiled_tma_atom(load_op, m_q, q_layout, (self.tile_m, self.head_dim))
+        q_tile_layout = q_layout if cutlass.const_expr(self.q_stages == 1) else cute.select(q_layout, mode=[0, 1])
+        tma_q, tma_m_q = cpasync.make_tiled_tma_atom(load_op, m_q, q_tile_layout, (self.tile_m, self.head_dim))
         tma_k, tma_m_k = cpasync.make_tiled_tma_atom(
             load_op, m_k, cute.select(k_layout, mode=[0, 1]), (self.tile_n, self.head_dim))
         tma_v, tma_m_v = cpasync.make_tiled_tma_atom(
             load_op, m_v, cute.select(v_layout, mode=[0, 1]), (self.tile_n, self.v_head_dim))
-        self.q_bytes = cute.size_in_bytes(self.dtype, q_layout)
+        self.q_bytes = cute.size_in_bytes(self.dtype, q_tile_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(k_layout, mode=[0, 1]))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.select(v_layout, mode=[0, 1]))
 
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], 1024]
-            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], 1024]
+        # TMA-store epilogue: one (64, Dv) shared buffer and one TMA store per consumer warpgroup, and a
+        # one-warpgroup MMA whose C partition says where each thread's O values sit in that buffer.
+        o_layout = None
+        tma_o = None
+        tma_m_o = None
+        tiled_mma_epilogue = None
+        if cutlass.const_expr(self.options.tma_store):
+            o_layout = _smem_layout(self.dtype, ROWS_PER_WARPGROUP, self.v_head_dim, self.consumer_warpgroups)
+            tma_o, tma_m_o = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), m_o, cute.select(o_layout, mode=[0, 1]),
+                (ROWS_PER_WARPGROUP, self.v_head_dim))
+            tiled_mma_epilogue = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+                Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.v_head_dim),
+                a_source=warpgroup.OperandSource.RMEM)
 
-        self.shared_storage = SharedStorage
+        self.shared_storage = _shared_storage_struct(
+            self.dtype, self.q_stages, self.num_stages, cute.cosize(q_layout), cute.cosize(k_layout),
+            cute.cosize(v_layout), None if cutlass.const_expr(o_layout is None) else cute.cosize(o_layout))
 
         num_m_blocks = (m_q.shape[0] + self.tile_m - 1) // self.tile_m
         num_tiles = num_m_blocks * m_q.shape[2] * m_q.shape[3]
@@ -224,7 +304,7 @@ class Sm90ForwardKernel:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_m_q, tma_k, tma_m_k, tma_v, tma_m_v,
             m_o, m_lse, sinks, m_q_segments, m_kv_segments, q_seq_lengths, kv_seq_lengths, q_start,
-            q_layout, k_layout, v_layout,
+            q_layout, k_layout, v_layout, tiled_mma_epilogue, tma_o, tma_m_o, o_layout,
         ).launch(grid=[grid_size, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ----------------------------------------------------------------------------------------------
@@ -236,18 +316,22 @@ class Sm90ForwardKernel:
                sinks: Optional[cute.Tensor], m_q_segments: Optional[cute.Tensor],
                m_kv_segments: Optional[cute.Tensor], q_seq_lengths: Optional[cute.Tensor],
                kv_seq_lengths: Optional[cute.Tensor], q_start: Optional[cute.Tensor],
-               q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout):
+               q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
+               tiled_mma_epilogue: Optional[cute.TiledMma], tma_o: Optional[cute.CopyAtom],
+               m_o_tma: Optional[cute.Tensor], o_layout: Optional[cute.ComposedLayout]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(tma_o is not None):
+                cpasync.prefetch_descriptor(tma_o)
 
         storage = SmemAllocator().allocate(self.shared_storage)
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage once per warp (PipelineTmaAsync signals from one lane per warp).
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
         pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_barriers.data_ptr(), num_stages=1, producer_group=producer_group,
+            barrier_storage=storage.q_barriers.data_ptr(), num_stages=self.q_stages, producer_group=producer_group,
             consumer_group=consumer_group, tx_count=self.q_bytes, defer_sync=True)
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.k_barriers.data_ptr(), num_stages=self.num_stages,
@@ -262,6 +346,9 @@ class Sm90ForwardKernel:
         s_q = storage.s_q.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         s_k = storage.s_k.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         s_v = storage.s_v.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        s_o = None
+        if cutlass.const_expr(o_layout is not None):
+            s_o = storage.s_o.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         cute.arch.sync_threads()
 
         num_m_blocks = (m_q.shape[0] + self.tile_m - 1) // self.tile_m
@@ -270,16 +357,17 @@ class Sm90ForwardKernel:
         num_tiles = num_m_blocks * num_heads * batch
 
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 self.produce(tma_q, m_q, tma_k, m_k, tma_v, m_v, s_q, s_k, s_v,
                              pipeline_q, pipeline_k, pipeline_v, q_seq_lengths, kv_seq_lengths,
                              q_start, num_m_blocks, num_tiles)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            cute.arch.setmaxregister_increase(self.consumer_registers)
             self.consume(tiled_mma_qk, tiled_mma_pv, m_q, m_k, m_o, m_lse, s_q, s_k, s_v,
                          pipeline_q, pipeline_k, pipeline_v, sinks, m_q_segments, m_kv_segments,
-                         q_seq_lengths, kv_seq_lengths, q_start, num_m_blocks, num_tiles)
+                         q_seq_lengths, kv_seq_lengths, q_start, num_m_blocks, num_tiles,
+                         tiled_mma_epilogue, tma_o, m_o_tma, s_o)
 
     @cute.jit
     def tile_bounds(self, m_block: Int32, batch_index: Int32, q_len_static: Int32, kv_len_static: Int32,
@@ -313,7 +401,7 @@ class Sm90ForwardKernel:
                 q_seq_lengths: Optional[cute.Tensor], kv_seq_lengths: Optional[cute.Tensor],
                 q_start: Optional[cute.Tensor], num_m_blocks: Int32, num_tiles: Int32):
         """Producer warp: TMA loads of Q once per tile and of the visible K/V blocks, last first."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         # K and V of one key block share a stage index; V runs one block behind K within a tile.
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -328,6 +416,8 @@ class Sm90ForwardKernel:
             g_q = cute.local_tile(m_q[None, None, head, batch_index], (self.tile_m, self.head_dim), (m_block, 0))
             t_q_smem, t_q_gmem = cpasync.tma_partition(
                 tma_q, 0, cute.make_layout(1), cute.group_modes(s_q, 0, 2), cute.group_modes(g_q, 0, 2))
+            if cutlass.const_expr(self.q_stages > 1):
+                t_q_smem = t_q_smem[None, q_state.index]
             g_k = cute.local_tile(m_k[None, None, head_kv, batch_index], (self.tile_n, self.head_dim), (None, 0))
             t_k_smem, t_k_gmem = cpasync.tma_partition(
                 tma_k, 0, cute.make_layout(1), cute.group_modes(s_k, 0, 2), cute.group_modes(g_k, 0, 2))
@@ -367,7 +457,8 @@ class Sm90ForwardKernel:
                 sinks: Optional[cute.Tensor], m_q_segments: Optional[cute.Tensor],
                 m_kv_segments: Optional[cute.Tensor], q_seq_lengths: Optional[cute.Tensor],
                 kv_seq_lengths: Optional[cute.Tensor], q_start: Optional[cute.Tensor],
-                num_m_blocks: Int32, num_tiles: Int32):
+                num_m_blocks: Int32, num_tiles: Int32, tiled_mma_epilogue: Optional[cute.TiledMma],
+                tma_o: Optional[cute.CopyAtom], m_o_tma: Optional[cute.Tensor], s_o: Optional[cute.Tensor]):
         """Consumer warpgroups: S = QK^T, mask, online softmax, O += PV, epilogue."""
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
         warpgroup_index = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -399,7 +490,7 @@ class Sm90ForwardKernel:
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         output_scale = cute.make_rmem_tensor(num_rows, Float32)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         self.scheduler_start(warpgroup_index)
@@ -418,12 +509,15 @@ class Sm90ForwardKernel:
             online_softmax.OnlineSoftmax.reset(row_max, row_sum)
             acc_o.fill(0.0)
             pipeline_q.consumer_wait(q_state)
+            frag_q_tile = frag_q
+            if cutlass.const_expr(self.q_stages > 1):
+                frag_q_tile = frag_q[None, None, None, q_state.index]
             num_blocks = end - first
             if num_blocks > 0:
                 # First block: S = Q K^T alone, then its probabilities become the P of the next step.
                 acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
                 pipeline_k.consumer_wait(kv_state)
-                _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, kv_state.index], True)
+                _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
                 warpgroup.wait_group(0)
                 pipeline_k.consumer_release(kv_state)
                 self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1, row_start, kv_len,
@@ -437,7 +531,7 @@ class Sm90ForwardKernel:
                     acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
                     pipeline_k.consumer_wait(kv_state)
                     self.scheduler_wait(warpgroup_index)
-                    _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, kv_state.index], True)
+                    _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
                     pipeline_v.consumer_wait(v_state)
                     _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
                     self.scheduler_signal(warpgroup_index)
@@ -465,8 +559,17 @@ class Sm90ForwardKernel:
                 sink_logit = Float32(sinks[head])
             self.softmax.finalize(row_max, row_sum, sink_logit, lse_rows, output_scale)
             online_softmax.rescale_rows(acc_o_mn, output_scale, False)
-            self.store_tile(acc_o, coords_o, lse_rows, m_o, m_lse, thread_mma_pv, m_block, head, batch_index)
+            if cutlass.const_expr(self.options.tma_store):
+                self.store_tile_through_shared(acc_o, tiled_mma_epilogue, tma_o, m_o_tma, s_o,
+                                               warpgroup_index, m_block, head, batch_index)
+                self.store_lse(coords_o, lse_rows, m_o, m_lse, m_block, head, batch_index)
+            else:
+                self.store_tile(acc_o, coords_o, lse_rows, m_o, m_lse, thread_mma_pv, m_block, head, batch_index)
             tile += cute.arch.grid_dim()[0]
+        if cutlass.const_expr(self.options.tma_store):
+            # Shared memory must outlive the last TMA store's reads of it.
+            if tidx % THREADS_PER_WARPGROUP == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def scores_to_probabilities(self, acc_s: cute.Tensor, row_max: cute.Tensor,
@@ -484,26 +587,34 @@ class Sm90ForwardKernel:
                                kv_len, q_len, offset, local_row_start, q_segments, kv_segments)
         self.softmax.step(acc_s_mn, row_max, row_sum, row_scale)
 
-    # Ping-pong between the two consumer warpgroups (named barriers 1 and 2, 256 threads each):
-    # a warpgroup waits on its own barrier before issuing its GEMMs and then releases the other's,
-    # so one warpgroup's softmax runs while the other's GEMMs own the tensor cores.
+    # Ping-pong between the consumer warpgroups (named barriers 1.., one per warpgroup, 256 threads:
+    # the waiting warpgroup and the one releasing it): a warpgroup waits on its own barrier before
+    # issuing its GEMMs and then releases the next one's, round robin, so the softmax of one
+    # warpgroup runs while another's GEMMs own the tensor cores.
     @cute.jit
     def scheduler_start(self, warpgroup_index: Int32):
         if cutlass.const_expr(self.pingpong):
             if warpgroup_index == 0:
-                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=self.consumer_threads)
+                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * THREADS_PER_WARPGROUP)
 
     @cute.jit
     def scheduler_wait(self, warpgroup_index: Int32):
         if cutlass.const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + warpgroup_index,
-                              number_of_threads=self.consumer_threads)
+                              number_of_threads=2 * THREADS_PER_WARPGROUP)
 
     @cute.jit
     def scheduler_signal(self, warpgroup_index: Int32):
         if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 1 - warpgroup_index,
-                                     number_of_threads=self.consumer_threads)
+            if cutlass.const_expr(self.consumer_warpgroups == 2):
+                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 1 - warpgroup_index,
+                                         number_of_threads=2 * THREADS_PER_WARPGROUP)
+            else:
+                next_warpgroup = warpgroup_index + 1
+                if next_warpgroup == self.consumer_warpgroups:
+                    next_warpgroup = 0
+                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + next_warpgroup,
+                                         number_of_threads=2 * THREADS_PER_WARPGROUP)
 
     @cute.jit
     def store_tile(self, acc_o: cute.Tensor, coords_o: cute.Tensor, lse_rows: cute.Tensor,
@@ -520,11 +631,50 @@ class Sm90ForwardKernel:
             if coords_o[r, 0][0] < rows_left:
                 for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
                     t_g_o[r, c] = out_mn[r, c]
+        self.store_lse(coords_o, lse_rows, m_o, m_lse, m_block, head, batch_index)
+
+    @cute.jit
+    def store_lse(self, coords_o: cute.Tensor, lse_rows: cute.Tensor, m_o: cute.Tensor, m_lse: cute.Tensor,
+                  m_block: Int32, head: Int32, batch_index: Int32):
+        """LSE of this thread's rows, from the one lane of each quad that holds column 0."""
+        rows_left = m_o.shape[0] - m_block * self.tile_m
         if coords_o[0, 0][1] == 0:
             g_lse = m_lse[None, head, batch_index]
-            for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
+            for r in cutlass.range_constexpr(cute.size(lse_rows)):
                 if coords_o[r, 0][0] < rows_left:
                     g_lse[m_block * self.tile_m + coords_o[r, 0][0]] = lse_rows[r]
+
+    @cute.jit
+    def store_tile_through_shared(self, acc_o: cute.Tensor, tiled_mma_epilogue: cute.TiledMma,
+                                  tma_o: cute.CopyAtom, m_o_tma: cute.Tensor, s_o: cute.Tensor,
+                                  warpgroup_index: Int32, m_block: Int32, head: Int32, batch_index: Int32):
+        """This warpgroup's 64 rows of O: registers -> its shared buffer (stmatrix) -> TMA store.
+
+        The store is left in flight; the buffer is reused one tile later, after waiting for the TMA
+        unit to have read it. Rows past Sq are clipped by the TMA unit.
+        """
+        lane_in_warpgroup = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
+        barrier_id = EPILOGUE_BARRIER + warpgroup_index
+        if lane_in_warpgroup == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
+        out_rows = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+        out_rows.store(acc_o.load().to(self.dtype))
+        s_o_warpgroup = s_o[None, None, warpgroup_index]
+        store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+        tiled_store = cute.make_tiled_copy_C(store_atom, tiled_mma_epilogue)
+        thread_store = tiled_store.get_slice(lane_in_warpgroup)
+        cute.copy(tiled_store, thread_store.retile(out_rows), thread_store.partition_D(s_o_warpgroup))
+        # stmatrix writes through the generic proxy; the TMA unit reads through the async proxy.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
+        if lane_in_warpgroup == 0:
+            g_o = cute.local_tile(m_o_tma[None, None, head, batch_index], (ROWS_PER_WARPGROUP, self.v_head_dim),
+                                  (m_block * self.consumer_warpgroups + warpgroup_index, 0))
+            t_o_smem, t_o_gmem = cpasync.tma_partition(
+                tma_o, 0, cute.make_layout(1), cute.group_modes(s_o_warpgroup, 0, 2), cute.group_modes(g_o, 0, 2))
+            cute.copy(tma_o, t_o_smem, t_o_gmem)
+            cute.arch.cp_async_bulk_commit_group()
 
 
 # --------------------------------------------------------------------------------------------------
