@@ -38,9 +38,14 @@ CASES = {
         shape=[1, 512, 2048, 4, 4, 128]),
 }
 
-# ptxas spill stores allowed per configuration. With a sliding window and 128-key blocks the
-# correction warpgroup's 80 registers run 12-16 bytes short (seen with ptxas 13.0).
-SPILL_ALLOWANCE = {"d128-window-sharded-query": 32}
+
+def spill_allowance(spec: dict) -> int:
+    """ptxas spill-store bytes tolerated: 0, except with a sliding window (and softcap) at 128-key
+    blocks (head dim <= 128), where ptxas 13.0 spills 4-8 bytes of loop state around the masked path."""
+    config = spec["config"]
+    windowed = config.get("window_left") is not None or config.get("window_right") is not None
+    return 32 if windowed and spec["shape"][-1] <= 128 else 0
+
 
 SMEM_CAPACITY = 227 * 1024
 
@@ -77,7 +82,7 @@ def check_kernel(name: str, spec: dict, compiled: dict):
 
     resources = sm100_inspect.ptxas_resources(compiled["ptx_path"])
     if resources is not None:
-        assert resources["spill_store_bytes"] <= SPILL_ALLOWANCE.get(name, 0), (name, resources)
+        assert resources["spill_store_bytes"] <= spill_allowance(spec), (name, resources)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -86,13 +91,23 @@ def test_compiles_to_the_fa4_design(name, tmp_path):
     check_kernel(name, CASES[name], compiled)
 
 
-# Exhaustive: head dims x causal x GQA x dtype, one subprocess per head dim.
+# Exhaustive: head dims x causal x GQA x dtype, plus each head dim with the feature paths; one
+# subprocess per head dim.
+FEATURES = {
+    "window-softcap-sinks": dict(window_left=300, window_right=20, softcap=30.0, has_sinks=True),
+    "segments-lengths-causal": dict(causal=True, has_segment_ids=True, has_q_seq_lengths=True,
+                                    has_kv_seq_lengths=True),
+    "sharded-query-causal": dict(causal=True, has_q_start=True, q_total=4000),
+}
 GRID = {
     head_dim: {
-        f"d{head_dim}-{'causal' if causal else 'full'}-{'gqa' if group > 1 else 'mha'}-{dtype}": dict(
+        **{f"d{head_dim}-{'causal' if causal else 'full'}-{'gqa' if group > 1 else 'mha'}-{dtype}": dict(
             config=dict(scale=head_dim ** -0.5, causal=causal),
             shape=[2, 1000, 1200, 8, 8 // group, head_dim], dtype=dtype)
-        for causal in (False, True) for group in (1, 4) for dtype in ("bfloat16", "float16")
+           for causal in (False, True) for group in (1, 4) for dtype in ("bfloat16", "float16")},
+        **{f"d{head_dim}-{feature}": dict(config=dict(scale=head_dim ** -0.5, **config),
+                                          shape=[2, 1000, 4000, 8, 2, head_dim])
+           for feature, config in FEATURES.items()},
     }
     for head_dim in sm100_forward.SUPPORTED_HEAD_DIMS
 }

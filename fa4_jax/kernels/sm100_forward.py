@@ -650,20 +650,12 @@ class Sm100ForwardKernel:
                                        n_block * self.n_block, kv_len, q_len, offset,
                                        local_row_start, q_segments, kv_segments)
                     self.softmax_on_mufu.step(scores_mn, row_max, row_sum, scale_rows)
+                    self.hand_over_p(tLrS, tiled_store, tSTtP, tSTcP, scale_rows, row_scale, row,
+                                     stage, stats_ready, p_ready)
                 else:
                     self.softmax.step(scores_mn, row_max, row_sum, scale_rows)
-                row_scale[row, stage] = scale_rows[0]
-                cute.arch.mbarrier_arrive(stats_ready + stage)
-                # Convert and store P a 32-score chunk at a time, so each chunk's fp32 registers
-                # die as soon as its packed half is in TMEM.
-                for k in cutlass.range_constexpr(cute.size(tLrS, mode=[1])):
-                    scores = tLrS[None, k, None, None]
-                    packed = cute.make_rmem_tensor(tSTcP[None, None, k].shape, Float32)
-                    cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype),
-                                     scores.layout).store(scores.load().to(self.dtype))
-                    cute.copy(tiled_store, packed, tSTtP[None, None, k])
-                cute.arch.fence_view_async_tmem_store()
-                cute.arch.mbarrier_arrive(p_ready + stage)
+                    self.hand_over_p(tLrS, tiled_store, tSTtP, tSTcP, scale_rows, row_scale, row,
+                                     stage, stats_ready, p_ready)
             sink_logit = None
             if const_expr(self.options.has_sinks):
                 sink_logit = Float32(mSinks[head])
@@ -672,6 +664,26 @@ class Sm100ForwardKernel:
             row_stats[row, 1, stage] = lse_rows[0]
             cute.arch.mbarrier_arrive(stats_final + stage)
             tile_index += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def hand_over_p(self, tLrS, tiled_store, tSTtP, tSTcP, scale_rows, row_scale, row, stage,
+                    stats_ready, p_ready):
+        """Publish the row's rescale factor to the correction warpgroup, then P into TMEM for the MMA.
+
+        Called inside each branch of the softmax (masked / unmasked block) rather than after their
+        join, where ptxas would have to reconcile two register assignments of the row's scores."""
+        row_scale[row, stage] = scale_rows[0]
+        cute.arch.mbarrier_arrive(stats_ready + stage)
+        # Convert and store P a 32-score chunk at a time, so each chunk's fp32 registers die as soon
+        # as its packed half is in TMEM.
+        for k in cutlass.range_constexpr(cute.size(tLrS, mode=[1])):
+            scores = tLrS[None, k, None, None]
+            packed = cute.make_rmem_tensor(tSTcP[None, None, k].shape, Float32)
+            cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype),
+                             scores.layout).store(scores.load().to(self.dtype))
+            cute.copy(tiled_store, packed, tSTtP[None, None, k])
+        cute.arch.fence_view_async_tmem_store()
+        cute.arch.mbarrier_arrive(p_ready + stage)
 
     # ------------------------------------------------------------------------------------------
     # Correction warpgroup: rescale O_i in TMEM when a row's max moved, then normalise O into smem
