@@ -25,7 +25,7 @@ from fa4_jax.kernels import sm100_forward, sm100_inspect
 CASES = {
     "d64-causal-gqa-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 1000, 1000, 8, 2, 64],
                                 dtype="float16"),
-    "d128-gqa": dict(config=dict(scale=128 ** -0.5), shape=[2, 1024, 1024, 16, 2, 128]),
+    "d96-gqa": dict(config=dict(scale=96 ** -0.5), shape=[2, 1024, 1024, 16, 2, 96]),
     "d192-causal-softcap-sinks": dict(
         config=dict(scale=192 ** -0.5, causal=True, softcap=30.0, has_sinks=True),
         shape=[1, 777, 900, 4, 4, 192]),
@@ -153,7 +153,7 @@ class _Dtype:
 
 @pytest.mark.parametrize("shapes, dtype, config, fragment", [
     (((1, 128, 4, 64), (1, 128, 4, 64), (1, 128, 4, 64)), "float32", {}, "bfloat16 or float16"),
-    (((1, 128, 4, 96), (1, 128, 4, 96), (1, 128, 4, 96)), "bfloat16", {}, "head dims"),
+    (((1, 128, 4, 80), (1, 128, 4, 80), (1, 128, 4, 80)), "bfloat16", {}, "head dims"),
     (((1, 128, 4, 128), (1, 128, 4, 128), (1, 128, 4, 64)), "bfloat16", {}, "value head dim"),
     (((1, 128, 6, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "bfloat16", {}, "multiple"),
     (((1, 0, 4, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "bfloat16", {}, "non-empty"),

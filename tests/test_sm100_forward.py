@@ -2,8 +2,8 @@
 
 No such GPU has been available: these tests have never run. They are the sm90 forward grid
 (tests/test_sm90_forward.py: same cases, same NaN-poisoned outputs, same tolerances), restricted to
-the head dims the sm100 kernel takes and pointed at it through `fa4_jax.attention(implementation=
-"cute")`, which the CUDA dispatch routes to fa4_jax.kernels.sm100_forward on 10.x; plus the lazy
+the head dims the sm100 kernel takes (today all of them) and pointed at it through
+`fa4_jax.attention(implementation="cute")`, which the CUDA dispatch routes to fa4_jax.kernels.sm100_forward on 10.x; plus the lazy
 rescale / polynomial exp2 settings. They are skipped on every other machine, including the H200.
 """
 

@@ -52,7 +52,7 @@ from cutlass.jax import cutlass_call
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import compile_cache, masking, online_softmax, tile_scheduler
 
-SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 TMEM_COLUMNS = 512
 THREADS_PER_WARP = 32
 ROWS_PER_TILE = 128
@@ -70,8 +70,8 @@ def _tile_shape(head_dim: int) -> tuple[int, int]:
     """(query tiles per CTA, key block) per head dim, from the 512-column TMEM budget.
 
     Two ping-ponged tiles need 2 x (key block + d) columns: d <= 128 fits 128-key blocks, d = 192
-    fits 64-key blocks, d = 256 leaves room for one tile only (its 64-key blocks keep 3 K/V stages
-    in shared memory).
+    fits 64-key blocks, d = 256 leaves room for one tile only (64-key blocks, to keep 2 K/V stages
+    in shared memory next to Q and the O staging tile).
     """
     if head_dim <= 128:
         return 2, 128

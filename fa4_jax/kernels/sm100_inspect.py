@@ -175,7 +175,7 @@ REPORT_PATH = os.path.join(REPO, "benchmarks", "results", "sm100_compile_report.
 REPORT_SPECS = {
     **{f"d{d}{'-causal' if causal else ''}": dict(
         config=dict(scale=d ** -0.5, causal=causal), shape=[2, 2048, 2048, 16, 4, d])
-       for d in (64, 128, 192, 256) for causal in (False, True)},
+       for d in (64, 96, 128, 192, 256) for causal in (False, True)},
     "d128-fp16": dict(config=dict(scale=128 ** -0.5), shape=[2, 2048, 2048, 16, 16, 128],
                       dtype="float16"),
     "d128-window-softcap-sinks": dict(
