@@ -83,10 +83,16 @@ for _p in (attention_bwd_p, attention_bwd_inner_p):
     _p.def_abstract_eval(_backward_abstract_eval)
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(primitive, params: tuple):
+    return jax.jit(functools.partial(primitive.bind, **dict(params)))
+
+
 def _eager(primitive):
-    """Eager calls run the primitive under jit (there is no op-by-op implementation)."""
+    """Eager calls run the primitive under jit (there is no op-by-op implementation), one jitted
+    function per parameter set so that repeated calls reuse the compiled computation."""
     def impl(*operands, **params):
-        return jax.jit(functools.partial(primitive.bind, **params))(*operands)
+        return _jitted_bind(primitive, tuple(sorted(params.items())))(*operands)
     return impl
 
 
