@@ -9,10 +9,19 @@ D in {64, 128, 256}, causal and not, bf16.
 
 Usage:
     python benchmarks/attention.py --out results.json [--sections forward] [--quick]
+    python benchmarks/attention.py --variants --out variants.json    (sm90 tuning sweep, below)
     python benchmarks/attention.py --plot results.json --png results.png   (no GPU needed)
 
 Sections are functions in SECTIONS: name -> callable(shape, inputs, args) -> list of row dicts. A
 backward section is added by writing one more such function and registering it.
+
+--variants: the Hopper forward kernel's tuning options (SM90_FORWARD_VARIANTS) on the rows that were
+below the bar (VARIANT_ROWS), each next to cuDNN on the same inputs in the same process; the default
+configuration is timed first and again last on every row, so the JSON carries the run's own noise.
+See docs/sm90_forward_tuning.md for what each variant is and what it is predicted to do.
+
+The git revision comes from $FA4_GIT_REVISION when set (the device copy of the tree has no .git),
+else from `git rev-parse HEAD`.
 """
 
 from __future__ import annotations
@@ -91,6 +100,91 @@ def forward_section(shape, arguments, args):
 
 SECTIONS = {"forward": forward_section}
 
+# Hopper forward tuning candidates: name -> (KernelOptions overrides, head dims it applies to, causal
+# settings it applies to). "default" is the GPU-verified configuration every candidate is compared with.
+SM90_FORWARD_VARIANTS = {
+    "default": ({}, (64, 128, 256), (False, True)),
+    "wg3": ({"consumer_warpgroups": 3}, (64,), (False, True)),
+    "wg3-q2-tma": ({"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True}, (64,), (False, True)),
+    "q2-tma": ({"q_stages": 2, "tma_store": True}, (64, 128), (False, True)),
+    "tma": ({"tma_store": True}, (128,), (True,)),
+    "q2": ({"q_stages": 2}, (128,), (True,)),
+    "key-tile-176": ({"key_tile": 176}, (128,), (False,)),
+    "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,), (True,)),
+    "poly-exp2-every-2": ({"poly_exp2_every": 2}, (64,), (False,)),
+}
+
+# (head_dim, causal, seq_len) rows below 0.9x cuDNN in benchmarks/results/forward_h200.json (rev 881b6c0),
+# plus D=128 non-causal S=16k, at the bar, to see whether a candidate costs where it is not needed.
+VARIANT_ROWS = (
+    [(64, causal, length) for causal in (False, True) for length in SEQUENCE_LENGTHS]
+    + [(128, True, 1024), (128, True, 2048), (128, True, 4096), (128, False, 1024), (128, False, 16384)]
+    + [(256, True, 1024), (256, True, 2048)]
+)
+VARIANT_ONLY = {"poly-exp2-every-2": {1024, 16384}}  # sequence lengths, where a variant is sampled only
+
+
+def variants_for(head_dim: int, causal: bool, seq_len: int):
+    """The SM90_FORWARD_VARIANTS names that apply to one row, default first."""
+    return [name for name, (_, head_dims, causal_settings) in SM90_FORWARD_VARIANTS.items()
+            if head_dim in head_dims and causal in causal_settings
+            and seq_len in VARIANT_ONLY.get(name, {seq_len})]
+
+
+def variant_shapes():
+    for head_dim, causal, length in VARIANT_ROWS:
+        yield dict(batch=TOKENS // length, seq_len=length, heads=MODEL_WIDTH // head_dim,
+                   head_dim=head_dim, causal=causal)
+
+
+def forward_variants_section(shape, arguments, args):
+    """cuDNN once, then the sm90 kernel with each applicable variant; default first and last."""
+    import jax
+    import jax.numpy as jnp
+    from fa4_jax.config import AttentionConfig
+    from fa4_jax.kernels import sm90_forward
+
+    causal = shape["causal"]
+    config = AttentionConfig(scale=shape["head_dim"] ** -0.5, causal=causal)
+    reference, cudnn_ms = _median_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn")), arguments, args.iterations)
+    names = variants_for(shape["head_dim"], causal, shape["seq_len"])
+    rows = []
+    for name in names + ["default"]:
+        overrides = SM90_FORWARD_VARIANTS[name][0]
+        row = dict(section="forward_variant", variant=name, overrides=overrides, cudnn_ms=cudnn_ms,
+                   cudnn_tflops=forward_flops(shape) / (cudnn_ms * 1e-3) / 1e12, **shape)
+        if name == "default" and rows:
+            row["repeat"] = True
+        function = jax.jit(lambda q, k, v, overrides=overrides: sm90_forward.forward_with_options(
+            q, k, v, {}, config, **overrides)[0])
+        try:
+            out, milliseconds = _median_ms(function, arguments, args.iterations)
+        except Exception as error:  # one failing variant must not hide the others
+            row["fa4_jax_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            rows.append(row)
+            continue
+        row["fa4_jax_ms"] = milliseconds
+        row["fa4_jax_tflops"] = forward_flops(shape) / (milliseconds * 1e-3) / 1e12
+        row["ratio_vs_cudnn"] = cudnn_ms / milliseconds
+        row["max_abs_diff_vs_cudnn"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32))))
+        rows.append(row)
+    return rows
+
+
+def variant_summary(rows):
+    """One line per row: default's ratio (first and repeat timing), the best variant and its ratio."""
+    lines = []
+    keys = sorted({(r["head_dim"], r["causal"], r["seq_len"]) for r in rows if r["section"] == "forward_variant"})
+    for head_dim, causal, seq_len in keys:
+        timed = [r for r in rows if r["section"] == "forward_variant" and "ratio_vs_cudnn" in r
+                 and (r["head_dim"], r["causal"], r["seq_len"]) == (head_dim, causal, seq_len)]
+        defaults = [f"{r['ratio_vs_cudnn']:.3f}" for r in timed if r["variant"] == "default"]
+        best = max(timed, key=lambda r: r["ratio_vs_cudnn"], default=None)
+        best_text = f"best {best['variant']} {best['ratio_vs_cudnn']:.3f}" if best else "no timings"
+        lines.append(f"D={head_dim:3d} causal={int(causal)} S={seq_len:5d}  default {'/'.join(defaults):11s} {best_text}")
+    return "\n".join(lines)
+
 
 def _versions():
     import jax
@@ -129,17 +223,25 @@ def run(args):
                   timing="CUPTI kernel time, median of iterations (jax.experimental.mosaic.gpu.profiler.measure)",
                   flops="forward 4*B*H*Sq*Sk*D, halved when causal", dtype="bfloat16", rows=[])
     key = jax.random.key(0)
-    for shape in shapes(args.quick):
+    sections = args.sections
+    shape_list = shapes(args.quick)
+    if args.variants:
+        sections = ["forward_variants"]
+        shape_list = variant_shapes()
+        report["timing"] += "; sm90 variants: default timed first and again last on each row (repeat=true)"
+    for shape in shape_list:
         key, *subkeys = jax.random.split(key, 4)
         dims = (shape["batch"], shape["seq_len"], shape["heads"], shape["head_dim"])
         arguments = [jax.random.normal(k, dims, jnp.float32).astype(jnp.bfloat16) for k in subkeys]
-        for section in args.sections:
-            for row in SECTIONS[section](shape, arguments, args):
+        for section in sections:
+            for row in dict(SECTIONS, forward_variants=forward_variants_section)[section](shape, arguments, args):
                 report["rows"].append(row)
                 print(_format_row(row), flush=True)
         del arguments
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
+    if args.variants:
+        print(variant_summary(report["rows"]))
     print(f"wrote {args.out}")
     return report
 
@@ -147,6 +249,12 @@ def run(args):
 def _format_row(row):
     def number(name, fmt="{:7.1f}"):
         return fmt.format(row[name]) if name in row else "   -   "
+    if row["section"] == "forward_variant":
+        return (f"variant  D={row['head_dim']:3d} S={row['seq_len']:5d} causal={int(row['causal'])} "
+                f"{row['variant'] + (' (repeat)' if row.get('repeat') else ''):22s} fa4 {number('fa4_jax_tflops')} "
+                f"cudnn {number('cudnn_tflops')} TFLOP/s  ratio {number('ratio_vs_cudnn', '{:5.2f}')}  "
+                f"maxdiff {number('max_abs_diff_vs_cudnn', '{:.1e}')}"
+                + (f"  [{row['fa4_jax_error'][:120]}]" if "fa4_jax_error" in row else ""))
     return (f"{row['section']:8s} D={row['head_dim']:3d} S={row['seq_len']:5d} causal={int(row['causal'])} "
             f"fa4 {number('fa4_jax_tflops')} cudnn {number('cudnn_tflops')} xla {number('xla_tflops')} "
             f"TFLOP/s  ratio {number('ratio_vs_cudnn', '{:5.2f}')}"
@@ -188,6 +296,8 @@ def main(argv=None):
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--xla-max-seq-len", type=int, default=16384)
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
+    parser.add_argument("--variants", action="store_true",
+                        help="sweep the sm90 forward tuning variants over the below-bar rows (VARIANT_ROWS)")
     parser.add_argument("--plot", help="draw this JSON report instead of measuring")
     parser.add_argument("--png", default="attention.png")
     args = parser.parse_args(argv)

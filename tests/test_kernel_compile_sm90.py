@@ -5,10 +5,15 @@ with those set; each configuration's PTX is then checked for the instructions th
 real: wgmma (tensor cores), cp.async.bulk.tensor (TMA), setmaxnreg (register reallocation between
 producer and consumers) and mbarrier waits, and for the absence of local memory. Where `ptxas` is
 installed, its report must show no spills.
+
+The tuning options (KernelOptions: three consumer warpgroups, Q double buffer, TMA-store epilogue,
+key tile, ping-pong at D=256) compile in four more configurations, each checked for the instructions
+its option adds; the default configurations are the GPU-verified ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -31,6 +36,15 @@ CONFIGS = {
          "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
         [2, 300, 400, 4, 2, 192], "bfloat16", {}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
+    # Tuning options (off by default), combined where they can share a compile.
+    "d64-three-warpgroups-q2-tma-store": (
+        {"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16",
+        {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True}),
+    "d128-q2-tma-store-lengths-fp16": (
+        {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 128],
+        "float16", {"q_stages": 2, "tma_store": True}),
+    "d128-key-tile-176": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"key_tile": 176}),
+    "d256-pingpong-causal": ({"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16", {"pingpong_max_head_dim": 256}),
 }
 
 _COMPILE = r"""
@@ -62,7 +76,6 @@ for name, (fields, shape, dtype, overrides) in configs.items():
                                           DtypeName(dtype), sm_count=132)
     kernel = sm90_forward.Sm90ForwardKernel(dataclasses.replace(options, **overrides))
     i32, f32 = cutlass.Int32, cutlass.Float32
-    before = set(glob.glob(os.path.join(dump, "*.ptx")))
     cute.compile(kernel, make_fake_stream(),
                  fake(element, (B, Sq, Hq, D)), fake(element, (B, Sk, Hkv, D)), fake(element, (B, Sk, Hkv, D)),
                  fake(f32, (Hq,)) if config.has_sinks else None,
@@ -72,9 +85,12 @@ for name, (fields, shape, dtype, overrides) in configs.items():
                  fake(i32, (B,)) if config.has_kv_seq_lengths else None,
                  None,
                  fake(element, (B, Sq, Hq, D)), fake(f32, (B, Hq, Sq)))
-    new = sorted(set(glob.glob(os.path.join(dump, "*.ptx"))) - before)
+    # The DSL names the file after the kernel's arguments, so configurations that differ only in
+    # options write the same file: move each one out of the way under its configuration's name.
+    new = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
     assert len(new) == 1, new
-    result[name] = new[0]
+    result[name] = os.path.join(dump, name + ".ptx")
+    os.replace(new[0], result[name])
 print("SM90_PTX " + json.dumps(result))
 """
 
@@ -102,8 +118,83 @@ def test_ptx_has_hopper_instructions(compiled, name):
     assert re.search(r"setmaxnreg\.dec", ptx) and re.search(r"setmaxnreg\.inc", ptx), "no register reallocation"
     assert "mbarrier.try_wait" in ptx, "no mbarrier pipeline"
     assert not re.search(r"\.local\b|ld\.local|st\.local", ptx), "local memory in the PTX"
-    if CONFIGS[name][3].get("poly_exp2_every"):
+    overrides = CONFIGS[name][3]
+    if overrides.get("poly_exp2_every"):
         assert "cvt.rmi.f32.f32" in ptx, "polynomial exp2 missing"
+    if overrides.get("consumer_warpgroups") == 3:
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160;", ptx), "consumers not raised to 160 registers"
+    if overrides.get("tma_store"):
+        assert "stmatrix.sync.aligned" in ptx, "O not written to shared memory with stmatrix"
+        assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), "no TMA store of O"
+        assert "cp.async.bulk.wait_group.read" in ptx, "shared O buffer reused without waiting for the TMA store"
+        assert "fence.proxy.async.shared::cta" in ptx, "no proxy fence between stmatrix and the TMA store"
+    if overrides.get("pingpong_max_head_dim", 128) >= CONFIGS[name][1][-1] or CONFIGS[name][1][-1] <= 128:
+        assert re.search(r"bar\.sync\s+%r\d+, 256;", ptx), "no ping-pong scheduler barrier"
+
+
+def test_tuning_options_are_checked():
+    """Options that cannot make a kernel are refused before compiling, with the reason."""
+    from fa4_jax.config import AttentionConfig
+    from fa4_jax.kernels import sm90_forward
+
+    class DtypeName:
+        name = "bfloat16"
+
+    shape = (1, 256, 2, 128)
+    options = sm90_forward.kernel_options(AttentionConfig(scale=0.1), shape, shape, shape, DtypeName(), sm_count=132)
+    options.check()
+    for overrides, reason in [({"consumer_warpgroups": 3}, "registers"), ({"consumer_warpgroups": 4}, "consumer_warpgroups"),
+                              ({"key_tile": 100}, "multiple of 16"), ({"q_stages": 3}, "q_stages"),
+                              ({"key_tile": 176, "tma_store": True}, "shared memory")]:
+        with pytest.raises(ValueError, match=reason):
+            dataclasses.replace(options, **overrides).check()
+    assert dataclasses.replace(options, q_stages=2, tma_store=True).shared_memory_bytes() <= sm90_forward.SHARED_MEMORY_LIMIT
+
+
+_EPILOGUE_LAYOUT = r"""
+import cutlass, cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+
+mismatches, checked = [], []
+THREADS = (0, 1, 2, 3, 4, 5, 8, 13, 31, 32, 47, 64, 90, 127)  # every lane role of the wgmma C layout
+
+@cute.jit
+def compare():
+    dtype = cutlass.BFloat16
+    for warpgroups in cutlass.range_constexpr(2, 4):
+        def pv_mma(atoms):
+            return sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, cutlass.Float32,
+                atom_layout_mnk=(atoms, 1, 1), tiler_mn=(64, 64), a_source=warpgroup.OperandSource.RMEM)
+        tile, one = pv_mma(warpgroups), pv_mma(1)
+        for thread in THREADS:
+            in_one = one.get_slice(thread).partition_C(cute.make_identity_tensor((64, 64)))
+            for w in cutlass.range_constexpr(warpgroups):
+                in_tile = tile.get_slice(thread + 128 * w).partition_C(cute.make_identity_tensor((64 * warpgroups, 64)))
+                for i in cutlass.range_constexpr(cute.size(in_one)):
+                    checked.append(1)
+                    if cutlass.const_expr((in_tile[i][0] - 64 * w, in_tile[i][1]) != (in_one[i][0], in_one[i][1])):
+                        mismatches.append((warpgroups, thread, w, i))
+
+compare()
+print("EPILOGUE_LAYOUT", len(checked), len(mismatches), mismatches[:5])
+"""
+
+
+def test_tma_store_epilogue_layout(tmp_path):
+    """The TMA-store epilogue partitions each warpgroup's O buffer with a one-warpgroup MMA: thread t of
+    warpgroup w must hold, in the same register order, rows 64 w + (the rows thread t holds there)."""
+    script = tmp_path / "epilogue_layout.py"  # the DSL compiles functions from their source file
+    script.write_text(_EPILOGUE_LAYOUT)
+    environment = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+                       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    process = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True,
+                             text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-4000:]
+    line = next(line for line in process.stdout.splitlines() if line.startswith("EPILOGUE_LAYOUT"))
+    _, checked, mismatched, examples = line.split(" ", 3)
+    assert int(checked) == 14 * (2 + 3) * 32 and int(mismatched) == 0, examples
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")

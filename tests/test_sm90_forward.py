@@ -4,6 +4,10 @@ Each case draws fresh random inputs, poisons the device memory pool with NaN bef
 (an element the kernel forgets to write then shows up as NaN or garbage), and requires the kernel's
 error to be within twice the error of the fa4_jax reference on the same bf16/fp16 inputs (plus a floor
 of one bf16/fp16 rounding of the output), with -inf LSE and zero outputs on rows that see no key.
+
+The kernel's tuning options (VARIANTS, see docs/sm90_forward_tuning.md) run a smaller grid of the same
+cases through `sm90_forward.forward_with_options`, so one GPU run checks every candidate the benchmark
+times: `pytest tests/test_sm90_forward.py -k variant`.
 """
 
 from __future__ import annotations
@@ -102,6 +106,27 @@ def _make_inputs(case: Case, inputs):
     return query, key, value, options
 
 
+def _kernel_config(case: Case, options):
+    """(optional operands, AttentionConfig) that fa4_jax.attention would pass the kernel for `options`."""
+    from fa4_jax.config import AttentionConfig
+
+    optional = {}
+    if "sinks" in options:
+        optional["sinks"] = options["sinks"]
+    if "segment_ids" in options:
+        ids = options["segment_ids"]
+        optional["q_segment_ids"], optional["kv_segment_ids"] = ids if isinstance(ids, tuple) else (ids, ids)
+    for name in ("q_seq_lengths", "kv_seq_lengths"):
+        if name in options:
+            optional[name] = options[name]
+    window_left, window_right = case.window if case.window is not None else (None, None)
+    config = AttentionConfig(
+        scale=case.scale if case.scale is not None else case.head_dim ** -0.5, causal=case.causal,
+        window_left=window_left, window_right=window_right, softcap=case.softcap, has_sinks=case.sinks,
+        has_segment_ids=case.segments, has_q_seq_lengths=case.q_lengths, has_kv_seq_lengths=case.kv_lengths)
+    return optional, config
+
+
 def _oracle(query, key, value, options):
     numpy_options = {name: (tuple(np.asarray(v) for v in value_) if isinstance(value_, tuple) else
                             (np.asarray(value_) if hasattr(value_, "shape") else value_))
@@ -127,6 +152,53 @@ def test_forward_matches_oracle(case: Case, inputs):
     assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse)), "NaN in the kernel's outputs"
     rounding = ROUNDING[case.dtype]
     out_tolerance = 2 * max(_error(reference_out.astype(jnp.float32), expected_out), rounding)
+    lse_tolerance = 2 * max(_error(reference_lse, expected_lse), 1e-5)
+    numpy_reference.assert_close(out, expected_out, out_tolerance, f"{case.name} out")
+    numpy_reference.assert_close(lse, expected_lse, lse_tolerance, f"{case.name} lse")
+
+
+# Tuning options -> the head dims each is meant for (KernelOptions.check rejects the others).
+VARIANTS = {
+    "wg3": ({"consumer_warpgroups": 3}, (64,)),
+    "wg3-q2-tma": ({"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True}, (64,)),
+    "tma": ({"tma_store": True}, (128,)),
+    "q2": ({"q_stages": 2}, (128,)),
+    "q2-tma": ({"q_stages": 2, "tma_store": True}, (128,)),
+    "key-tile-176": ({"key_tile": 176}, (128,)),
+    "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,)),
+}
+# Cases that reach every path a variant changes: odd lengths (partial Q tiles and TMA-store
+# clipping), Sq > Sk (rows with no key), several tiles per CTA (Q-buffer and store-buffer reuse),
+# masks, lengths, fp16, GQA.
+VARIANT_CASES = ["plain-d128", "causal-more-queries", "lengths-causal-fp16", "segments-causal-d64",
+                 "window-causal-left", "gqa", "persistent-many-tiles"]
+
+
+def _variant_grid():
+    by_name = {case.name: case for case in CASES}
+    for variant, (overrides, head_dims) in VARIANTS.items():
+        for case_name in VARIANT_CASES:
+            for head_dim in head_dims:
+                case = dataclasses.replace(by_name[case_name], head_dim=head_dim)
+                yield pytest.param(overrides, case, id=f"{variant}-{case_name}-d{head_dim}")
+
+
+@pytest.mark.parametrize("overrides,case", list(_variant_grid()))
+def test_variant_matches_oracle(overrides, case: Case, inputs):
+    from fa4_jax.kernels import sm90_forward
+
+    query, key, value, options = _make_inputs(case, inputs)
+    expected_out, expected_lse = _oracle(query, key, value, options)
+    reference_out, reference_lse = fa4_jax.attention(
+        query, key, value, return_lse=True, implementation="reference", **options)
+    optional, config = _kernel_config(case, options)
+    _poison_device_memory(4 * expected_out.size + 4 * expected_lse.size)
+    out, lse = jax.jit(lambda q, k, v, optional: sm90_forward.forward_with_options(
+        q, k, v, optional, config, **overrides))(query, key, value, optional)
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+    assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse)), "NaN in the kernel's outputs"
+    out_tolerance = 2 * max(_error(reference_out.astype(jnp.float32), expected_out), ROUNDING[case.dtype])
     lse_tolerance = 2 * max(_error(reference_lse, expected_lse), 1e-5)
     numpy_reference.assert_close(out, expected_out, out_tolerance, f"{case.name} out")
     numpy_reference.assert_close(lse, expected_lse, lse_tolerance, f"{case.name} lse")
