@@ -109,8 +109,11 @@ SM90_FORWARD_VARIANTS = {
     "q2-tma": ({"q_stages": 2, "tma_store": True}, (64, 128), (False, True)),
     "tma": ({"tma_store": True}, (128,), (True,)),
     "q2": ({"q_stages": 2}, (128,), (True,)),
+    "early-q": ({"early_q_release": True}, (128, 256), (True,)),
+    "early-q-tma": ({"early_q_release": True, "tma_store": True}, (128,), (True,)),
     "key-tile-176": ({"key_tile": 176}, (128,), (False,)),
     "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,), (True,)),
+    "early-q-pingpong-d256": ({"early_q_release": True, "pingpong_max_head_dim": 256}, (256,), (True,)),
     "poly-exp2-every-2": ({"poly_exp2_every": 2}, (64,), (False,)),
 }
 

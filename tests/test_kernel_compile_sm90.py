@@ -7,8 +7,8 @@ producer and consumers) and mbarrier waits, and for the absence of local memory.
 installed, its report must show no spills.
 
 The tuning options (KernelOptions: three consumer warpgroups, Q double buffer, TMA-store epilogue,
-key tile, ping-pong at D=256) compile in four more configurations, each checked for the instructions
-its option adds; the default configurations are the GPU-verified ones.
+key tile, ping-pong at D=256, early Q release) compile in four more configurations, each checked for
+the instructions its option adds; the default configurations are the GPU-verified ones.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ CONFIGS = {
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 128],
         "float16", {"q_stages": 2, "tma_store": True}),
     "d128-key-tile-176": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"key_tile": 176}),
-    "d256-pingpong-causal": ({"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16", {"pingpong_max_head_dim": 256}),
+    "d256-pingpong-early-q-causal": (
+        {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
+        {"pingpong_max_head_dim": 256, "early_q_release": True}),
 }
 
 _COMPILE = r"""

@@ -166,6 +166,8 @@ VARIANTS = {
     "q2-tma": ({"q_stages": 2, "tma_store": True}, (128,)),
     "key-tile-176": ({"key_tile": 176}, (128,)),
     "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,)),
+    "early-q-tma": ({"early_q_release": True, "tma_store": True}, (128,)),
+    "early-q-pingpong-d256": ({"early_q_release": True, "pingpong_max_head_dim": 256}, (256,)),
 }
 # Cases that reach every path a variant changes: odd lengths (partial Q tiles and TMA-store
 # clipping), Sq > Sk (rows with no key), several tiles per CTA (Q-buffer and store-buffer reuse),

@@ -19,6 +19,9 @@ others are candidates measured by benchmarks/attention.py --variants, see docs/s
 - consumer_warpgroups=3: a 192-row query tile, three consumers taking turns on the tensor cores;
 - key_tile: key/value block rows other than the per-head-dim default;
 - q_stages=2: two Q buffers, so the next tile's Q loads while this tile computes;
+- early_q_release: Q's buffer is released after the tile's last Q K^T (not after its last P V and
+  the softmax before it), so the next tile's Q load starts one block earlier (any head dim, no
+  extra shared memory);
 - tma_store: O goes registers -> shared memory (stmatrix) -> global memory by TMA store, per
   warpgroup, the store running on while the next tile computes;
 - pingpong_max_head_dim: the largest head dim that uses the ping-pong scheduler barriers.
@@ -88,6 +91,7 @@ class KernelOptions:
     q_stages: int = 1
     tma_store: bool = False
     pingpong_max_head_dim: int = 128
+    early_q_release: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -520,6 +524,9 @@ class Sm90ForwardKernel:
                 _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
                 warpgroup.wait_group(0)
                 pipeline_k.consumer_release(kv_state)
+                if cutlass.const_expr(self.options.early_q_release):
+                    if num_blocks == 1:
+                        pipeline_q.consumer_release(q_state)
                 self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1, row_start, kv_len,
                                              q_len, offset, m_block * self.tile_m, q_segments, kv_segments)
                 frag_p.store(_accumulator_as_operand_a(acc_s).load().to(self.dtype))
@@ -537,6 +544,9 @@ class Sm90ForwardKernel:
                     self.scheduler_signal(warpgroup_index)
                     warpgroup.wait_group(1)
                     pipeline_k.consumer_release(kv_state)
+                    if cutlass.const_expr(self.options.early_q_release):
+                        if i == num_blocks - 1:  # the tile's last Q K^T is done: Q's buffer is free
+                            pipeline_q.consumer_release(q_state)
                     self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1 - i, row_start,
                                                  kv_len, q_len, offset, m_block * self.tile_m, q_segments,
                                                  kv_segments)
@@ -551,7 +561,11 @@ class Sm90ForwardKernel:
                 warpgroup.wait_group(0)
                 pipeline_v.consumer_release(v_state)
                 v_state = _advanced(v_state)
-            pipeline_q.consumer_release(q_state)
+            if cutlass.const_expr(self.options.early_q_release):
+                if num_blocks == 0:
+                    pipeline_q.consumer_release(q_state)
+            else:
+                pipeline_q.consumer_release(q_state)
             q_state = _advanced(q_state)
 
             sink_logit = None
