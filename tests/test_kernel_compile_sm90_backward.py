@@ -1,13 +1,15 @@
 """CPU-only: compile the Hopper backward kernel for sm_90a with fake tensors and inspect its PTX.
 
 The PTX must hold the instructions that make the design real: `wgmma.mma_async` (tensor cores),
-`cp.async.bulk.tensor` (TMA loads), `setmaxnreg` (producer/consumer register split) and the `red`
-reduction that adds dQ into global memory; and ptxas (when installed) must report no spills.
+`cp.async.bulk.tensor` (TMA loads), `setmaxnreg` (producer/consumer register split) and the `red` or
+TMA bulk reduction that adds dQ into global memory; and ptxas (when installed) must report no spills,
+for the default tuning and for the candidate one (sm90_backward.CANDIDATE_TUNING).
 Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -17,6 +19,8 @@ import subprocess
 import sys
 
 import pytest
+
+from fa4_jax.kernels import sm90_backward
 
 pytestmark = pytest.mark.slow
 
@@ -53,14 +57,24 @@ arguments = [
     fake(i32, (B, Hq, padded // sm90_backward.TILE_M)) if config.deterministic else None,
     fake(dtype, (B, Sk, Hkv, D)), fake(dtype, (B, Sk, Hkv, D)),
 ]
-kernel = sm90_backward.make_kernel(config, spec["dtype"], D, Hq // Hkv, spec.get("dq_reduction", "red"))
+tuning = sm90_backward.Tuning(**spec.get("tuning", {}))
+kernel = sm90_backward.make_kernel(config, spec["dtype"], D, Hq // Hkv, tuning)
 cute.compile(kernel.__call__, make_fake_stream(), *arguments)
 """
 
+# The candidate tuning (TMA dQ, 3 stages, early dV, staggered order) on the configurations where its
+# register and shared-memory budgets are tightest; the rest compile the default.
+CANDIDATE = dataclasses.asdict(sm90_backward.CANDIDATE_TUNING)
 CASES = {
-    "d128-tma-dq": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128], dq_reduction="tma"),
-    "d64-tma-dq-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True),
-                                     shape=[2, 300, 300, 8, 2, 64], dq_reduction="tma"),
+    "d128-candidate": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 512, 8, 2, 128],
+                           tuning=CANDIDATE),
+    "d64-candidate-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True),
+                                        shape=[2, 300, 300, 8, 2, 64], tuning=CANDIDATE),
+    # With segment ids the candidate reduces to TMA dQ (Sm90BackwardKernel), which spills here.
+    "segments-candidate": dict(config=dict(scale=128 ** -0.5, has_segment_ids=True, has_kv_seq_lengths=True),
+                               shape=[1, 200, 333, 4, 4, 128], tuning=CANDIDATE,
+                               known_spills="TMA dQ at D=128 with segments + kv lengths: ptxas spills 100 "
+                                            "bytes (default red.add: none); fix before TMA is the default"),
     "d128": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128]),
     "d64-causal-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 300, 4, 4, 64],
                             dtype="float16"),
@@ -98,7 +112,7 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
     assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
-    if CASES[name].get("dq_reduction") == "tma":
+    if CASES[name].get("tuning", {}).get("dq_reduction") == "tma":
         assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"
     else:
         assert re.search(r"red(\.[a-z]+)*\.global(\.[a-z0-9]+)*\.add\.f32", ptx), "no fp32 red.add for dQ"
@@ -113,4 +127,8 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert report.returncode == 0, report.stderr[-2000:]
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stderr)]
-    assert spills and max(spills) == 0, f"{name}: spills\n{report.stderr[-1500:]}"
+    assert spills
+    if "known_spills" in CASES[name]:   # recorded, so a fix shows up as a failure to update it
+        assert max(spills) > 0, f"{name}: no spills any more; drop known_spills"
+        pytest.xfail(CASES[name]["known_spills"])
+    assert max(spills) == 0, f"{name}: spills\n{report.stderr[-1500:]}"

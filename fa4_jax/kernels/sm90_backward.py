@@ -24,6 +24,7 @@ added, so the fp32 sums happen in one fixed order and the result is bitwise repr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -47,9 +48,46 @@ LOG2_E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128)
 TILE_M = 64      # query rows per block
 TILE_N = 128     # keys per CTA (64 per consumer warp group)
-STAGES = 2       # depth of the Q / dO ring
-KERNEL_VERSION = 1   # bump when the generated code changes (part of the compile key)
-DQ_REDUCTION = "red"  # "red" has run on the H200; "tma" waits for its benchmark (see Sm90BackwardKernel)
+KERNEL_VERSION = 2   # bump when the generated code changes (part of the compile key)
+DQ_REDUCTIONS = ("red", "tma")
+SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Choices that change the speed, not the function computed (beyond dQ's fp32 summation order).
+
+    dq_reduction: how each key block's dQ share reaches the fp32 accumulator in global memory: "red"
+      (one red.global.add.f32 per element) or "tma" (staged in shared memory, one bulk tensor
+      reduce-add per warp group, as FA3 does; measured 1.4-1.6x faster than "red" at D = 128).
+    stages: depth of the Q / dO ring (3 only where shared memory allows, see `Sm90BackwardKernel`).
+    early_dv: issue dV += P^T dO as soon as P is in registers, so the dS arithmetic and the dPsum loads
+      run while the tensor cores compute dV (otherwise dV waits for dS, behind dP).
+    stagger: key block n walks its query blocks starting n blocks in (cyclically), so the CTAs that
+      run together add into different dQ tiles instead of all into the same one (less contention
+      in the L2 reduction). Ignored when deterministic (the dQ turns would then wait on each other).
+    With softcap or segment ids only dq_reduction and stages apply (`Sm90BackwardKernel` says why).
+    staged_row_stats: the producer copies each query block's LSE and dPsum (64 floats each) into the
+      Q / dO stage with one bulk copy apiece, and the consumers read them from shared memory where
+      they are used, instead of 32 scattered global loads per thread per block held in registers.
+    """
+    dq_reduction: str = "red"
+    stages: int = 2
+    early_dv: bool = False
+    stagger: bool = False
+    staged_row_stats: bool = False
+
+    def __post_init__(self):
+        if self.dq_reduction not in DQ_REDUCTIONS:
+            raise ValueError(f"dq_reduction must be one of {DQ_REDUCTIONS}, got {self.dq_reduction!r}")
+        if self.stages not in (2, 3):
+            raise ValueError(f"stages must be 2 or 3, got {self.stages}")
+
+
+# The default has run on the H200 over the whole GPU test grid; CANDIDATE_TUNING is what the next
+# measurement is expected to make the default (docs/sm90_backward_tuning.md).
+DEFAULT_TUNING = Tuning()
+CANDIDATE_TUNING = Tuning(dq_reduction="tma", early_dv=True, stagger=True, staged_row_stats=True)
 
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
@@ -86,7 +124,6 @@ WARP_GROUP = 128
 DS_READY_BARRIER = 1
 DQ_ORDER_BARRIER = 2
 DQ_STAGING_BARRIER = 3     # 3 and 4: one per consumer warp group
-DQ_REDUCTIONS = ("red", "tma")
 
 
 def transpose_view(tensor):
@@ -145,7 +182,7 @@ class Sm90BackwardKernel:
 
     def __init__(self, dtype_name, head_dim, group, scale, causal, window_left, window_right,
                  softcap, has_segment_ids, has_q_seq_lengths, has_kv_seq_lengths, has_q_start,
-                 q_total, deterministic, dq_reduction="red"):
+                 q_total, deterministic, tuning: Tuning = DEFAULT_TUNING):
         self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
         self.head_dim = head_dim
         self.group = group
@@ -160,15 +197,21 @@ class Sm90BackwardKernel:
         self.has_q_start = has_q_start
         self.q_total = q_total
         self.deterministic = deterministic
-        # How dQ reaches global memory: "red" (each thread's fp32 values, one red.add each; the
-        # path that has run on the H200) or "tma" (staged in shared memory, one bulk tensor
-        # reduce-add per warp group, as FA3 does). Kept side by side until the benchmark decides.
-        if dq_reduction not in DQ_REDUCTIONS:
-            raise ValueError(f"dq_reduction must be one of {DQ_REDUCTIONS}, got {dq_reduction!r}")
-        self.dq_reduction = dq_reduction
+        self.tuning = tuning
+        self.dq_reduction = tuning.dq_reduction
+        # Softcap and segment ids leave no registers to spare: there early_dv, staged_row_stats and
+        # stagger each make ptxas spill (D = 128: 148/92, 36/8 and 84 bytes), so those
+        # configurations take only dq_reduction and stages from the tuning.
+        register_bound = softcap is not None or has_segment_ids
+        self.early_dv = tuning.early_dv and not register_bound
+        self.staged_row_stats = tuning.staged_row_stats and not register_bound
+        self.stagger = tuning.stagger and not (deterministic or register_bound)
         self.tile_m = TILE_M
         self.tile_n = TILE_N
-        self.stages = STAGES
+        self.stages = tuning.stages
+        if self.shared_memory_bytes() > SHARED_MEMORY_BYTES:
+            raise ValueError(f"{tuning} needs {self.shared_memory_bytes()} bytes of shared memory at "
+                             f"head dim {head_dim}; sm_90 has {SHARED_MEMORY_BYTES}")
         self.num_consumer_groups = 2
         self.num_threads = WARP_GROUP * (1 + self.num_consumer_groups)
         self.consumer_threads = WARP_GROUP * self.num_consumer_groups
@@ -178,6 +221,26 @@ class Sm90BackwardKernel:
                                       window_right=window_right, has_q_lengths=has_q_seq_lengths,
                                       has_segments=has_segment_ids)
         self.scale_log2 = scale * LOG2_E
+
+    def shared_memory_bytes(self):
+        """What `SharedStorage` takes, member by member with its alignment: the mbarriers, Q and dO
+        rings, K, V, two dS buffers, the dQ staging (TMA reduce only), the staged row statistics;
+        the whole rounded up to its largest alignment."""
+        element = self.dtype.width // 8
+        q_ring = self.stages * self.tile_m * self.head_dim * element
+        key_tile = self.tile_n * self.head_dim * element
+        members = [(q_ring, 1024), (q_ring, 1024), (key_tile, 1024), (key_tile, 1024),
+                   (2 * self.tile_m * self.tile_n * element, 1024),
+                   (self.tile_m * self.head_dim * 4 if self.dq_reduction == "tma" else 0, 1024),
+                   (self._row_stats_floats() * 4, 128), (self._row_stats_floats() * 4, 128)]
+        offset = 8 * (2 * self.stages + 2)
+        for size, alignment in members:
+            offset = _ceil_div(offset, alignment) * alignment + size
+        return _ceil_div(offset, 1024) * 1024
+
+    def _row_stats_floats(self):
+        """Floats per row statistic (LSE, dPsum) in shared memory: a query block per stage."""
+        return self.tile_m * self.stages if self.staged_row_stats else 0
 
     # -------------------------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -237,6 +300,8 @@ class Sm90BackwardKernel:
                 (self.tile_m, self.head_dim // 2))
             dq_staging = cute.cosize(dq_layout)
         self.query_block_bytes = 2 * cute.size_in_bytes(self.dtype, q_stage_layout)
+        if const_expr(self.staged_row_stats):
+            self.query_block_bytes += 2 * self.tile_m * 4
         self.key_block_bytes = (cute.size_in_bytes(self.dtype, k_layout)
                                 + cute.size_in_bytes(self.dtype, v_layout))
 
@@ -252,8 +317,13 @@ class Sm90BackwardKernel:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], align]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], align]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_staging], align]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._row_stats_floats()], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, self._row_stats_floats()], 128]
 
         self.shared_storage = SharedStorage
+        # shared_memory_bytes() is what __init__ checks tunings against.
+        assert SharedStorage.size_in_bytes() == self.shared_memory_bytes(), (
+            SharedStorage.size_in_bytes(), self.shared_memory_bytes())
         num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
@@ -282,6 +352,12 @@ class Sm90BackwardKernel:
         sdQ = None
         if const_expr(self.dq_reduction == "tma"):
             sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
+        sLSE = None
+        sdPsum = None
+        if const_expr(self.staged_row_stats):
+            stats_layout = cute.make_layout((self.tile_m, self.stages))
+            sLSE = storage.sLSE.get_tensor(stats_layout)
+            sdPsum = storage.sdPsum.get_tensor(stats_layout)
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -322,18 +398,19 @@ class Sm90BackwardKernel:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
-                              query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
-                              iterations)
+                              mLSE, mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head,
+                              batch, m_lo, m_count, iterations)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
-            self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, query_pipe,
-                          key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem, mdK,
+            self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
+                          query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem, mdK,
                           mdV, tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count,
                           iterations, offset, kv_len, q_len, q_start)
 
     @cute.jit
-    def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
-                 query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count, iterations):
+    def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, mLSE,
+                 mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
+                 iterations):
         tile_q = (self.tile_m, self.head_dim)
         tile_k = (self.tile_n, self.head_dim)
         gK = cute.local_tile(mK[None, None, kv_head, batch], tile_k, (n_block, 0))
@@ -350,8 +427,7 @@ class Sm90BackwardKernel:
         query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                    self.stages)
         for it in cutlass.range(iterations, unroll=1):
-            q_head = kv_head * self.group + it // m_count
-            m_block = m_lo + it % m_count
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
             gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
@@ -366,11 +442,23 @@ class Sm90BackwardKernel:
                       tma_bar_ptr=barrier)
             cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, query_state.index],
                       tma_bar_ptr=barrier)
+            if const_expr(self.staged_row_stats):
+                # Plain bulk copies are not elected by the compiler: one lane issues them.
+                stats_copy = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32,
+                                                 num_bits_per_copy=self.tile_m * 32)
+                if cute.arch.lane_idx() == 0:
+                    cute.copy(stats_copy,
+                              cute.local_tile(mLSE[None, q_head, batch], (self.tile_m,), (m_block,)),
+                              sLSE[None, query_state.index], mbar_ptr=barrier)
+                    cute.copy(stats_copy,
+                              cute.local_tile(mdPsum[None, q_head, batch], (self.tile_m,),
+                                              (m_block,)),
+                              sdPsum[None, query_state.index], mbar_ptr=barrier)
             query_state.advance()
 
     @cute.jit
-    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, query_pipe, key_pipe,
-                 mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem, mdK, mdV, tidx,
+    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
+                 query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem, mdK, mdV, tidx,
                  n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len, q_len,
                  q_start):
         d = self.head_dim
@@ -401,6 +489,13 @@ class Sm90BackwardKernel:
             cute.make_identity_tensor((self.tile_m, self.tile_n))))
         coords_qk = query_major_view(tScS)
         key_base = n_block * self.tile_n
+        if const_expr(self.staged_row_stats):
+            # A stage's LSE / dPsum seen as (key, query) matrices constant along the keys and
+            # partitioned like S^T, so element [r] of the query-major view is row r's statistic.
+            broadcast = cute.make_layout((self.tile_n, self.tile_m, self.stages),
+                                         stride=(0, 1, self.tile_m))
+            tLSE = thr_sdp.partition_C(cute.make_tensor(sLSE.iterator, broadcast))
+            tdPsum = thr_sdp.partition_C(cute.make_tensor(sdPsum.iterator, broadcast))
 
         key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         key_pipe.consumer_wait(key_state)
@@ -408,9 +503,10 @@ class Sm90BackwardKernel:
                                                    self.stages)
         ds_barrier = pipeline.NamedBarrier(barrier_id=DS_READY_BARRIER,
                                            num_threads=self.consumer_threads)
+        dq_target = (thr_dq, mdQacc, sdQ, tma_dq, mdQ_tma, mSem, batch, n_block, kv_len, offset,
+                     q_start, tidx)
         for it in cutlass.range(iterations, unroll=1):
-            q_head = kv_head * self.group + it // m_count
-            m_block = m_lo + it % m_count
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             row_base = m_block * self.tile_m
             stage = query_state.index
             ds_stage = it % 2
@@ -428,9 +524,12 @@ class Sm90BackwardKernel:
             # LSE of this thread's query rows (the view's rows), loaded while the GEMMs run.
             scores = query_major_view(acc_s)
             rows = cute.size(scores, mode=[0])
-            lse = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
-            for r in cutlass.range_constexpr(rows):
-                lse[r] = mLSE[row_base + coords_qk[r, 0][0], q_head, batch]
+            if const_expr(self.staged_row_stats):
+                lse = query_major_view(tLSE[None, None, None, stage])
+            else:
+                lse = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+                for r in cutlass.range_constexpr(rows):
+                    lse[r] = mLSE[row_base + coords_qk[r, 0][0], q_head, batch]
 
             warpgroup.wait_group(1)
             if const_expr(self.softcap is not None):
@@ -452,13 +551,26 @@ class Sm90BackwardKernel:
                 for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
                     scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r],
                                                   fastmath=True)
+
+            # early_dv: dV += P^T dO runs on the tensor cores while dS is computed.
+            if const_expr(self.early_dv):
+                frag_p = self._as_operand(acc_s, thr_dkv)
+                warpgroup.fence()
+                gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
+                warpgroup.commit_group()
             # dPsum only now: keeping it and the LSE live together would spill (dK, dV, S, dP
             # already hold 192 registers at D = 128).
-            dpsum = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
-            for r in cutlass.range_constexpr(rows):
-                dpsum[r] = mdPsum[row_base + coords_qk[r, 0][0], q_head, batch]
+            if const_expr(self.staged_row_stats):
+                dpsum = query_major_view(tdPsum[None, None, None, stage])
+            else:
+                dpsum = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+                for r in cutlass.range_constexpr(rows):
+                    dpsum[r] = mdPsum[row_base + coords_qk[r, 0][0], q_head, batch]
 
-            warpgroup.wait_group(0)
+            if const_expr(self.early_dv):
+                warpgroup.wait_group(1)            # dP^T done; dV may still run
+            else:
+                warpgroup.wait_group(0)
             grads = query_major_view(acc_dp)
             for r in cutlass.range_constexpr(rows):
                 for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
@@ -468,16 +580,16 @@ class Sm90BackwardKernel:
                     grads[r, c] = grad
 
             # P^T and dS^T as bf16/fp16 A operands (same register order as the accumulator).
-            frag_p = cute.make_rmem_tensor(thr_dkv.partition_shape_A(shape_st), self.dtype)
-            cute.make_tensor(frag_p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
-            frag_ds = cute.make_rmem_tensor(thr_dkv.partition_shape_A(shape_st), self.dtype)
-            ds_as_acc = cute.make_tensor(frag_ds.iterator, acc_dp.layout)
-            ds_as_acc.store(acc_dp.load().to(self.dtype))
+            if const_expr(not self.early_dv):
+                frag_p = self._as_operand(acc_s, thr_dkv)
+            frag_ds = self._as_operand(acc_dp, thr_dkv)
 
             warpgroup.fence()
-            gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
-            warpgroup.commit_group()
-            cute.autovec_copy(ds_as_acc, tdSsdS[None, None, None, ds_stage])
+            if const_expr(not self.early_dv):
+                gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
+                warpgroup.commit_group()
+            cute.autovec_copy(cute.make_tensor(frag_ds.iterator, acc_dp.layout),
+                              tdSsdS[None, None, None, ds_stage])
             gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
             warpgroup.commit_group()
 
@@ -491,17 +603,31 @@ class Sm90BackwardKernel:
             query_pipe.consumer_release(query_state)
             query_state.advance()
 
-            if const_expr(self.dq_reduction == "red"):
-                self._add_dq_red(acc_dq, thr_dq, mdQacc, mSem, q_head, batch, m_block, n_block,
-                                 row_start, kv_len, offset, tidx)
-            else:
-                self._add_dq_tma(acc_dq, thr_dq, sdQ, tma_dq, mdQ_tma, mSem, q_head, batch,
-                                 m_block, n_block, row_start, kv_len, offset, tidx)
+            self._add_dq(acc_dq, q_head, m_block, *dq_target)
 
         if const_expr(self.dq_reduction == "tma"):
             if (tidx % WARP_GROUP) // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem must outlive the reduce
         self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
+
+    @cute.jit
+    def _query_block(self, it, kv_head, n_block, m_lo, m_count):
+        """(query head, query block) of iteration `it`: the group's heads in turn, each over the query
+        blocks this key block sees; with `stagger`, key block n starts n blocks in."""
+        step = it % m_count
+        if const_expr(self.stagger):
+            step = (step + n_block) % m_count
+        return kv_head * self.group + it // m_count, m_lo + step
+
+    @cute.jit
+    def _as_operand(self, accumulator, thr_dkv):
+        """An fp32 (keys x queries) accumulator rounded to the input type as the register A operand
+        of dV / dK (same register order as the accumulator)."""
+        fragment = cute.make_rmem_tensor(thr_dkv.partition_shape_A((self.tile_n, self.tile_m)),
+                                         self.dtype)
+        cute.make_tensor(fragment.iterator, accumulator.layout).store(
+            accumulator.load().to(self.dtype))
+        return fragment
 
     @cute.jit
     def _softcap_slope(self, probability, lse_log2):
@@ -512,6 +638,18 @@ class Sm90BackwardKernel:
         if probability == 0.0:
             slope = Float32(0.0)
         return slope
+
+    @cute.jit
+    def _add_dq(self, acc_dq, q_head, m_block, thr_dq, mdQacc, sdQ, tma_dq, mdQ_tma, mSem, batch,
+                n_block, kv_len, offset, q_start, tidx):
+        """Add one query block's dQ share into the fp32 accumulator in global memory."""
+        row_start = q_start + m_block * self.tile_m
+        if const_expr(self.dq_reduction == "red"):
+            self._add_dq_red(acc_dq, thr_dq, mdQacc, mSem, q_head, batch, m_block, n_block,
+                             row_start, kv_len, offset, tidx)
+        else:
+            self._add_dq_tma(acc_dq, thr_dq, sdQ, tma_dq, mdQ_tma, mSem, q_head, batch, m_block,
+                             n_block, row_start, kv_len, offset, tidx)
 
     @cute.jit
     def _add_dq_red(self, acc_dq, thr_dq, mdQacc, mSem, q_head, batch, m_block, n_block, row_start,
@@ -626,21 +764,21 @@ def _sinks_gradient(sinks, lse, dpsum_unpadded):
     return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
 
 
-def _compile_key(config: AttentionConfig, dtype_name, head_dim, group, dq_reduction):
+def _compile_key(config: AttentionConfig, dtype_name, head_dim, group, tuning: Tuning):
     return ("fa4_jax.sm90_backward", KERNEL_VERSION, dtype_name, head_dim, group, config.scale,
             config.causal, config.window_left, config.window_right, config.softcap,
             config.has_segment_ids, config.has_q_seq_lengths, config.has_kv_seq_lengths,
-            config.has_q_start, config.q_total, config.deterministic, dq_reduction)
+            config.has_q_start, config.q_total, config.deterministic, tuning)
 
 
 def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int,
-                dq_reduction: str = DQ_REDUCTION):
+                tuning: Tuning = DEFAULT_TUNING):
     """The configured kernel object (its `__call__` is the cute.jit launcher)."""
     return Sm90BackwardKernel(dtype_name, head_dim, group, config.scale, config.causal,
                               config.window_left, config.window_right, config.softcap,
                               config.has_segment_ids, config.has_q_seq_lengths,
                               config.has_kv_seq_lengths, config.has_q_start, config.q_total,
-                              config.deterministic, dq_reduction)
+                              config.deterministic, tuning)
 
 
 def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
@@ -649,8 +787,8 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
 
 
 def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig,
-                          dq_reduction: str = DQ_REDUCTION):
-    """`attention_backward` with the kernel's tuning options exposed (tests and benchmarks)."""
+                          tuning: Tuning = DEFAULT_TUNING):
+    """`attention_backward` with the kernel's `Tuning` exposed (tests and benchmarks)."""
     reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
     if reason is not None:
         raise NotImplementedError(reason)
@@ -665,7 +803,7 @@ def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, c
     semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32)
                   if config.deterministic else None)
 
-    kernel = make_kernel(config, dtype_name, head_dim, group, dq_reduction)
+    kernel = make_kernel(config, dtype_name, head_dim, group, tuning)
     inputs = (query, key, value, d_out, lse_log2, dpsum,
               optional.get("q_segment_ids"), optional.get("kv_segment_ids"),
               optional.get("q_seq_lengths"), optional.get("kv_seq_lengths"),
@@ -680,7 +818,7 @@ def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, c
     def launch(stream, *arrays):
         return kernel(stream, *arrays)
 
-    compile_key = _compile_key(config, dtype_name, head_dim, group, dq_reduction)
+    compile_key = _compile_key(config, dtype_name, head_dim, group, tuning)
     compile_cache.prepare(launch, inputs, tuple(outputs), compile_key, aliases)
     results = cutlass_jax.cutlass_call(
         launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
