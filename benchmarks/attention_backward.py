@@ -1,45 +1,103 @@
-"""Backward benchmark: the sm90 backward kernels vs cuDNN's backward, one process, same inputs.
+"""Backward benchmark: the sm90 backward kernel's tunings vs cuDNN's backward, one process, same inputs.
 
-A section for benchmarks/attention.py (registered there as "backward" when this module is imported),
-runnable on its own. Per shape it times, with CUPTI (all kernels of the call, median of iterations):
-- fa4_jax: preprocess + dq/dk/dv kernel + postprocess (`sm90_backward.attention_backward`), given the
-  forward's out and LSE;
-- fa4_jax_deterministic: the same with deterministic=True (ordered dQ additions);
-- fa4_jax_<other>_dq: the other dQ reduction (red.add per element vs TMA bulk reduce-add), to pick
-  the default from measurements;
+One command sweeps every variant over the grid and writes one JSON (rewritten after every row, so a
+run cut short by a time limit still leaves its rows). Per shape it times, with CUPTI (all kernels of
+the call, median of iterations):
+- each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`sm90_backward.backward_with_options`)
+  with one `Tuning`, deterministic or not, given the forward's out and LSE;
 - cudnn: the VJP of jax.nn.dot_product_attention(implementation="cudnn"), residuals precomputed, so
   only its backward kernels are timed.
+Every variant's dq/dk/dv are compared with cuDNN's (max |difference|), so a wrong variant shows.
 TFLOP/s counts backward FLOPs = 2.5x forward (forward = 4*B*H*Sq*Sk*D, halved when causal).
 
-Usage: python benchmarks/attention_backward.py --out results.json [--quick] [--iterations N]
-       [--head-dims 64 128] [--seq-lens 1024 4096]
+Compiling ~8 variants x 20 shapes one after another would take most of a device call, so
+--precompile-workers N first lowers every (shape, variant) kernel for CUDA in N CPU-platform
+processes at once into the on-disk kernel cache (fa4_jax.kernels.compile_cache); the timing process
+then loads them. CUTE_DSL_ARCH is set to sm_90a in both (the cache key includes it).
+
+Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
+       [--variants default candidate ...] [--head-dims 128 64] [--seq-lens 1024 4096] [--quick]
+       [--iterations N] [--precompile-only]
+Also a section of benchmarks/attention.py ("backward", registered when this module is imported).
+The git revision comes from `git`, else from $FA4_GIT_REVISION (the device copy has no .git).
 """
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
 import os
+import subprocess
 import sys
+import time
 
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import attention  # noqa: E402  (the shared benchmark driver)
+import attention  # noqa: E402  (the shared benchmark driver: shapes, FLOPs, CUPTI timing)
+
+
+def _variants():
+    """name -> (Tuning, deterministic). "default" is the tuning that has run on the H200."""
+    from fa4_jax.kernels import sm90_backward as bwd
+
+    tma = bwd.Tuning(dq_reduction="tma")
+    candidate = bwd.CANDIDATE_TUNING
+    return {
+        "default": (bwd.DEFAULT_TUNING, False),
+        "tma": (tma, False),
+        "tma_early_dv": (dataclasses.replace(tma, early_dv=True), False),
+        "tma_early_dv_staged_stats": (dataclasses.replace(tma, early_dv=True, staged_row_stats=True), False),
+        "candidate": (candidate, False),
+        "candidate_3_stages": (dataclasses.replace(candidate, stages=3), False),
+        "deterministic": (bwd.DEFAULT_TUNING, True),
+        "deterministic_candidate": (candidate, True),
+    }
 
 
 def backward_flops(shape) -> float:
     return 2.5 * attention.forward_flops(shape)
 
 
-def _forward_residuals(query, key, value, config):
-    """(out, lse, source): from the fa4_jax forward kernel (seconds to compile), else the reference
-    (its scan compiles for several seconds per shape on the H200)."""
+def git_revision() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FA4_GIT_REVISION", "unknown")
+
+
+def _config(shape, deterministic=False):
+    from fa4_jax.config import AttentionConfig
+    return AttentionConfig(scale=shape["head_dim"] ** -0.5, causal=shape["causal"],
+                           deterministic=deterministic)
+
+
+def _backward(config, tuning):
     import jax
-    import fa4_jax
+    from fa4_jax.kernels import sm90_backward
+    return jax.jit(lambda q, k, v, o, l, g: sm90_backward.backward_with_options(
+        q, k, v, o, l, g, None, {}, config, tuning)[:3])
+
+
+def _forward(config):
+    import jax
+    from fa4_jax.kernels import sm90_forward
+    return jax.jit(lambda q, k, v: sm90_forward.attention_forward(q, k, v, {}, config))
+
+
+def _forward_residuals(query, key, value, config):
+    """(out, lse, source): from the fa4_jax forward kernel, else the reference (its scan compiles for
+    several seconds per shape on the H200)."""
+    import jax
     from fa4_jax.kernels import reference
 
     try:
-        out, lse = jax.jit(lambda q, k, v: fa4_jax.attention(
-            q, k, v, causal=config.causal, return_lse=True, implementation="cute"))(query, key, value)
+        out, lse = _forward(config)(query, key, value)
         return out, lse, "fa4_jax forward"
     except Exception:  # no forward kernel for this shape: the reference gives the same residuals
         out, lse = jax.jit(lambda q, k, v: reference.reference_forward(q, k, v, {}, config))(
@@ -47,79 +105,169 @@ def _forward_residuals(query, key, value, config):
         return out.astype(query.dtype), lse, "reference forward"
 
 
-def backward_section(shape, arguments, args):
+def _dims(shape):
+    return shape["batch"], shape["seq_len"], shape["heads"], shape["head_dim"]
+
+
+def _lower_for_cuda(job):
+    """Worker: lower one backward (or the residuals' forward) kernel for CUDA, filling the disk cache."""
     import jax
     import jax.numpy as jnp
-    from fa4_jax.config import AttentionConfig
+
+    shape, variant = job
+    batch, length, heads, dim = _dims(shape)
+    tensor = jax.ShapeDtypeStruct((batch, length, heads, dim), jnp.bfloat16)
+    start = time.perf_counter()
+    try:
+        if variant == "forward":
+            _forward(_config(shape)).trace(tensor, tensor, tensor).lower(lowering_platforms=("cuda",))
+        else:
+            tuning, deterministic = _variants()[variant]
+            lse = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
+            _backward(_config(shape, deterministic), tuning).trace(
+                tensor, tensor, tensor, tensor, lse, tensor).lower(lowering_platforms=("cuda",))
+        return variant, time.perf_counter() - start, None
+    except Exception as error:  # the timing process compiles it itself then
+        return variant, time.perf_counter() - start, f"{type(error).__name__}: {str(error)[:200]}"
+
+
+def _worker_initializer():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def precompile(shapes, variant_names, workers):
+    """Fill the on-disk cache for every (shape, variant) in `workers` CPU-platform processes."""
+    jobs = [(shape, name) for shape in shapes for name in ["forward", *variant_names]]
+    start = time.perf_counter()
+    failures = []
+    context = __import__("multiprocessing").get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                initializer=_worker_initializer) as pool:
+        for (shape, _), (variant, seconds, error) in zip(jobs, pool.map(_lower_for_cuda, jobs)):
+            if error:
+                failures.append(dict(variant=variant, **shape, error=error))
+    elapsed = time.perf_counter() - start
+    print(f"precompiled {len(jobs)} kernels in {elapsed:.0f} s with {workers} workers, "
+          f"{len(failures)} failures", flush=True)
+    return dict(jobs=len(jobs), seconds=elapsed, failures=failures)
+
+
+def backward_section(shape, arguments, args):
+    """Rows for one shape: every variant in args.variants (default: all) and cuDNN."""
+    import jax
+    import jax.numpy as jnp
     from fa4_jax.kernels import sm90_backward
 
     query, key, value = arguments
-    causal = shape["causal"]
-    config = AttentionConfig(scale=shape["head_dim"] ** -0.5, causal=causal)
+    config = _config(shape)
     d_out = jax.random.normal(jax.random.key(1), query.shape, jnp.float32).astype(query.dtype)
     out, lse, residuals = _forward_residuals(query, key, value, config)
-
-    def ours(deterministic, dq_reduction=sm90_backward.DQ_REDUCTION):
-        configured = config.replace(deterministic=deterministic)
-        return jax.jit(lambda q, k, v, o, l, g: sm90_backward.backward_with_options(
-            q, k, v, o, l, g, None, {}, configured, dq_reduction=dq_reduction)[:3])
-
-    cudnn_forward = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                                 implementation="cudnn")
     row = dict(section="backward", residuals=residuals, **shape)
-    outputs = {}
-    reason = sm90_backward.unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
     candidates = {}
-    if reason is None:
-        candidates["fa4_jax"] = (ours(False), (query, key, value, out, lse, d_out))
-        candidates["fa4_jax_deterministic"] = (ours(True), (query, key, value, out, lse, d_out))
-        for other in sm90_backward.DQ_REDUCTIONS:
-            if other != sm90_backward.DQ_REDUCTION:
-                candidates[f"fa4_jax_{other}_dq"] = (ours(False, other), (query, key, value, out, lse, d_out))
-    else:
-        row["fa4_jax_error"] = f"unsupported: {reason}"
+    reason = sm90_backward.unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
+    variants = _variants()
+    for name in getattr(args, "variants", None) or list(variants):
+        tuning, deterministic = variants[name]
+        if reason is not None:
+            row[f"{name}_error"] = f"unsupported: {reason}"
+            continue
+        candidates[name] = (_backward(_config(shape, deterministic), tuning),
+                            (query, key, value, out, lse, d_out))
     try:
-        _, cudnn_vjp = jax.vjp(cudnn_forward, query, key, value)
+        _, cudnn_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=shape["causal"], implementation="cudnn"), query, key, value)
         candidates["cudnn"] = (jax.jit(lambda vjp, g: vjp(g)), (cudnn_vjp, d_out))
     except Exception as error:
         row["cudnn_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    outputs = {}
     for name, (function, function_arguments) in candidates.items():
         try:
             grads, milliseconds = attention._median_ms(function, function_arguments, args.iterations)
-        except Exception as error:  # one failing backend must not hide the others
+        except Exception as error:  # one failing variant must not hide the others
             row[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             continue
         outputs[name] = grads
         row[f"{name}_ms"] = milliseconds
         row[f"{name}_tflops"] = backward_flops(shape) / (milliseconds * 1e-3) / 1e12
-    if "fa4_jax" in outputs and "cudnn" in outputs:
-        for label, ours_grad, theirs in zip(("dq", "dk", "dv"), outputs["fa4_jax"], outputs["cudnn"]):
-            difference = jnp.abs(ours_grad.astype(jnp.float32) - theirs.astype(jnp.float32))
-            row[f"max_abs_diff_{label}_vs_cudnn"] = float(jnp.max(difference))
-    for name in candidates:
-        if name != "cudnn" and f"{name}_ms" in row and "cudnn_ms" in row:
-            suffix = name[len("fa4_jax"):]
-            row[f"ratio{suffix}_vs_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
+    for name in outputs:
+        if name == "cudnn" or "cudnn" not in outputs:
+            continue
+        row[f"{name}_vs_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
+        for label, ours, theirs in zip(("dq", "dk", "dv"), outputs[name], outputs["cudnn"]):
+            difference = jnp.abs(ours.astype(jnp.float32) - theirs.astype(jnp.float32))
+            row[f"{name}_max_abs_diff_{label}"] = float(jnp.max(difference))
     return [row]
 
 
 attention.SECTIONS["backward"] = backward_section
 
 
+def _summary(row, names):
+    cells = []
+    for name in names:
+        ratio = row.get(f"{name}_vs_cudnn")
+        cells.append(f"{ratio:5.2f}" if ratio is not None else "  -  ")
+    return (f"D={row['head_dim']:3d} causal={int(row['causal'])} S={row['seq_len']:5d} "
+            f"cudnn {row.get('cudnn_ms', float('nan')):7.3f} ms | " + " ".join(cells))
+
+
+def run(args):
+    import jax
+
+    # In the order of --head-dims, so a run cut short has measured the first ones whole.
+    shapes = [shape for head_dim in args.head_dims for shape in attention.shapes(args.quick)
+              if shape["head_dim"] == head_dim and shape["seq_len"] in args.seq_lens]
+    names = args.variants or list(_variants())
+    if args.precompile_only:
+        return precompile(shapes, names, args.precompile_workers or os.cpu_count())
+    report = dict(device=jax.devices()[0].device_kind,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  versions=attention._versions(), git_revision=git_revision(),
+                  timing="CUPTI kernel time, median of iterations (jax.experimental.mosaic.gpu.profiler.measure)",
+                  flops="backward = 2.5 x forward 4*B*H*Sq*Sk*D, halved when causal", dtype="bfloat16",
+                  variants={name: dict(dataclasses.asdict(tuning), deterministic=deterministic)
+                            for name, (tuning, deterministic) in _variants().items() if name in names},
+                  ratio="<variant>_vs_cudnn = cudnn_ms / <variant>_ms (above 1: faster than cuDNN)",
+                  rows=[])
+    if args.precompile_workers:
+        report["precompile"] = precompile(shapes, names, args.precompile_workers)
+
+    def write():
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+    write()
+    print("ratio vs cuDNN: " + " ".join(names), flush=True)
+    key = jax.random.key(0)
+    for shape in shapes:
+        key, *subkeys = jax.random.split(key, 4)
+        arguments = [jax.random.normal(k, _dims(shape), "float32").astype("bfloat16") for k in subkeys]
+        for row in backward_section(shape, arguments, args):
+            report["rows"].append(row)
+            write()
+            print(_summary(row, names), flush=True)
+        del arguments
+    print(f"wrote {args.out}")
+    return report
+
+
 def main(argv=None):
-    """attention.py's command line, plus --head-dims / --seq-lens to measure part of the grid."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for flag, name in (("--head-dims", "HEAD_DIMS"), ("--seq-lens", "SEQUENCE_LENGTHS")):
-        if flag in argv:
-            start = argv.index(flag)
-            end = start + 1
-            while end < len(argv) and not argv[end].startswith("--"):
-                end += 1
-            setattr(attention, name, tuple(int(value) for value in argv[start + 1:end]))
-            del argv[start:end]
-    if "--sections" not in argv and "--plot" not in argv:
-        argv += ["--sections", "backward"]
-    attention.main(argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="attention_backward.json")
+    parser.add_argument("--variants", nargs="+", help="names from the variant table (default: all)")
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=list(attention.SEQUENCE_LENGTHS))
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
+    parser.add_argument("--precompile-workers", type=int, default=0,
+                        help="lower every kernel in this many CPU processes first (on-disk cache)")
+    parser.add_argument("--precompile-only", action="store_true",
+                        help="only fill the on-disk cache (e.g. in the background while tests run)")
+    args = parser.parse_args(argv)
+    unknown = set(args.variants or ()) - set(_variants())
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; known: {sorted(_variants())}")
+    run(args)
 
 
 if __name__ == "__main__":
