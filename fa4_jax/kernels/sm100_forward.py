@@ -803,15 +803,19 @@ class Sm100ForwardKernel:
                 cute.group_modes(gO_tile, 0, 2))
             for stage in cutlass.range_constexpr(self.q_stage):
                 handle = epilogue_consumer.wait_and_advance()
-                cute.copy(tma_atom_o, tOsO[None, handle.index],
-                          tOgO[None, m_block * self.q_stage + stage])
-                cute.arch.cp_async_bulk_commit_group()
+                # One lane issues the bulk store (every lane would store the tile again). The buffer
+                # is free once all 32 lanes released it, the last being that lane after its wait.
+                with cute.arch.elect_one():
+                    cute.copy(tma_atom_o, tOsO[None, handle.index],
+                              tOgO[None, m_block * self.q_stage + stage])
+                    cute.arch.cp_async_bulk_commit_group()
                 tile_row = m_block * self.cta_rows + stage * ROWS_PER_TILE
                 for r in cutlass.range_constexpr(ROWS_PER_TILE // THREADS_PER_WARP):
                     local_row = r * THREADS_PER_WARP + lane
                     if tile_row + local_row < seqlen_q:
                         mLSE[batch_index, head, tile_row + local_row] = sLSE[local_row, handle.index]
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                with cute.arch.elect_one():
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 handle.release()
             tile_index += cute.arch.grid_dim()[0]
 

@@ -124,12 +124,15 @@ def instruction_counts(ptx: str) -> dict:
     return {name: len(re.findall(pattern, ptx)) for name, pattern in INSTRUCTIONS.items()}
 
 
+SINGLE_THREAD_INSTRUCTIONS = ("tcgen05.mma.", "tcgen05.commit.", "cp.async.bulk.tensor.")
+
+
 def issued_by_one_thread(ptx: str) -> bool:
-    """Every tcgen05.mma and tcgen05.commit sits behind an elect.sync predicate: one thread of the
-    MMA warp issues them (a whole warp issuing would run each MMA 32 times)."""
+    """Every tcgen05.mma, tcgen05.commit and TMA copy sits behind an elect.sync predicate: one
+    thread issues it (a whole warp issuing would run each MMA or copy 32 times)."""
     lines = ptx.splitlines()
     for index, line in enumerate(lines):
-        if "tcgen05.mma." in line or "tcgen05.commit." in line:
+        if any(instruction in line for instruction in SINGLE_THREAD_INSTRUCTIONS):
             window = "\n".join(lines[max(0, index - 40):index])
             if "elect.sync" not in window:
                 return False
@@ -226,7 +229,7 @@ def kernel_record(compiled: dict) -> dict:
     if resources is not None:
         record.update(resources)
     record["instructions"] = instruction_counts(ptx)
-    record["tcgen05_issued_by_one_thread"] = issued_by_one_thread(ptx)
+    record["tcgen05_and_tma_issued_by_one_thread"] = issued_by_one_thread(ptx)
     record["local_memory"] = uses_local_memory(ptx)
     return record
 
