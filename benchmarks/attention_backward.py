@@ -54,6 +54,7 @@ def _variants():
         "tma_early_dv_staged_stats": (dataclasses.replace(tma, early_dv=True, staged_row_stats=True), False),
         "candidate": (candidate, False),
         "candidate_3_stages": (dataclasses.replace(candidate, stages=3), False),
+        "candidate_tma_dkv_store": (dataclasses.replace(candidate, tma_dkv_store=True), False),
         "deterministic": (bwd.DEFAULT_TUNING, True),
         "deterministic_candidate": (candidate, True),
     }

@@ -131,6 +131,22 @@ def _oracle(query, key, value, d_out, d_lse, options):
 @pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_backward_matches_oracle(case: Case, tuning, inputs):
+    _check_against_oracle(case, TUNINGS[tuning], inputs)
+
+
+# dK / dV through shared memory and TMA stores: where rows past the sequence end must be clipped
+# (odd lengths, a single row, kv lengths) and where K / V are reused by a group (GQA).
+TMA_DKV_STORE_CASES = ["plain-d64", "causal-cross", "gqa", "lengths-causal", "single-row", "gqa-long"]
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case.name in TMA_DKV_STORE_CASES],
+                         ids=lambda case: case.name)
+def test_tma_dkv_store_matches_oracle(case: Case, inputs):
+    _check_against_oracle(
+        case, dataclasses.replace(sm90_backward.CANDIDATE_TUNING, tma_dkv_store=True), inputs)
+
+
+def _check_against_oracle(case: Case, tuning, inputs):
     query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
     out64, lse64, expected = _oracle(query, key, value, d_out, d_lse, options)
     out = jnp.asarray(out64, jnp.float32).astype(case.dtype)
@@ -138,7 +154,7 @@ def test_backward_matches_oracle(case: Case, tuning, inputs):
 
     _poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
     grads = jax.jit(lambda *a: sm90_backward.backward_with_options(
-        *a, optional, config, TUNINGS[tuning]))(query, key, value, out, lse, d_out, d_lse)
+        *a, optional, config, tuning))(query, key, value, out, lse, d_out, d_lse)
 
     tolerance = 4 * ROUNDING[case.dtype]
     for name, actual in zip(("dq", "dk", "dv", "dsinks"), grads):

@@ -70,12 +70,16 @@ class Tuning:
     staged_row_stats: the producer copies each query block's LSE and dPsum (64 floats each) into the
       Q / dO stage with one bulk copy apiece, and the consumers read them from shared memory where
       they are used, instead of 32 scattered global loads per thread per block held in registers.
+    tma_dkv_store: at the end, dK and dV go through shared memory (over K and V, no longer read) and
+      two TMA bulk stores, instead of 128 two-byte global stores per thread. Not in the candidate:
+      with it ptxas spills 32 bytes at D = 128 (loop invariants reloaded in the dQ write-back).
     """
     dq_reduction: str = "red"
     stages: int = 2
     early_dv: bool = False
     stagger: bool = False
     staged_row_stats: bool = False
+    tma_dkv_store: bool = False
 
     def __post_init__(self):
         if self.dq_reduction not in DQ_REDUCTIONS:
@@ -124,6 +128,7 @@ WARP_GROUP = 128
 DS_READY_BARRIER = 1
 DQ_ORDER_BARRIER = 2
 DQ_STAGING_BARRIER = 3     # 3 and 4: one per consumer warp group
+DKV_STORE_BARRIER = 5
 
 
 def transpose_view(tensor):
@@ -299,6 +304,12 @@ class Sm90BackwardKernel:
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
                 (self.tile_m, self.head_dim // 2))
             dq_staging = cute.cosize(dq_layout)
+        tma_dk, tma_mdK, tma_dv, tma_mdV = None, None, None, None
+        if const_expr(self.tuning.tma_dkv_store):
+            tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdK, k_layout, (self.tile_n, self.head_dim))
+            tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdV, v_layout, (self.tile_n, self.head_dim))
         self.query_block_bytes = 2 * cute.size_in_bytes(self.dtype, q_stage_layout)
         if const_expr(self.staged_row_stats):
             self.query_block_bytes += 2 * self.tile_m * 4
@@ -328,15 +339,16 @@ class Sm90BackwardKernel:
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
                     tma_v, tma_mV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mdQacc,
-                    mSem, mdK, mdV, tma_dq, tma_mdQ, mQ.shape[0], q_layout, k_layout, v_layout,
-                    ds_layout, dq_layout).launch(
+                    mSem, mdK, mdV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mQ.shape[0],
+                    q_layout, k_layout, v_layout, ds_layout, dq_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mdQacc, mSem, mdK, mdV,
-               tma_dq, mdQ_tma, q_len_static, q_layout, k_layout, v_layout, ds_layout, dq_layout):
+               tma_dq, mdQ_tma, tma_dk, tma_mdK, tma_dv, tma_mdV, q_len_static, q_layout, k_layout,
+               v_layout, ds_layout, dq_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -403,9 +415,10 @@ class Sm90BackwardKernel:
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
-                          query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem, mdK,
-                          mdV, tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count,
-                          iterations, offset, kv_len, q_len, q_start)
+                          query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq,
+                          mdQ_tma, mSem, mdK, mdV, (tma_dk, tma_mdK, tma_dv, tma_mdV),
+                          tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count, iterations,
+                          offset, kv_len, q_len, q_start)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, mLSE,
@@ -458,7 +471,8 @@ class Sm90BackwardKernel:
 
     @cute.jit
     def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
-                 query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem, mdK, mdV, tidx,
+                 query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem,
+                 mdK, mdV, dkv_store, tidx,
                  n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len, q_len,
                  q_start):
         d = self.head_dim
@@ -608,7 +622,11 @@ class Sm90BackwardKernel:
         if const_expr(self.dq_reduction == "tma"):
             if (tidx % WARP_GROUP) // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem must outlive the reduce
-        self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
+        if const_expr(self.tuning.tma_dkv_store):
+            self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
+                                tidx)
+        else:
+            self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
 
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
@@ -718,6 +736,37 @@ class Sm90BackwardKernel:
         if tidx == 0:
             flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
             cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+
+    @cute.jit
+    def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
+                       kv_head, batch, tidx):
+        """dK (scaled) and dV rounded into the K and V tiles' shared memory, then one TMA bulk store
+        each; the copy engine clips the rows past the sequence end."""
+        consumers = pipeline.NamedBarrier(barrier_id=DKV_STORE_BARRIER,
+                                          num_threads=self.consumer_threads)
+        consumers.arrive_and_wait()        # both warp groups' last GEMMs have read K and V
+        rounded_dk = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
+        rounded_dk.store((acc_dK.load() * self.scale).to(self.dtype))
+        cute.autovec_copy(rounded_dk, thr_dkv.partition_C(sK))
+        rounded_dv = cute.make_rmem_tensor(acc_dV.layout, self.dtype)
+        rounded_dv.store(acc_dV.load().to(self.dtype))
+        cute.autovec_copy(rounded_dv, thr_dkv.partition_C(sV))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        consumers.arrive_and_wait()
+        if tidx // 32 == 0:
+            tile = (self.tile_n, self.head_dim)
+            gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
+            tdKsdK, tdKgdK = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1),
+                                                   cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(gdK, 0, 2))
+            tdVsdV, tdVgdV = cpasync.tma_partition(tma_dv, 0, cute.make_layout(1),
+                                                   cute.group_modes(sV, 0, 2),
+                                                   cute.group_modes(gdV, 0, 2))
+            cute.copy(tma_dk, tdKsdK, tdKgdK)
+            cute.copy(tma_dv, tdVsdV, tdVgdV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)   # shared memory outlives the reads
 
     @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len):
