@@ -15,7 +15,7 @@ Usage:
 Sections are functions in SECTIONS: name -> callable(shape, inputs, args) -> list of row dicts. A
 backward section is added by writing one more such function and registering it.
 
---variants: the Hopper forward kernel's tuning options (SM90_FORWARD_VARIANTS) on the rows that were
+--variants: the Hopper forward kernel's tuning options (sm90_forward_variants()) on the rows that were
 below the bar (VARIANT_ROWS), each next to cuDNN on the same inputs in the same process; the default
 configuration is timed first and again last on every row, so the JSON carries the run's own noise.
 See docs/sm90_forward_tuning.md for what each variant is and what it is predicted to do.
@@ -34,6 +34,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 
 TOKENS = 16 * 1024
 MODEL_WIDTH = 2048
@@ -100,38 +101,48 @@ def forward_section(shape, arguments, args):
 
 SECTIONS = {"forward": forward_section}
 
-# Hopper forward tuning candidates: name -> (KernelOptions overrides, head dims it applies to, causal
-# settings it applies to). "default" is the GPU-verified configuration every candidate is compared with.
-SM90_FORWARD_VARIANTS = {
-    "default": ({}, (64, 128, 256), (False, True)),
-    "wg3": ({"consumer_warpgroups": 3}, (64,), (False, True)),
-    "wg3-q2-tma": ({"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True}, (64,), (False, True)),
-    "q2-tma": ({"q_stages": 2, "tma_store": True}, (64, 128), (False, True)),
-    "tma": ({"tma_store": True}, (128,), (True,)),
-    "q2": ({"q_stages": 2}, (128,), (True,)),
-    "early-q": ({"early_q_release": True}, (128, 256), (True,)),
-    "early-q-tma": ({"early_q_release": True, "tma_store": True}, (128,), (True,)),
-    "key-tile-176": ({"key_tile": 176}, (128,), (False,)),
-    "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,), (True,)),
-    "early-q-pingpong-d256": ({"early_q_release": True, "pingpong_max_head_dim": 256}, (256,), (True,)),
-    "poly-exp2-every-2": ({"poly_exp2_every": 2}, (64,), (False,)),
-}
+# The Hopper forward kernel's tuning candidates (fa4_jax.kernels.sm90_forward.TUNING_CANDIDATES) plus
+# "default", the GPU-verified configuration each is compared with, and the existing polynomial-exp2
+# option: name -> (KernelOptions overrides, head dims, causal settings).
+def sm90_forward_variants():
+    from fa4_jax.kernels import sm90_forward
+    return {"default": ({}, (64, 128, 256), (False, True)), **sm90_forward.TUNING_CANDIDATES,
+            "poly-exp2-every-2": ({"poly_exp2_every": 2}, (64,), (False,))}
+
 
 # (head_dim, causal, seq_len) rows below 0.9x cuDNN in benchmarks/results/forward_h200.json (rev 881b6c0),
 # plus D=128 non-causal S=16k, at the bar, to see whether a candidate costs where it is not needed.
+# Ordered so that a run cut short by --max-seconds still covers each head dim.
 VARIANT_ROWS = (
-    [(64, causal, length) for causal in (False, True) for length in SEQUENCE_LENGTHS]
-    + [(128, True, 1024), (128, True, 2048), (128, True, 4096), (128, False, 1024), (128, False, 16384)]
+    [(128, True, 1024), (128, True, 2048), (128, True, 4096), (128, False, 1024), (128, False, 16384)]
     + [(256, True, 1024), (256, True, 2048)]
+    + [(64, causal, length) for causal in (False, True) for length in SEQUENCE_LENGTHS]
 )
 VARIANT_ONLY = {"poly-exp2-every-2": {1024, 16384}}  # sequence lengths, where a variant is sampled only
 
 
-def variants_for(head_dim: int, causal: bool, seq_len: int):
-    """The SM90_FORWARD_VARIANTS names that apply to one row, default first."""
-    return [name for name, (_, head_dims, causal_settings) in SM90_FORWARD_VARIANTS.items()
+def variants_for(head_dim: int, causal: bool, seq_len: int, excluded=()):
+    """The sm90_forward_variants() names that apply to one row, default first."""
+    return [name for name, (_, head_dims, causal_settings) in sm90_forward_variants().items()
             if head_dim in head_dims and causal in causal_settings
-            and seq_len in VARIANT_ONLY.get(name, {seq_len})]
+            and seq_len in VARIANT_ONLY.get(name, {seq_len}) and name not in excluded]
+
+
+def failed_variants(junit_path: str) -> dict:
+    """{variant: [failed test ids]} from a pytest --junitxml report of tests/test_sm90_forward.py -k variant
+    (test ids "test_variant_matches_oracle[<variant>+<case>+d<D>]"). A variant that computed a wrong
+    answer, or crashed, is not timed: a crash would also take every later timing in the process down."""
+    import xml.etree.ElementTree as ElementTree
+
+    failed = {}
+    for case in ElementTree.parse(junit_path).getroot().iter("testcase"):
+        name = case.get("name", "")
+        if not name.startswith("test_variant_matches_oracle["):
+            continue
+        if case.find("failure") is not None or case.find("error") is not None:
+            variant = name[len("test_variant_matches_oracle["):].split("+")[0]
+            failed.setdefault(variant, []).append(name)
+    return failed
 
 
 def variant_shapes():
@@ -151,10 +162,10 @@ def forward_variants_section(shape, arguments, args):
     config = AttentionConfig(scale=shape["head_dim"] ** -0.5, causal=causal)
     reference, cudnn_ms = _median_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn")), arguments, args.iterations)
-    names = variants_for(shape["head_dim"], causal, shape["seq_len"])
+    names = variants_for(shape["head_dim"], causal, shape["seq_len"], args.excluded_variants)
     rows = []
     for name in names + ["default"]:
-        overrides = SM90_FORWARD_VARIANTS[name][0]
+        overrides = sm90_forward_variants()[name][0]
         row = dict(section="forward_variant", variant=name, overrides=overrides, cudnn_ms=cudnn_ms,
                    cudnn_tflops=forward_flops(shape) / (cudnn_ms * 1e-3) / 1e12, **shape)
         if name == "default" and rows:
@@ -228,11 +239,23 @@ def run(args):
     key = jax.random.key(0)
     sections = args.sections
     shape_list = shapes(args.quick)
+    args.excluded_variants = {}
     if args.variants:
         sections = ["forward_variants"]
         shape_list = variant_shapes()
         report["timing"] += "; sm90 variants: default timed first and again last on each row (repeat=true)"
+        if args.exclude_failed:
+            if os.path.exists(args.exclude_failed):
+                args.excluded_variants = failed_variants(args.exclude_failed)
+            else:
+                report["exclude_failed_missing"] = args.exclude_failed
+                print(f"no {args.exclude_failed}: timing every variant", flush=True)
+        report["excluded_variants"] = args.excluded_variants
+    started = time.monotonic()
     for shape in shape_list:
+        if args.max_seconds and time.monotonic() - started > args.max_seconds:
+            report.setdefault("skipped_rows", []).append(shape)
+            continue
         key, *subkeys = jax.random.split(key, 4)
         dims = (shape["batch"], shape["seq_len"], shape["heads"], shape["head_dim"])
         arguments = [jax.random.normal(k, dims, jnp.float32).astype(jnp.bfloat16) for k in subkeys]
@@ -241,12 +264,19 @@ def run(args):
                 report["rows"].append(row)
                 print(_format_row(row), flush=True)
         del arguments
-    with open(args.out, "w") as handle:
-        json.dump(report, handle, indent=1)
+        _write(report, args.out)  # after every shape: a run stopped by a timeout keeps what it measured
+    if report.get("skipped_rows"):
+        print(f"--max-seconds {args.max_seconds}: {len(report['skipped_rows'])} rows not measured", flush=True)
+    _write(report, args.out)
     if args.variants:
         print(variant_summary(report["rows"]))
     print(f"wrote {args.out}")
     return report
+
+
+def _write(report, path):
+    with open(path, "w") as handle:
+        json.dump(report, handle, indent=1)
 
 
 def _format_row(row):
@@ -301,6 +331,10 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
     parser.add_argument("--variants", action="store_true",
                         help="sweep the sm90 forward tuning variants over the below-bar rows (VARIANT_ROWS)")
+    parser.add_argument("--exclude-failed", metavar="JUNIT_XML",
+                        help="with --variants: skip variants with a failed test in this pytest --junitxml report")
+    parser.add_argument("--max-seconds", type=float, default=0,
+                        help="start no new shape after this many seconds (0: no limit)")
     parser.add_argument("--plot", help="draw this JSON report instead of measuring")
     parser.add_argument("--png", default="attention.png")
     args = parser.parse_args(argv)

@@ -7,8 +7,8 @@ producer and consumers) and mbarrier waits, and for the absence of local memory.
 installed, its report must show no spills.
 
 The tuning options (KernelOptions: three consumer warpgroups, Q double buffer, TMA-store epilogue,
-key tile, ping-pong at D=256, early Q release) compile in four more configurations, each checked for
-the instructions its option adds; the default configurations are the GPU-verified ones.
+key tile, ping-pong at D=256, early Q release, split key loop) compile in four more configurations,
+each checked for the instructions its option adds; the default configurations are the GPU-verified ones.
 """
 
 from __future__ import annotations
@@ -37,13 +37,16 @@ CONFIGS = {
         [2, 300, 400, 4, 2, 192], "bfloat16", {}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
     # Tuning options (off by default), combined where they can share a compile.
-    "d64-three-warpgroups-q2-tma-store": (
+    "d64-three-warpgroups-all": (
         {"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16",
-        {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True}),
-    "d128-q2-tma-store-lengths-fp16": (
+        {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
+         "split_masked_loop": True}),
+    "d128-q2-tma-store-split-lengths-fp16": (
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 128],
-        "float16", {"q_stages": 2, "tma_store": True}),
-    "d128-key-tile-176": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"key_tile": 176}),
+        "float16", {"q_stages": 2, "tma_store": True, "split_masked_loop": True}),
+    "d128-key-tile-176-split-window": (
+        {"window_left": 300, "window_right": 0}, [2, 1000, 1000, 4, 4, 128], "bfloat16",
+        {"key_tile": 176, "split_masked_loop": True}),
     "d256-pingpong-early-q-causal": (
         {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
         {"pingpong_max_head_dim": 256, "early_q_release": True}),

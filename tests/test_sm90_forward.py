@@ -5,14 +5,16 @@ Each case draws fresh random inputs, poisons the device memory pool with NaN bef
 error to be within twice the error of the fa4_jax reference on the same bf16/fp16 inputs (plus a floor
 of one bf16/fp16 rounding of the output), with -inf LSE and zero outputs on rows that see no key.
 
-The kernel's tuning options (VARIANTS, see docs/sm90_forward_tuning.md) run a smaller grid of the same
-cases through `sm90_forward.forward_with_options`, so one GPU run checks every candidate the benchmark
-times: `pytest tests/test_sm90_forward.py -k variant`.
+The kernel's tuning candidates (sm90_forward.TUNING_CANDIDATES, docs/sm90_forward_tuning.md) run a
+smaller grid of the same cases through `sm90_forward.forward_with_options`, so one GPU run checks every
+candidate the benchmark times: `pytest tests/test_sm90_forward.py -k variant`. One CPU test checks the
+block arithmetic the split key loop relies on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Optional
 
 import jax
@@ -23,7 +25,7 @@ import pytest
 import fa4_jax
 import numpy_reference
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 ROUNDING = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11}
 
@@ -137,6 +139,7 @@ def _oracle(query, key, value, options):
         numpy_reference.to_float64(value), **numpy_options)
 
 
+@gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_forward_matches_oracle(case: Case, inputs):
     query, key, value, options = _make_inputs(case, inputs)
@@ -157,34 +160,27 @@ def test_forward_matches_oracle(case: Case, inputs):
     numpy_reference.assert_close(lse, expected_lse, lse_tolerance, f"{case.name} lse")
 
 
-# Tuning options -> the head dims each is meant for (KernelOptions.check rejects the others).
-VARIANTS = {
-    "wg3": ({"consumer_warpgroups": 3}, (64,)),
-    "wg3-q2-tma": ({"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True}, (64,)),
-    "tma": ({"tma_store": True}, (128,)),
-    "q2": ({"q_stages": 2}, (128,)),
-    "q2-tma": ({"q_stages": 2, "tma_store": True}, (128,)),
-    "key-tile-176": ({"key_tile": 176}, (128,)),
-    "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,)),
-    "early-q-tma": ({"early_q_release": True, "tma_store": True}, (128,)),
-    "early-q-pingpong-d256": ({"early_q_release": True, "pingpong_max_head_dim": 256}, (256,)),
-}
-# Cases that reach every path a variant changes: odd lengths (partial Q tiles and TMA-store
-# clipping), Sq > Sk (rows with no key), several tiles per CTA (Q-buffer and store-buffer reuse),
-# masks, lengths, fp16, GQA.
-VARIANT_CASES = ["plain-d128", "causal-more-queries", "lengths-causal-fp16", "segments-causal-d64",
-                 "window-causal-left", "gqa", "persistent-many-tiles"]
+# Cases that reach every path a variant changes: odd lengths (partial Q tiles, TMA-store clipping),
+# Sq > Sk (tiles with no visible key), lengths and fp16, a left window (the split key loop's third
+# part), several tiles per CTA (Q-buffer and store-buffer reuse). GQA and segments change nothing a
+# variant touches (split_masked_loop is off with segments).
+VARIANT_CASES = ["plain-d128", "causal-more-queries", "lengths-causal-fp16", "window-causal-left",
+                 "persistent-many-tiles"]
 
 
 def _variant_grid():
+    from fa4_jax.kernels import sm90_forward
+
     by_name = {case.name: case for case in CASES}
-    for variant, (overrides, head_dims) in VARIANTS.items():
+    for variant, (overrides, head_dims, _) in sm90_forward.TUNING_CANDIDATES.items():
         for case_name in VARIANT_CASES:
             for head_dim in head_dims:
                 case = dataclasses.replace(by_name[case_name], head_dim=head_dim)
-                yield pytest.param(overrides, case, id=f"{variant}-{case_name}-d{head_dim}")
+                # "+" separates the fields: benchmarks/attention.py --exclude-failed reads the variant back.
+                yield pytest.param(overrides, case, id=f"{variant}+{case_name}+d{head_dim}")
 
 
+@gpu
 @pytest.mark.parametrize("overrides,case", list(_variant_grid()))
 def test_variant_matches_oracle(overrides, case: Case, inputs):
     from fa4_jax.kernels import sm90_forward
@@ -206,6 +202,7 @@ def test_variant_matches_oracle(overrides, case: Case, inputs):
     numpy_reference.assert_close(lse, expected_lse, lse_tolerance, f"{case.name} lse")
 
 
+@gpu
 @pytest.mark.parametrize("threshold,poly_every", [(0.0, 0), (8.0, 2), (8.0, 1)])
 def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
     """Classic (threshold 0) and lazy rescaling agree with the oracle, with and without FMA exp2,
@@ -225,3 +222,28 @@ def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
         q, k, v, {}, config, rescale_threshold=threshold, poly_exp2_every=poly_every))(query, key, value)
     numpy_reference.assert_close(out.astype(jnp.float32), expected_out, 2 * 2.0 ** -8, "out")
     numpy_reference.assert_close(lse, expected_lse, 2e-5, "lse")
+
+
+def test_unmasked_block_range_is_exactly_the_full_blocks(rng):
+    """split_masked_loop runs blocks [first, end) of `unmasked_block_range` without masking code: they
+    must be exactly the blocks `block_is_partial` calls full (CPU, Python ints)."""
+    from fa4_jax.kernels import masking
+
+    windows = [(None, None), (0, 0), (70, 10), (None, 33), (200, None), (5, None)]
+    for causal, (left, right), q_lengths, segments in itertools.product(
+            (False, True), windows, (False, True), (False, True)):
+        shape = masking.MaskShape(causal=causal, window_left=left, window_right=right,
+                                  has_q_lengths=q_lengths, has_segments=segments)
+        for tile_m, tile_n in ((128, 128), (192, 128), (128, 64), (128, 176)):
+            for _ in range(4):
+                q_len, kv_len = (int(n) for n in rng.integers(1, 1500, size=2))
+                q_valid = int(rng.integers(1, q_len + 1))
+                offset = kv_len - q_valid
+                for row_start in range(0, q_len, tile_m):
+                    first, end = masking.unmasked_block_range(shape, row_start, tile_m, tile_n, kv_len, q_valid,
+                                                              offset)
+                    for n_block in range(-(-kv_len // tile_n) + 1):
+                        full = not masking.block_is_partial(shape, n_block, row_start, tile_m, tile_n, kv_len,
+                                                            q_valid, offset)
+                        assert (first <= n_block < end) == full, (shape, tile_m, tile_n, q_len, kv_len, q_valid,
+                                                                   row_start, n_block, first, end)

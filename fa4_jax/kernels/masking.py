@@ -109,6 +109,28 @@ def block_is_partial(shape: MaskShape, n_block, row_start, tile_m, tile_n, kv_le
     return partial
 
 
+def unmasked_block_range(shape: MaskShape, row_start, tile_m, tile_n, kv_len, q_len, offset):
+    """Key blocks [first, end) that need no per-score mask for the query tile at row_start: exactly the
+    blocks n >= 0 for which `block_is_partial` is False (end == first when there are none).
+
+    The partial blocks of a tile sit at the two ends of its key range (right reach and kv_len at the
+    top, a left window at the bottom), so a kernel can run the middle without masking code.
+    """
+    end = kv_len // tile_n
+    reach = shape.right_reach
+    if reach is not None:       # (n + 1) * tile_n - 1 <= row_start + offset + reach
+        end = _minimum(end, _maximum(row_start + offset + reach + 1, 0) // tile_n)
+    first = 0
+    if shape.window_left is not None:   # n * tile_n >= row_start + tile_m - 1 + offset - left
+        lowest = row_start + tile_m - 1 + offset - shape.window_left
+        first = (_maximum(lowest, 0) + tile_n - 1) // tile_n
+    if shape.has_segments:
+        end = first
+    if shape.has_q_lengths:
+        end = _pick(row_start + tile_m > q_len, first, end)
+    return first, _maximum(end, first)
+
+
 @cute.jit
 def apply_mask(
     scores_mn: cute.Tensor,

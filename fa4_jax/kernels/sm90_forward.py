@@ -22,6 +22,8 @@ others are candidates measured by benchmarks/attention.py --variants, see docs/s
 - early_q_release: Q's buffer is released after the tile's last Q K^T (not after its last P V and
   the softmax before it), so the next tile's Q load starts one block earlier (any head dim, no
   extra shared memory);
+- split_masked_loop: the key loop runs as up to three loops (masked blocks, blocks with no masking
+  code, masked blocks) instead of deciding per block at run time;
 - tma_store: O goes registers -> shared memory (stmatrix) -> global memory by TMA store, per
   warpgroup, the store running on while the next tile computes;
 - pingpong_max_head_dim: the largest head dim that uses the ping-pong scheduler barriers.
@@ -92,6 +94,7 @@ class KernelOptions:
     tma_store: bool = False
     pingpong_max_head_dim: int = 128
     early_q_release: bool = False
+    split_masked_loop: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -131,6 +134,25 @@ class KernelOptions:
         if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
             raise ValueError(f"{self.shared_memory_bytes()} bytes of shared memory needed, "
                              f"{SHARED_MEMORY_LIMIT} available")
+
+
+# Candidate tunings, measured against the default by `benchmarks/attention.py --variants` and checked
+# against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md has the predictions):
+# name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
+TUNING_CANDIDATES = {
+    "wg3": ({"consumer_warpgroups": 3}, (64,), (False, True)),
+    "wg3-all": ({"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
+                 "split_masked_loop": True}, (64,), (False, True)),
+    "q2-tma": ({"q_stages": 2, "tma_store": True}, (64, 128), (False, True)),
+    "tma": ({"tma_store": True}, (128,), (True,)),
+    "q2": ({"q_stages": 2}, (128,), (True,)),
+    "early-q-tma": ({"early_q_release": True, "tma_store": True}, (128,), (True,)),
+    "q2-tma-split": ({"q_stages": 2, "tma_store": True, "split_masked_loop": True}, (128,), (True,)),
+    "key-tile-176": ({"key_tile": 176}, (128,), (False,)),
+    "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,), (True,)),
+    "early-q": ({"early_q_release": True}, (256,), (True,)),
+    "early-q-split": ({"early_q_release": True, "split_masked_loop": True}, (256,), (True,)),
+}
 
 
 def _cutlass_dtype(name: str):
@@ -236,6 +258,8 @@ class Sm90ForwardKernel:
         self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
         self.producer_registers, self.consumer_registers = REGISTERS[self.consumer_warpgroups]
         self.pingpong = options.pingpong and options.head_dim <= options.pingpong_max_head_dim
+        # With segments every block is masked: there is no unmasked middle to split off.
+        self.split_masked_loop = options.split_masked_loop and not options.mask.has_segments
         # With a softcap the logits are capped before the softmax, so the exp2 scale is just log2(e).
         logit_scale = 1.0 if options.softcap is not None else options.scale
         self.scale_log2 = logit_scale * online_softmax.LOG2_E
@@ -516,6 +540,8 @@ class Sm90ForwardKernel:
             frag_q_tile = frag_q
             if cutlass.const_expr(self.q_stages > 1):
                 frag_q_tile = frag_q[None, None, None, q_state.index]
+            block_arguments = (tiled_mma_qk, tiled_mma_pv, frag_q_tile, frag_k, frag_vt, frag_p, acc_o, acc_o_mn,
+                               row_max, row_sum, row_scale, coords_s, pipeline_k, pipeline_v)
             num_blocks = end - first
             if num_blocks > 0:
                 # First block: S = Q K^T alone, then its probabilities become the P of the next step.
@@ -534,28 +560,32 @@ class Sm90ForwardKernel:
                 # Steady state: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are in flight together; the
                 # softmax of S_j runs while P V still computes (intra-warpgroup overlap), and the
                 # scheduler barrier hands the tensor cores to the other warpgroup meanwhile.
-                for i in cutlass.range(1, num_blocks, unroll=1):
-                    acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
-                    pipeline_k.consumer_wait(kv_state)
-                    self.scheduler_wait(warpgroup_index)
-                    _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
-                    pipeline_v.consumer_wait(v_state)
-                    _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
-                    self.scheduler_signal(warpgroup_index)
-                    warpgroup.wait_group(1)
-                    pipeline_k.consumer_release(kv_state)
-                    if cutlass.const_expr(self.options.early_q_release):
-                        if i == num_blocks - 1:  # the tile's last Q K^T is done: Q's buffer is free
-                            pipeline_q.consumer_release(q_state)
-                    self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1 - i, row_start,
-                                                 kv_len, q_len, offset, m_block * self.tile_m, q_segments,
-                                                 kv_segments)
-                    warpgroup.wait_group(0)
-                    pipeline_v.consumer_release(v_state)
-                    online_softmax.rescale_rows(acc_o_mn, row_scale, self.options.rescale_threshold > 0)
-                    frag_p.store(_accumulator_as_operand_a(acc_s).load().to(self.dtype))
-                    v_state = _advanced(v_state)
-                    kv_state = _advanced(kv_state)
+                # Iteration i works on key block end - 1 - i.
+                if cutlass.const_expr(self.split_masked_loop):
+                    # Partial blocks first (top of the key range), then blocks with no masking code,
+                    # then (left window only) the partial blocks at the bottom.
+                    unmasked_first, unmasked_end = masking.unmasked_block_range(
+                        self.mask, row_start, self.tile_m, self.tile_n, kv_len, q_len, offset)
+                    masked_until = cutlass.max(1, cutlass.min(num_blocks, end - unmasked_end))
+                    unmasked_until = cutlass.max(masked_until, cutlass.min(num_blocks, end - unmasked_first))
+                    for i in cutlass.range(1, masked_until, unroll=1):
+                        v_state, kv_state = self.steady_block(
+                            i, True, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
+                            row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
+                    for i in cutlass.range(masked_until, unmasked_until, unroll=1):
+                        v_state, kv_state = self.steady_block(
+                            i, False, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
+                            row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
+                    if cutlass.const_expr(self.mask.window_left is not None):
+                        for i in cutlass.range(unmasked_until, num_blocks, unroll=1):
+                            v_state, kv_state = self.steady_block(
+                                i, True, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
+                                row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
+                else:
+                    for i in cutlass.range(1, num_blocks, unroll=1):
+                        v_state, kv_state = self.steady_block(
+                            i, None, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
+                            row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
                 pipeline_v.consumer_wait(v_state)
                 _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
                 warpgroup.wait_group(0)
@@ -586,17 +616,61 @@ class Sm90ForwardKernel:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
+    def steady_block(self, i: Int32, masked: cutlass.Constexpr, tiled_mma_qk: cute.TiledMma,
+                     tiled_mma_pv: cute.TiledMma, frag_q: cute.Tensor, frag_k: cute.Tensor, frag_vt: cute.Tensor,
+                     frag_p: cute.Tensor, acc_o: cute.Tensor, acc_o_mn: cute.Tensor, row_max: cute.Tensor,
+                     row_sum: cute.Tensor, row_scale: cute.Tensor, coords_s: cute.Tensor, pipeline_k, pipeline_v,
+                     kv_state, v_state, pipeline_q, q_state, num_blocks: Int32, end: Int32, row_start: Int32,
+                     kv_len: Int32, q_len: Int32, offset: Int32, m_block: Int32,
+                     q_segments: Optional[cute.Tensor], kv_segments: Optional[cute.Tensor], warpgroup_index: Int32):
+        """Iteration i >= 1 of a tile's key loop: S = Q K^T of block end - 1 - i in flight with
+        O += P V of the block before, then that block's softmax into P. masked: as in
+        `scores_to_probabilities`. Returns the advanced (v_state, kv_state)."""
+        acc_s = cute.make_rmem_tensor(
+            tiled_mma_qk.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.scheduler_wait(warpgroup_index)
+        _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, kv_state.index], True)
+        pipeline_v.consumer_wait(v_state)
+        _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
+        self.scheduler_signal(warpgroup_index)
+        warpgroup.wait_group(1)
+        pipeline_k.consumer_release(kv_state)
+        if cutlass.const_expr(self.options.early_q_release):
+            if i == num_blocks - 1:  # the tile's last Q K^T is done: Q's buffer is free
+                pipeline_q.consumer_release(q_state)
+        self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1 - i, row_start,
+                                     kv_len, q_len, offset, m_block * self.tile_m, q_segments, kv_segments,
+                                     masked)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        online_softmax.rescale_rows(acc_o_mn, row_scale, self.options.rescale_threshold > 0)
+        frag_p.store(_accumulator_as_operand_a(acc_s).load().to(self.dtype))
+        v_state = _advanced(v_state)
+        kv_state = _advanced(kv_state)
+        return v_state, kv_state
+
+    @cute.jit
     def scores_to_probabilities(self, acc_s: cute.Tensor, row_max: cute.Tensor,
                                 row_sum: cute.Tensor, row_scale: cute.Tensor,
                                 coords_s: cute.Tensor, n_block: Int32, row_start: Int32, kv_len: Int32,
                                 q_len: Int32, offset: Int32, local_row_start: Int32,
-                                q_segments: Optional[cute.Tensor], kv_segments: Optional[cute.Tensor]):
-        """Softcap, mask (partial blocks only) and online softmax of one S block, in place."""
+                                q_segments: Optional[cute.Tensor], kv_segments: Optional[cute.Tensor],
+                                masked: cutlass.Constexpr = None):
+        """Softcap, mask and online softmax of one S block, in place.
+
+        masked: None masks the block when `block_is_partial` says so (checked at run time); True
+        always masks (harmless on a fully visible block); False never (the caller knows it is full).
+        """
         if cutlass.const_expr(self.options.softcap is not None):
             masking.apply_softcap(acc_s, self.options.softcap, self.options.scale)
         acc_s_mn = _accumulator_mn(acc_s)
-        if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
-                                    kv_len, q_len, offset):
+        if cutlass.const_expr(masked is None):
+            if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
+                                        kv_len, q_len, offset):
+                masking.apply_mask(acc_s_mn, coords_s, self.mask, row_start, n_block * self.tile_n,
+                                   kv_len, q_len, offset, local_row_start, q_segments, kv_segments)
+        elif cutlass.const_expr(masked):
             masking.apply_mask(acc_s_mn, coords_s, self.mask, row_start, n_block * self.tile_n,
                                kv_len, q_len, offset, local_row_start, q_segments, kv_segments)
         self.softmax.step(acc_s_mn, row_max, row_sum, row_scale)
