@@ -168,6 +168,9 @@ SINGLE_FEATURE_CASES = [
     Case(lengths="kv"),
     Case(lengths="both", q_len=50, kv_len=131),
     Case(scale=0.37),
+    # Decoding one token against a padded cache, and a chunk of a prefill against a longer cache.
+    Case(q_len=1, kv_len=200, causal=True, lengths="kv", sinks=True),
+    Case(q_len=16, kv_len=200, causal=True, window=(64, 0), lengths="both"),
 ]
 FEATURE_CASES = _feature_cases()
 
