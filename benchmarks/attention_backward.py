@@ -17,7 +17,7 @@ then loads them. CUTE_DSL_ARCH is set to sm_90a in both (the cache key includes 
 
 Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
        [--variants default candidate ...] [--head-dims 128 64] [--seq-lens 1024 4096] [--quick]
-       [--iterations N] [--precompile-only]
+       [--iterations N] [--precompile-only] [--variants-passing PYTEST_LOG]
 Also a section of benchmarks/attention.py ("backward", registered when this module is imported).
 The git revision comes from `git`, else from $FA4_GIT_REVISION (the device copy has no .git).
 """
@@ -55,9 +55,38 @@ def _variants():
         "candidate": (candidate, False),
         "candidate_3_stages": (dataclasses.replace(candidate, stages=3), False),
         "candidate_tma_dkv_store": (dataclasses.replace(candidate, tma_dkv_store=True), False),
+        "candidate_writer": (dataclasses.replace(candidate, dq_writer_warp=True), False),
         "deterministic": (bwd.DEFAULT_TUNING, True),
         "deterministic_candidate": (candidate, True),
+        "deterministic_candidate_writer": (dataclasses.replace(candidate, dq_writer_warp=True), True),
     }
+
+
+# The GPU test tuning (tests/test_sm90_backward.py) each variant's code path is checked by; "default"
+# and "tma" have run on the H200 before.
+TESTED_BY = {"default": "default", "deterministic": "default", "tma": "default",
+             "candidate_tma_dkv_store": "candidate_tma_dkv_store",
+             "candidate_writer": "candidate_writer", "deterministic_candidate_writer": "candidate_writer"}
+
+
+def variants_passing(test_log: str):
+    """The variants whose test tuning passed in a `pytest -rA` log of tests/test_sm90_backward.py: the
+    run finished (its summary line is there), no test of that tuning failed, at least one passed.
+    A run cut short (a hang, a time limit) leaves only the variants tested by "default"."""
+    import re
+
+    with open(test_log) as handle:
+        text = handle.read()
+    finished = re.search(r"^=+ .*\d+ (passed|failed).* in [\d.]+s", text, re.MULTILINE) is not None
+
+    def verified(tuning):
+        if tuning == "default":
+            return True
+        marker = rf"[\[-]{re.escape(tuning)}[\]-]"
+        return (finished and re.search(rf"^PASSED .*{marker}", text, re.MULTILINE) is not None
+                and re.search(rf"^(FAILED|ERROR) .*{marker}", text, re.MULTILINE) is None)
+
+    return [name for name in _variants() if verified(TESTED_BY.get(name, "candidate"))]
 
 
 def backward_flops(shape) -> float:
@@ -262,12 +291,18 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
     parser.add_argument("--precompile-workers", type=int, default=0,
                         help="lower every kernel in this many CPU processes first (on-disk cache)")
+    parser.add_argument("--variants-passing", metavar="PYTEST_LOG",
+                        help="keep only the variants whose tuning passed in this `pytest -rA` log")
     parser.add_argument("--precompile-only", action="store_true",
                         help="only fill the on-disk cache (e.g. in the background while tests run)")
     args = parser.parse_args(argv)
     unknown = set(args.variants or ()) - set(_variants())
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {sorted(_variants())}")
+    if args.variants_passing:
+        args.variants = [name for name in variants_passing(args.variants_passing)
+                         if name in (args.variants or _variants())]
+        print(f"variants whose GPU tests passed ({args.variants_passing}): {' '.join(args.variants)}")
     run(args)
 
 

@@ -68,8 +68,9 @@ CANDIDATE = dataclasses.asdict(sm90_backward.CANDIDATE_TUNING)
 CASES = {
     "d128-candidate": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 512, 8, 2, 128],
                            tuning=CANDIDATE),
-    "d64-candidate-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True),
-                                        shape=[2, 300, 300, 8, 2, 64], tuning=CANDIDATE),
+    "d64-candidate-writer-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True),
+                                               shape=[2, 300, 300, 8, 2, 64],
+                                               tuning=dict(CANDIDATE, dq_writer_warp=True)),
     "d128-candidate-tma-dkv-store": dict(
         config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 500, 8, 2, 128],
         tuning=dict(CANDIDATE, tma_dkv_store=True),

@@ -73,6 +73,10 @@ class Tuning:
     tma_dkv_store: at the end, dK and dV go through shared memory (over K and V, no longer read) and
       two TMA bulk stores, instead of 128 two-byte global stores per thread. Not in the candidate:
       with it ptxas spills 32 bytes at D = 128 (loop invariants reloaded in the dQ write-back).
+    dq_writer_warp (with dq_reduction="tma"): the consumers only stage dQ in one of two shared
+      buffers and go on; a warp of the producer warp group issues the bulk reduce-adds (and, when
+      deterministic, waits for the dQ tile's turn), so neither the reduce nor the turn stalls the
+      tensor-core warp groups unless they run two query blocks ahead.
     """
     dq_reduction: str = "red"
     stages: int = 2
@@ -80,12 +84,15 @@ class Tuning:
     stagger: bool = False
     staged_row_stats: bool = False
     tma_dkv_store: bool = False
+    dq_writer_warp: bool = False
 
     def __post_init__(self):
         if self.dq_reduction not in DQ_REDUCTIONS:
             raise ValueError(f"dq_reduction must be one of {DQ_REDUCTIONS}, got {self.dq_reduction!r}")
         if self.stages not in (2, 3):
             raise ValueError(f"stages must be 2 or 3, got {self.stages}")
+        if self.dq_writer_warp and self.dq_reduction != "tma":
+            raise ValueError("dq_writer_warp needs dq_reduction='tma'")
 
 
 # The default has run on the H200 over the whole GPU test grid; CANDIDATE_TUNING is what the next
@@ -129,6 +136,7 @@ DS_READY_BARRIER = 1
 DQ_ORDER_BARRIER = 2
 DQ_STAGING_BARRIER = 3     # 3 and 4: one per consumer warp group
 DKV_STORE_BARRIER = 5
+DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
 
 
 def transpose_view(tensor):
@@ -138,15 +146,19 @@ def transpose_view(tensor):
 
 
 def k_major_layout(dtype, rows, cols, stages, atom_cols):
-    """Row-major [rows, cols] tile(s), swizzle atom `atom_cols` wide, tiled rows first.
+    """Row-major [rows, cols] tile(s), swizzle atom `atom_cols` wide, tiled rows first; `stages`:
+    None, a count, or a tuple of counts (one mode each) of such tiles.
 
     Read K-major it is an operand with K = cols; through `transpose_view` the same bytes are an
     MN-major operand with MN = cols, K = rows (wgmma reads both)."""
     atom = warpgroup.make_smem_layout_atom(
         sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols), dtype)
-    shape = (rows, cols) if stages is None else (rows, cols, stages)
-    order = (0, 1) if stages is None else (0, 1, 2)
-    return cute.tile_to_shape(atom, shape, order=order)
+    if stages is None:
+        stages = ()
+    elif isinstance(stages, int):
+        stages = (stages,)
+    shape = (rows, cols, *stages)
+    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
 
 
 def mn_major_layout(dtype, rows, cols, stages):
@@ -236,12 +248,18 @@ class Sm90BackwardKernel:
         key_tile = self.tile_n * self.head_dim * element
         members = [(q_ring, 1024), (q_ring, 1024), (key_tile, 1024), (key_tile, 1024),
                    (2 * self.tile_m * self.tile_n * element, 1024),
-                   (self.tile_m * self.head_dim * 4 if self.dq_reduction == "tma" else 0, 1024),
+                   (self.tile_m * self.head_dim * 4 * self._dq_buffers(), 1024),
                    (self._row_stats_floats() * 4, 128), (self._row_stats_floats() * 4, 128)]
-        offset = 8 * (2 * self.stages + 2)
+        offset = 8 * (2 * self.stages + 2 + 2 * DQ_BUFFERS)
         for size, alignment in members:
             offset = _ceil_div(offset, alignment) * alignment + size
         return _ceil_div(offset, 1024) * 1024
+
+    def _dq_buffers(self):
+        """dQ staging tiles in shared memory: none for red.add, one per query block in flight."""
+        if self.dq_reduction != "tma":
+            return 0
+        return DQ_BUFFERS if self.tuning.dq_writer_warp else 1
 
     def _row_stats_floats(self):
         """Floats per row statistic (LSE, dPsum) in shared memory: a query block per stage."""
@@ -271,7 +289,9 @@ class Sm90BackwardKernel:
         ds_layout = mn_major_layout(self.dtype, self.tile_m, self.tile_n, 2)
         # dQ staging for the TMA reduce: one fp32 [tile_m, D/2] tile per consumer warp group,
         # 128-byte swizzled so the accumulator stores do not conflict on banks.
-        dq_layout = k_major_layout(Float32, self.tile_m, d // 2, 2, min(32, d // 2))
+        # With the writer warp: (rows, D/2, warp group, buffer).
+        dq_tiles = (2, DQ_BUFFERS) if self.tuning.dq_writer_warp else 2
+        dq_layout = k_major_layout(Float32, self.tile_m, d // 2, dq_tiles, min(32, d // 2))
         return q_layout, k_layout, v_layout, ds_layout, dq_layout
 
     @cute.jit
@@ -322,6 +342,7 @@ class Sm90BackwardKernel:
         class SharedStorage:
             query_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             key_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            dq_barriers: cute.struct.MemRange[cutlass.Int64, 2 * DQ_BUFFERS]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], align]
@@ -382,6 +403,14 @@ class Sm90BackwardKernel:
             barrier_storage=storage.key_barriers.data_ptr(), num_stages=1,
             producer_group=producer, consumer_group=consumers,
             tx_count=self.key_block_bytes, defer_sync=True)
+        dq_pipe = None
+        if const_expr(self.tuning.dq_writer_warp):
+            dq_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.dq_barriers.data_ptr(), num_stages=DQ_BUFFERS,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.consumer_threads),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                defer_sync=True)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -412,10 +441,14 @@ class Sm90BackwardKernel:
                 self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
                               mLSE, mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head,
                               batch, m_lo, m_count, iterations)
+            if const_expr(self.tuning.dq_writer_warp):
+                if warp_idx == 1:
+                    self._write_dq(dq_pipe, sdQ, tma_dq, mdQ_tma, mSem, n_block, kv_head, batch,
+                                   m_lo, m_count, iterations, kv_len, offset, q_start)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
-                          query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq,
+                          dq_pipe, query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq,
                           mdQ_tma, mSem, mdK, mdV, (tma_dk, tma_mdK, tma_dv, tma_mdV),
                           tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count, iterations,
                           offset, kv_len, q_len, q_start)
@@ -470,7 +503,7 @@ class Sm90BackwardKernel:
             query_state.advance()
 
     @cute.jit
-    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
+    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum, dq_pipe,
                  query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem,
                  mdK, mdV, dkv_store, tidx,
                  n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len, q_len,
@@ -519,6 +552,7 @@ class Sm90BackwardKernel:
                                            num_threads=self.consumer_threads)
         dq_target = (thr_dq, mdQacc, sdQ, tma_dq, mdQ_tma, mSem, batch, n_block, kv_len, offset,
                      q_start, tidx)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             row_base = m_block * self.tile_m
@@ -617,9 +651,18 @@ class Sm90BackwardKernel:
             query_pipe.consumer_release(query_state)
             query_state.advance()
 
-            self._add_dq(acc_dq, q_head, m_block, *dq_target)
+            if const_expr(self.tuning.dq_writer_warp):
+                # Stage this block's dQ for the writer warp; wait only for a free buffer.
+                dq_pipe.producer_acquire(dq_state)
+                staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
+                cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
+                cute.arch.fence_proxy("async.shared", space="cta")
+                dq_pipe.producer_commit(dq_state)
+                dq_state.advance()
+            else:
+                self._add_dq(acc_dq, q_head, m_block, *dq_target)
 
-        if const_expr(self.dq_reduction == "tma"):
+        if const_expr(self.dq_reduction == "tma" and not self.tuning.dq_writer_warp):
             if (tidx % WARP_GROUP) // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem must outlive the reduce
         if const_expr(self.tuning.tma_dkv_store):
@@ -656,6 +699,49 @@ class Sm90BackwardKernel:
         if probability == 0.0:
             slope = Float32(0.0)
         return slope
+
+    @cute.jit
+    def _write_dq(self, dq_pipe, sdQ, tma_dq, mdQ_tma, mSem, n_block, kv_head, batch, m_lo, m_count,
+                  iterations, kv_len, offset, q_start):
+        """The dQ writer warp: per query block, wait for the consumers' staged dQ, add it into the
+        fp32 accumulator with two bulk tensor reduces (one per half of D), free the buffer once the
+        copy engine has read it. Deterministic: wait for the tile's turn first, and pass it on
+        once the additions are complete in global memory."""
+        lane = cute.arch.lane_idx()
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
+        for it in cutlass.range(iterations, unroll=1):
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+            gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
+                                  (self.tile_m, self.head_dim // 2), (m_block, None))
+            tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                tma_dq, 0, cute.make_layout(1),
+                cute.group_modes(sdQ[None, None, None, dq_state.index], 0, 2),
+                cute.group_modes(gdQ, 0, 2))
+            dq_pipe.consumer_wait(dq_state)
+            flag = None
+            if const_expr(self.deterministic):
+                first, _ = masking.key_block_range(self.mask, q_start + m_block * self.tile_m,
+                                                   self.tile_m, self.tile_n, kv_len, offset)
+                flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
+                if lane == 0:
+                    seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                    while seen != n_block - first:
+                        seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                cute.arch.sync_warp()
+            for half in cutlass.range_constexpr(2):
+                cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)           # added, not just read
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+            dq_pipe.consumer_release(dq_state)
+            dq_state.advance()
 
     @cute.jit
     def _add_dq(self, acc_dq, q_head, m_block, thr_dq, mdQacc, sdQ, tma_dq, mdQ_tma, mSem, batch,
