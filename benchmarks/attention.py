@@ -10,6 +10,7 @@ D in {64, 128, 256}, causal and not, bf16.
 Usage:
     python benchmarks/attention.py --out results.json [--sections forward] [--quick]
     python benchmarks/attention.py --variants --out variants.json    (sm90 tuning sweep, below)
+    JAX_PLATFORMS=cpu python benchmarks/attention.py --compile-only --compile-workers 8   (its kernels)
     python benchmarks/attention.py --plot results.json --png results.png   (no GPU needed)
 
 Sections are functions in SECTIONS: name -> callable(shape, inputs, args) -> list of row dicts. A
@@ -112,11 +113,12 @@ def sm90_forward_variants():
 
 # (head_dim, causal, seq_len) rows below 0.9x cuDNN in benchmarks/results/forward_h200.json (rev 881b6c0),
 # plus D=128 non-causal S=16k, at the bar, to see whether a candidate costs where it is not needed.
-# Ordered so that a run cut short by --max-seconds still covers each head dim.
+# Ordered by priority, so that a run cut short by --max-seconds still covers each head dim.
 VARIANT_ROWS = (
-    [(128, True, 1024), (128, True, 2048), (128, True, 4096), (128, False, 1024), (128, False, 16384)]
-    + [(256, True, 1024), (256, True, 2048)]
-    + [(64, causal, length) for causal in (False, True) for length in SEQUENCE_LENGTHS]
+    [(64, False, 1024), (64, True, 1024), (128, True, 1024), (256, True, 1024), (128, False, 1024)]
+    + [(64, False, 4096), (64, True, 4096), (128, True, 2048), (256, True, 2048), (128, True, 4096)]
+    + [(64, False, 16384), (64, True, 16384), (128, False, 16384)]
+    + [(64, False, 2048), (64, True, 2048), (64, False, 8192), (64, True, 8192)]
 )
 VARIANT_ONLY = {"poly-exp2-every-2": {1024, 16384}}  # sequence lengths, where a variant is sampled only
 
@@ -151,15 +153,63 @@ def variant_shapes():
                    head_dim=head_dim, causal=causal)
 
 
+def _variant_function(shape, overrides):
+    """The jitted sm90 forward (out only) for one row and one set of KernelOptions overrides."""
+    import jax
+    from fa4_jax.config import AttentionConfig
+    from fa4_jax.kernels import sm90_forward
+
+    config = AttentionConfig(scale=shape["head_dim"] ** -0.5, causal=shape["causal"])
+    return jax.jit(lambda q, k, v: sm90_forward.forward_with_options(q, k, v, {}, config, **overrides)[0])
+
+
+def _compile_variant(task):
+    """Pool worker: lower one variant for CUDA on the CPU, which compiles the kernel into the on-disk
+    cache (fa4_jax.kernels.compile_cache), so the timing process loads it instead of compiling."""
+    name, shape = task
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import jax
+    import jax.numpy as jnp
+
+    started = time.perf_counter()
+    spec = jax.ShapeDtypeStruct((shape["batch"], shape["seq_len"], shape["heads"], shape["head_dim"]), jnp.bfloat16)
+    try:
+        _variant_function(shape, sm90_forward_variants()[name][0]).trace(spec, spec, spec).lower(
+            lowering_platforms=("cuda",))
+    except Exception as error:  # the timing process compiles it again and reports the error
+        return name, time.perf_counter() - started, f"{type(error).__name__}: {str(error)[:200]}"
+    return name, time.perf_counter() - started, None
+
+
+def _cpu_only_worker():
+    os.environ["JAX_PLATFORMS"] = "cpu"  # workers compile; they must not take GPU memory
+
+
+def compile_variants_in_parallel(shape_list, excluded, workers: int) -> dict:
+    """Compile every (row, variant) kernel of the sweep in `workers` processes (kernel compilation is
+    single-threaded Python: serially it would take most of a device call)."""
+    import multiprocessing
+
+    tasks = [(name, shape) for shape in shape_list
+             for name in variants_for(shape["head_dim"], shape["causal"], shape["seq_len"], excluded)]
+    started = time.perf_counter()
+    errors = {}
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_cpu_only_worker) as pool:
+        for name, _, error in pool.imap_unordered(_compile_variant, tasks):
+            if error:
+                errors.setdefault(name, error)
+    summary = dict(kernels=len(tasks), workers=workers, seconds=time.perf_counter() - started, errors=errors)
+    print(f"compiled {len(tasks)} kernels in {summary['seconds']:.0f} s with {workers} processes"
+          + (f"; errors: {errors}" if errors else ""), flush=True)
+    return summary
+
+
 def forward_variants_section(shape, arguments, args):
     """cuDNN once, then the sm90 kernel with each applicable variant; default first and last."""
     import jax
     import jax.numpy as jnp
-    from fa4_jax.config import AttentionConfig
-    from fa4_jax.kernels import sm90_forward
 
     causal = shape["causal"]
-    config = AttentionConfig(scale=shape["head_dim"] ** -0.5, causal=causal)
     reference, cudnn_ms = _median_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn")), arguments, args.iterations)
     names = variants_for(shape["head_dim"], causal, shape["seq_len"], args.excluded_variants)
@@ -170,10 +220,8 @@ def forward_variants_section(shape, arguments, args):
                    cudnn_tflops=forward_flops(shape) / (cudnn_ms * 1e-3) / 1e12, **shape)
         if name == "default" and rows:
             row["repeat"] = True
-        function = jax.jit(lambda q, k, v, overrides=overrides: sm90_forward.forward_with_options(
-            q, k, v, {}, config, **overrides)[0])
         try:
-            out, milliseconds = _median_ms(function, arguments, args.iterations)
+            out, milliseconds = _median_ms(_variant_function(shape, overrides), arguments, args.iterations)
         except Exception as error:  # one failing variant must not hide the others
             row["fa4_jax_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows.append(row)
@@ -231,6 +279,11 @@ def run(args):
     import jax
     import jax.numpy as jnp
 
+    if args.compile_only:
+        # Fill the on-disk kernel cache for a later --variants run (run with JAX_PLATFORMS=cpu, e.g.
+        # next to the GPU tests): no device is touched.
+        compile_variants_in_parallel(list(variant_shapes()), {}, max(1, args.compile_workers))
+        return None
     device = jax.devices()[0]
     report = dict(device=device.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   versions=_versions(), git_revision=_git_revision(),
@@ -251,6 +304,10 @@ def run(args):
                 report["exclude_failed_missing"] = args.exclude_failed
                 print(f"no {args.exclude_failed}: timing every variant", flush=True)
         report["excluded_variants"] = args.excluded_variants
+        if args.compile_workers:
+            shape_list = list(shape_list)
+            report["parallel_compile"] = compile_variants_in_parallel(
+                shape_list, args.excluded_variants, args.compile_workers)
     started = time.monotonic()
     for shape in shape_list:
         if args.max_seconds and time.monotonic() - started > args.max_seconds:
@@ -335,6 +392,10 @@ def main(argv=None):
                         help="with --variants: skip variants with a failed test in this pytest --junitxml report")
     parser.add_argument("--max-seconds", type=float, default=0,
                         help="start no new shape after this many seconds (0: no limit)")
+    parser.add_argument("--compile-workers", type=int, default=0,
+                        help="with --variants: first compile all kernels in this many CPU-only processes")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="only compile the --variants kernels into the on-disk cache (no GPU needed)")
     parser.add_argument("--plot", help="draw this JSON report instead of measuring")
     parser.add_argument("--png", default="attention.png")
     args = parser.parse_args(argv)
@@ -342,6 +403,9 @@ def main(argv=None):
         plot(args.plot, args.png)
         return
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    # The on-disk kernel cache names files after the CUTE_DSL_* variables: the compile workers (which
+    # see no GPU) and this process must agree on the target.
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     run(args)
 
 

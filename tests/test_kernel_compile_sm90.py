@@ -7,8 +7,9 @@ producer and consumers) and mbarrier waits, and for the absence of local memory.
 installed, its report must show no spills.
 
 The tuning options (KernelOptions: three consumer warpgroups, Q double buffer, TMA-store epilogue,
-key tile, ping-pong at D=256, early Q release, split key loop) compile in four more configurations,
-each checked for the instructions its option adds; the default configurations are the GPU-verified ones.
+key tile, ping-pong at D=256, early Q release, split key loop, first block scheduled) compile in four
+more configurations, each checked for the instructions its option adds; the default configurations
+are the GPU-verified ones.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ CONFIGS = {
     "d64-three-warpgroups-all": (
         {"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16",
         {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
-         "split_masked_loop": True}),
+         "split_masked_loop": True, "schedule_first_block": True}),
     "d128-q2-tma-store-split-lengths-fp16": (
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 128],
         "float16", {"q_stages": 2, "tma_store": True, "split_masked_loop": True}),

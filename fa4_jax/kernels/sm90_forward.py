@@ -24,6 +24,8 @@ others are candidates measured by benchmarks/attention.py --variants, see docs/s
   extra shared memory);
 - split_masked_loop: the key loop runs as up to three loops (masked blocks, blocks with no masking
   code, masked blocks) instead of deciding per block at run time;
+- schedule_first_block: a tile's first Q K^T also takes its turn at the ping-pong barriers, so the
+  consumers start a tile half a step apart instead of all doing their first softmax at once;
 - tma_store: O goes registers -> shared memory (stmatrix) -> global memory by TMA store, per
   warpgroup, the store running on while the next tile computes;
 - pingpong_max_head_dim: the largest head dim that uses the ping-pong scheduler barriers.
@@ -95,6 +97,7 @@ class KernelOptions:
     pingpong_max_head_dim: int = 128
     early_q_release: bool = False
     split_masked_loop: bool = False
+    schedule_first_block: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -142,12 +145,13 @@ class KernelOptions:
 TUNING_CANDIDATES = {
     "wg3": ({"consumer_warpgroups": 3}, (64,), (False, True)),
     "wg3-all": ({"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
-                 "split_masked_loop": True}, (64,), (False, True)),
+                 "split_masked_loop": True, "schedule_first_block": True}, (64,), (False, True)),
     "q2-tma": ({"q_stages": 2, "tma_store": True}, (64, 128), (False, True)),
     "tma": ({"tma_store": True}, (128,), (True,)),
     "q2": ({"q_stages": 2}, (128,), (True,)),
     "early-q-tma": ({"early_q_release": True, "tma_store": True}, (128,), (True,)),
     "q2-tma-split": ({"q_stages": 2, "tma_store": True, "split_masked_loop": True}, (128,), (True,)),
+    "q2-tma-first": ({"q_stages": 2, "tma_store": True, "schedule_first_block": True}, (128,), (True,)),
     "key-tile-176": ({"key_tile": 176}, (128,), (False,)),
     "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,), (True,)),
     "early-q": ({"early_q_release": True}, (256,), (True,)),
@@ -547,7 +551,11 @@ class Sm90ForwardKernel:
                 # First block: S = Q K^T alone, then its probabilities become the P of the next step.
                 acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
                 pipeline_k.consumer_wait(kv_state)
+                if cutlass.const_expr(self.options.schedule_first_block):
+                    self.scheduler_wait(warpgroup_index)
                 _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
+                if cutlass.const_expr(self.options.schedule_first_block):
+                    self.scheduler_signal(warpgroup_index)
                 warpgroup.wait_group(0)
                 pipeline_k.consumer_release(kv_state)
                 if cutlass.const_expr(self.options.early_q_release):
