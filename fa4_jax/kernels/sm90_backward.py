@@ -14,8 +14,13 @@ Three stages, one obvious place each:
 - postprocess (in `attention_backward`, JAX): dQ scaled and cast, the sinks gradient.
 
 Warp roles: warp group 0 is the producer (one warp issues the TMA loads of K, V once and of Q, dO per
-query block into a `stages`-deep ring of mbarrier-guarded buffers); warp groups 1 and 2 are consumers,
-each owning 64 of the tile's 128 keys for S, dP, dK, dV and half of the head dimension for dQ.
+query block into a `stages`-deep ring of mbarrier-guarded buffers; with `Tuning.dq_writer_warp` a
+second warp issues the dQ reduce-adds); warp groups 1 and 2 are consumers, each owning 64 of the
+tile's 128 keys for S, dP, dK, dV and half of the head dimension for dQ.
+
+`Tuning` holds the choices that change speed only; DEFAULT_TUNING is the code that has run on the
+H200, CANDIDATE_TUNING what the next measurement is expected to promote
+(docs/sm90_backward_tuning.md has the predictions and the device command).
 
 deterministic=True orders the dQ additions: a per (batch, query head, query block) counter in global
 memory lets key block n add only after every earlier key block that touches the same query block has
