@@ -78,6 +78,20 @@ def test_missing_kernel_module_is_reported(fake_gpu, monkeypatch):
         _choose("cute", jnp.bfloat16)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="needs a host without a GPU")
+def test_export_for_cuda_without_a_gpu_uses_the_reference(monkeypatch):
+    """Exporting for CUDA on a CPU host cannot compile a kernel: None falls back, "cute" says why."""
+    monkeypatch.setattr(cuda, "_warned", set())
+    spec = jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16)
+    with pytest.warns(UserWarning, match="no GPU is visible"):
+        exported = jax.export.export(jax.jit(lambda q: fa4_jax.attention(q, q, q, causal=True)),
+                                     platforms=["cpu", "cuda"])(spec)
+    assert exported.platforms == ("cpu", "cuda")
+    with pytest.raises(NotImplementedError, match="no GPU is visible"):
+        jax.export.export(jax.jit(lambda q: fa4_jax.attention(q, q, q, implementation="cute")),
+                          platforms=["cuda"])(spec)
+
+
 def test_cute_on_cpu_raises():
     q = jax.device_put(jnp.ones((1, 8, 2, 64), jnp.bfloat16), jax.local_devices(backend="cpu")[0])
     with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU.*implementation=None"):

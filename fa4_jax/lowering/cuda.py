@@ -24,8 +24,13 @@ BACKWARD_KERNELS = {9: "fa4_jax.kernels.sm90_backward"}
 _warned: set[str] = set()
 
 
-def compute_capability() -> tuple[int, int]:
-    device = jax.local_devices(backend="gpu")[0]
+def compute_capability() -> tuple[int, int] | None:
+    """The local GPU's compute capability, or None when lowering for CUDA on a host without one
+    (e.g. `jax.export` for platforms=["cuda"] on a CPU machine): no kernel can be chosen then."""
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+    except RuntimeError:
+        return None
     major, minor = device.compute_capability.split(".")
     return int(major), int(minor)
 
@@ -34,10 +39,13 @@ def _kernel_for(kind: str, table: dict, config: AttentionConfig, query, key, val
     """The kernel module to run, or None for the reference (after warning or raising as configured)."""
     if config.implementation == "reference":
         return None
-    major, minor = compute_capability()
+    capability = compute_capability()
+    major, minor = capability or (None, None)
     name = table.get(major)
     module, reason = None, None
-    if name is None:
+    if capability is None:
+        reason = "no GPU is visible while lowering for CUDA, so no kernel can be compiled for it"
+    elif name is None:
         reason = f"there is no CuTe {kind} kernel for compute capability {major}.{minor} (sm_90 and sm_100 only)"
     else:
         try:
