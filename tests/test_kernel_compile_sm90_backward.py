@@ -82,6 +82,8 @@ CASES = {
                                known_spills="TMA dQ at D=128 with segments + kv lengths: ptxas spills 100 "
                                             "bytes (default red.add: none); fix before TMA is the default"),
     "d128": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128]),
+    "d96-candidate-writer": dict(config=dict(scale=96 ** -0.5, causal=True), shape=[2, 300, 300, 8, 2, 96],
+                                 tuning=dict(CANDIDATE, dq_writer_warp=True)),
     "d64-causal-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 300, 4, 4, 64],
                             dtype="float16"),
     "gqa-deterministic": dict(config=dict(scale=128 ** -0.5, causal=True, deterministic=True),

@@ -70,6 +70,9 @@ CASES = [
     Case("lengths-causal", q_lengths=True, kv_lengths=True, causal=True),
     Case("single-row", q_len=1, kv_len=77),
     Case("d64-causal-gqa", head_dim=64, causal=True, q_heads=8, kv_heads=2, q_len=300, kv_len=300),
+    # D = 96 compiles (32- and 64-byte swizzles) but is dispatched only once these pass on a GPU.
+    Case("plain-d96", head_dim=96),
+    Case("causal-gqa-d96", head_dim=96, causal=True, q_heads=8, kv_heads=2, q_len=300, kv_len=300),
     Case("gqa-long", q_heads=8, kv_heads=2, q_len=700, kv_len=900),
 ]
 
