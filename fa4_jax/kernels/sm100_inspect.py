@@ -9,7 +9,6 @@ benchmarks/sm100_report.py.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
