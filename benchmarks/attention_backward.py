@@ -48,26 +48,31 @@ def _variants():
 
     tma = bwd.Tuning(dq_reduction="tma")
     candidate = bwd.CANDIDATE_TUNING
+    no_writer = dataclasses.replace(candidate, dq_writer_warp=False, tma_dkv_store=False)
     return {
         "default": (bwd.DEFAULT_TUNING, False),
         "tma": (tma, False),
         "tma_early_dv": (dataclasses.replace(tma, early_dv=True), False),
         "tma_early_dv_staged_stats": (dataclasses.replace(tma, early_dv=True, staged_row_stats=True), False),
+        "candidate_no_writer": (no_writer, False),
+        "candidate_no_writer_3_stages": (dataclasses.replace(no_writer, stages=3), False),
+        "candidate_no_dkv_store": (dataclasses.replace(candidate, tma_dkv_store=False), False),
         "candidate": (candidate, False),
-        "candidate_3_stages": (dataclasses.replace(candidate, stages=3), False),
-        "candidate_tma_dkv_store": (dataclasses.replace(candidate, tma_dkv_store=True), False),
-        "candidate_writer": (dataclasses.replace(candidate, dq_writer_warp=True), False),
         "deterministic": (bwd.DEFAULT_TUNING, True),
+        "deterministic_candidate_no_writer": (no_writer, True),
         "deterministic_candidate": (candidate, True),
-        "deterministic_candidate_writer": (dataclasses.replace(candidate, dq_writer_warp=True), True),
     }
 
 
 # The GPU test tuning (tests/test_sm90_backward.py) each variant's code path is checked by; "default"
 # and "tma" have run on the H200 before.
 TESTED_BY = {"default": "default", "deterministic": "default", "tma": "default",
-             "candidate_tma_dkv_store": "candidate_tma_dkv_store",
-             "candidate_writer": "candidate_writer", "deterministic_candidate_writer": "candidate_writer"}
+             "tma_early_dv": "candidate_no_writer", "tma_early_dv_staged_stats": "candidate_no_writer",
+             "candidate_no_writer": "candidate_no_writer",
+             "candidate_no_writer_3_stages": "candidate_no_writer",
+             "deterministic_candidate_no_writer": "candidate_no_writer",
+             "candidate_no_dkv_store": "candidate_no_dkv_store",
+             "candidate": "candidate", "deterministic_candidate": "candidate"}
 
 
 def variants_passing(test_log: str):
@@ -87,7 +92,7 @@ def variants_passing(test_log: str):
         return (finished and re.search(rf"^PASSED .*{marker}", text, re.MULTILINE) is not None
                 and re.search(rf"^(FAILED|ERROR) .*{marker}", text, re.MULTILINE) is None)
 
-    return [name for name in _variants() if verified(TESTED_BY.get(name, "candidate"))]
+    return [name for name in _variants() if verified(TESTED_BY[name])]
 
 
 def backward_flops(shape) -> float:

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import sm90_backward
 
 pytestmark = pytest.mark.slow
@@ -68,22 +69,19 @@ CANDIDATE = dataclasses.asdict(sm90_backward.CANDIDATE_TUNING)
 CASES = {
     "d128-candidate": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 512, 8, 2, 128],
                            tuning=CANDIDATE),
-    "d64-candidate-writer-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True),
-                                               shape=[2, 300, 300, 8, 2, 64],
-                                               tuning=dict(CANDIDATE, dq_writer_warp=True)),
-    "d128-candidate-tma-dkv-store": dict(
-        config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 500, 8, 2, 128],
-        tuning=dict(CANDIDATE, tma_dkv_store=True),
-        known_spills="candidate + tma_dkv_store at D=128: ptxas spills 32 bytes (loop invariants "
-                     "reloaded in the dQ write-back)"),
-    # With segment ids the candidate reduces to TMA dQ (Sm90BackwardKernel), which spills here.
+    "d64-candidate-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True),
+                                        shape=[2, 300, 300, 8, 2, 64], tuning=CANDIDATE),
+    "d96-candidate": dict(config=dict(scale=96 ** -0.5, causal=True), shape=[2, 300, 300, 8, 2, 96],
+                          tuning=CANDIDATE),
+    # With segment ids the candidate keeps TMA dQ through the writer warp (Sm90BackwardKernel).
     "segments-candidate": dict(config=dict(scale=128 ** -0.5, has_segment_ids=True, has_kv_seq_lengths=True),
-                               shape=[1, 200, 333, 4, 4, 128], tuning=CANDIDATE,
-                               known_spills="TMA dQ at D=128 with segments + kv lengths: ptxas spills 100 "
-                                            "bytes (default red.add: none); fix before TMA is the default"),
+                               shape=[1, 200, 333, 4, 4, 128], tuning=CANDIDATE),
+    # Why the writer warp is in the candidate: TMA dQ staged by the consumers themselves spills here.
+    "segments-tma-dq-without-writer": dict(
+        config=dict(scale=128 ** -0.5, has_segment_ids=True, has_kv_seq_lengths=True),
+        shape=[1, 200, 333, 4, 4, 128], tuning=dict(dq_reduction="tma"),
+        known_spills="TMA dQ without the writer warp, D=128, segments + kv lengths: ptxas spills 100 bytes"),
     "d128": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128]),
-    "d96-candidate-writer": dict(config=dict(scale=96 ** -0.5, causal=True), shape=[2, 300, 300, 8, 2, 96],
-                                 tuning=dict(CANDIDATE, dq_writer_warp=True)),
     "d64-causal-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 300, 4, 4, 64],
                             dtype="float16"),
     "gqa-deterministic": dict(config=dict(scale=128 ** -0.5, causal=True, deterministic=True),
@@ -96,6 +94,13 @@ CASES = {
     "sharded-query": dict(config=dict(scale=128 ** -0.5, causal=True, has_q_start=True, q_total=1024),
                           shape=[1, 256, 1024, 4, 4, 128]),
 }
+
+
+def _kernel(spec):
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
+    return sm90_backward.make_kernel(AttentionConfig(**spec["config"]), spec.get("dtype", "bfloat16"),
+                                     head_dim, q_heads // kv_heads,
+                                     sm90_backward.Tuning(**spec.get("tuning", {})))
 
 
 def _compile_ptx(name, spec, directory):
@@ -120,7 +125,7 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
     assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
-    if CASES[name].get("tuning", {}).get("tma_dkv_store"):
+    if _kernel(CASES[name]).tma_dkv_store:   # the tuning as the kernel applies it to this config
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx, "no TMA store of dK / dV"
     if CASES[name].get("tuning", {}).get("dq_reduction") == "tma":
         assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"

@@ -74,17 +74,19 @@ class Tuning:
     stagger: key block n walks its query blocks starting n blocks in (cyclically), so the CTAs that
       run together add into different dQ tiles instead of all into the same one (less contention
       in the L2 reduction). Ignored when deterministic (the dQ turns would then wait on each other).
-    With softcap or segment ids only dq_reduction and stages apply (`Sm90BackwardKernel` says why).
+    With softcap or segment ids only dq_reduction, stages and dq_writer_warp apply
+    (`Sm90BackwardKernel` says why).
     staged_row_stats: the producer copies each query block's LSE and dPsum (64 floats each) into the
       Q / dO stage with one bulk copy apiece, and the consumers read them from shared memory where
       they are used, instead of 32 scattered global loads per thread per block held in registers.
     tma_dkv_store: at the end, dK and dV go through shared memory (over K and V, no longer read) and
-      two TMA bulk stores, instead of 128 two-byte global stores per thread. Not in the candidate:
-      with it ptxas spills 32 bytes at D = 128 (loop invariants reloaded in the dQ write-back).
+      two TMA bulk stores, instead of 128 two-byte global stores per thread.
     dq_writer_warp (with dq_reduction="tma"): the consumers only stage dQ in one of two shared
       buffers and go on; a warp of the producer warp group issues the bulk reduce-adds (and, when
       deterministic, waits for the dQ tile's turn), so neither the reduce nor the turn stalls the
-      tensor-core warp groups unless they run two query blocks ahead.
+      tensor-core warp groups unless they run two query blocks ahead. It also frees the consumers'
+      registers that held the staging addresses across the loop: without it, TMA dQ spills with
+      segment ids (100 bytes at D = 128) and so does tma_dkv_store (32 bytes).
     """
     dq_reduction: str = "red"
     stages: int = 2
@@ -106,7 +108,8 @@ class Tuning:
 # The default has run on the H200 over the whole GPU test grid; CANDIDATE_TUNING is what the next
 # measurement is expected to make the default (docs/sm90_backward_tuning.md).
 DEFAULT_TUNING = Tuning()
-CANDIDATE_TUNING = Tuning(dq_reduction="tma", early_dv=True, stagger=True, staged_row_stats=True)
+CANDIDATE_TUNING = Tuning(dq_reduction="tma", early_dv=True, stagger=True, staged_row_stats=True,
+                          tma_dkv_store=True, dq_writer_warp=True)
 
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype, *,
@@ -236,13 +239,14 @@ class Sm90BackwardKernel:
         self.deterministic = deterministic
         self.tuning = tuning
         self.dq_reduction = tuning.dq_reduction
-        # Softcap and segment ids leave no registers to spare: there early_dv, staged_row_stats and
-        # stagger each make ptxas spill (D = 128: 148/92, 36/8 and 84 bytes), so those
-        # configurations take only dq_reduction and stages from the tuning.
+        # Softcap and segment ids leave no registers to spare: there early_dv, staged_row_stats,
+        # stagger and tma_dkv_store each make ptxas spill (D = 128: 148/92, 36/8, 84 and 48 bytes),
+        # so those configurations take only dq_reduction, stages and dq_writer_warp from the tuning.
         register_bound = softcap is not None or has_segment_ids
         self.early_dv = tuning.early_dv and not register_bound
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.stagger = tuning.stagger and not (deterministic or register_bound)
+        self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.tile_m = TILE_M
         self.tile_n = TILE_N
         self.stages = tuning.stages
@@ -346,7 +350,7 @@ class Sm90BackwardKernel:
                 (self.tile_m, self.head_dim // 2))
             dq_staging = cute.cosize(dq_layout)
         tma_dk, tma_mdK, tma_dv, tma_mdV = None, None, None, None
-        if const_expr(self.tuning.tma_dkv_store):
+        if const_expr(self.tma_dkv_store):
             tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mdK, k_layout, (self.tile_n, self.head_dim))
             tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
@@ -686,7 +690,7 @@ class Sm90BackwardKernel:
         if const_expr(self.dq_reduction == "tma" and not self.tuning.dq_writer_warp):
             if (tidx % WARP_GROUP) // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem must outlive the reduce
-        if const_expr(self.tuning.tma_dkv_store):
+        if const_expr(self.tma_dkv_store):
             self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
                                 tidx)
         else:
