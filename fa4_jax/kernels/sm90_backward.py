@@ -74,8 +74,6 @@ class Tuning:
     stagger: key block n walks its query blocks starting n blocks in (cyclically), so the CTAs that
       run together add into different dQ tiles instead of all into the same one (less contention
       in the L2 reduction). Ignored when deterministic (the dQ turns would then wait on each other).
-    With softcap or segment ids only dq_reduction, stages and dq_writer_warp apply
-    (`Sm90BackwardKernel` says why).
     staged_row_stats: the producer copies each query block's LSE and dPsum (64 floats each) into the
       Q / dO stage with one bulk copy apiece, and the consumers read them from shared memory where
       they are used, instead of 32 scattered global loads per thread per block held in registers.
@@ -87,6 +85,8 @@ class Tuning:
       tensor-core warp groups unless they run two query blocks ahead. It also frees the consumers'
       registers that held the staging addresses across the loop: without it, TMA dQ spills with
       segment ids (100 bytes at D = 128) and so does tma_dkv_store (32 bytes).
+    With softcap or segment ids only dq_reduction, stages and dq_writer_warp apply
+    (`Sm90BackwardKernel` says why).
     """
     dq_reduction: str = "red"
     stages: int = 2
