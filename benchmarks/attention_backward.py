@@ -11,7 +11,7 @@ the call, median of iterations):
 Every variant's dq/dk/dv are compared with cuDNN's (max |difference|), so a wrong variant shows.
 TFLOP/s counts backward FLOPs = 2.5x forward (forward = 4*B*H*Sq*Sk*D, halved when causal).
 
-Compiling ~8 variants x 20 shapes one after another would take most of a device call, so
+Compiling 11 variants x up to 20 shapes one after another would take most of a device call, so
 --precompile-workers N first lowers every (shape, variant) kernel for CUDA in N CPU-platform
 processes at once into the on-disk kernel cache (fa4_jax.kernels.compile_cache); the timing process
 then loads them. CUTE_DSL_ARCH is set to sm_90a in both (the cache key includes it).
@@ -20,7 +20,7 @@ Usage: python benchmarks/attention_backward.py --out results.json [--precompile-
        [--variants default candidate ...] [--head-dims 128 64] [--seq-lens 1024 4096] [--quick]
        [--iterations N] [--precompile-only] [--variants-passing PYTEST_LOG]
 Also a section of benchmarks/attention.py ("backward", registered when this module is imported).
-The git revision comes from `git`, else from $FA4_GIT_REVISION (the device copy has no .git).
+The git revision comes from $FA4_GIT_REVISION when set (the device copy has no .git), else `git`.
 """
 
 from __future__ import annotations
@@ -100,11 +100,14 @@ def backward_flops(shape) -> float:
 
 
 def git_revision() -> str:
+    """$FA4_GIT_REVISION when set (the device copy has no .git), else `git rev-parse HEAD`."""
+    if os.environ.get("FA4_GIT_REVISION"):
+        return os.environ["FA4_GIT_REVISION"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FA4_GIT_REVISION", "unknown")
+        return "unknown"
 
 
 def _config(shape, deterministic=False):
