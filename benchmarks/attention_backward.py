@@ -83,7 +83,8 @@ def variants_passing(test_log: str):
 
     with open(test_log) as handle:
         text = handle.read()
-    finished = re.search(r"^=+ .*\d+ (passed|failed).* in [\d.]+s", text, re.MULTILINE) is not None
+    # pytest's last line, "=== 60 passed, 3 failed in 99.0s ===" (bare under -q).
+    finished = re.search(r"^\W*\d+ (passed|failed)\b.* in [\d.]+s", text, re.MULTILINE) is not None
 
     def verified(tuning):
         if tuning == "default":
