@@ -102,9 +102,12 @@ class InputFactory:
         return jnp.asarray(ids)
 
     def lengths(self, batch, maximum, minimum=1) -> jax.Array:
-        """int32 [B] valid-prefix lengths in [minimum, maximum]; batch 0 gets the full length."""
+        """int32 [B] valid-prefix lengths in [minimum, maximum]; batch 0 gets the full length and, when
+        there are two or more, the last is shorter, so every draw has both a full and a padded row."""
         lengths = self.generator.integers(minimum, maximum + 1, size=(batch,)).astype(np.int32)
         lengths[0] = maximum
+        if batch > 1 and maximum > minimum:
+            lengths[-1] = self.generator.integers(minimum, maximum)
         return jnp.asarray(lengths)
 
 
