@@ -43,14 +43,11 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
-import jax
-import jax.numpy as jnp
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.jax import cutlass_call
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import compile_cache, masking, online_softmax, tile_scheduler
+from fa4_jax.kernels import forward_launch, masking, online_softmax, tile_scheduler
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 TMEM_COLUMNS = 512
@@ -823,38 +820,16 @@ class Sm100ForwardKernel:
 # --------------------------------------------------------------------------------------------------
 # JAX entry points (called by fa4_jax/lowering/cuda.py on compute capability 10.x).
 
-_DTYPE_NAMES = ("bfloat16", "float16")
-
-
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    dtype_name = getattr(dtype, "name", str(dtype))
-    if dtype_name not in _DTYPE_NAMES:
-        return f"the sm100 kernel takes bfloat16 or float16 inputs, not {dtype_name}"
-    batch, q_len, q_heads, head_dim = query_shape
-    _, kv_len, kv_heads, _ = key_shape
-    v_head_dim = value_shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"the sm100 kernel takes head dims {SUPPORTED_HEAD_DIMS}, not {head_dim}"
-    if v_head_dim != head_dim:
-        return (f"the sm100 kernel needs the value head dim ({v_head_dim}) to equal the query/key head dim "
-                f"({head_dim})")
-    if q_heads % kv_heads != 0:
-        return f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})"
-    if batch == 0 or q_len == 0 or kv_len == 0:
-        return "the sm100 kernel needs non-empty batch and sequence axes"
+    reason = forward_launch.shape_unsupported_reason("sm100", query_shape, key_shape, value_shape, dtype,
+                                                    SUPPORTED_HEAD_DIMS)
+    if reason is not None:
+        return reason
     if config.has_q_start and (config.has_q_seq_lengths or config.has_kv_seq_lengths or config.has_segment_ids):
         return ("the sm100 kernel does not combine a sequence-sharded query (q_start) with sequence lengths "
                 "or segment ids")
     return None
-
-
-def _sm_count() -> int:
-    try:
-        device = jax.local_devices(backend="gpu")[0]
-        return int(getattr(device, "core_count", DEFAULT_SM_COUNT))
-    except (RuntimeError, IndexError):
-        return DEFAULT_SM_COUNT
 
 
 def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape, dtype,
@@ -873,20 +848,13 @@ def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape,
         has_kv_lengths=config.has_kv_seq_lengths,
         has_q_start=config.has_q_start,
         q_total=config.q_total if config.has_q_start else None,
-        sm_count=_sm_count() if sm_count is None else sm_count,
+        sm_count=forward_launch.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
     )
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(options: KernelOptions) -> Sm100ForwardKernel:
     return Sm100ForwardKernel(options)
-
-
-def kernel_arguments(query, key, value, optional: dict):
-    """The positional inputs of `Sm100ForwardKernel.__call__` after the stream (absent ones None)."""
-    return (query, key, value, optional.get("sinks"), optional.get("q_segment_ids"),
-            optional.get("kv_segment_ids"), optional.get("q_seq_lengths"),
-            optional.get("kv_seq_lengths"), optional.get("q_start"))
 
 
 def attention_forward(query, key, value, optional: dict, config: AttentionConfig):
@@ -898,12 +866,5 @@ def forward_with_options(query, key, value, optional: dict, config: AttentionCon
     """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
     options = dataclasses.replace(
         kernel_options(config, query.shape, key.shape, value.shape, query.dtype), **overrides)
-    batch, q_len, q_heads, _ = query.shape
-    outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
-               jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
-    kernel = _kernel(options)
-    compile_key = ("fa4_jax.sm100_forward", KERNEL_VERSION, options)
-    arguments = kernel_arguments(query, key, value, optional)
-    compile_cache.prepare(kernel, arguments, outputs, compile_key)
-    out, lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
-    return out, lse
+    return forward_launch.launch(_kernel(options), "fa4_jax.sm100_forward", KERNEL_VERSION, options,
+                                 query, key, value, optional)

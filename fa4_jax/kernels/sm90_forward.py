@@ -39,19 +39,16 @@ from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
-import jax
-import jax.numpy as jnp
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.jax import cutlass_call
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import compile_cache, masking, online_softmax, tile_scheduler
+from fa4_jax.kernels import forward_launch, masking, online_softmax, tile_scheduler
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 THREADS_PER_WARPGROUP = 128
@@ -776,25 +773,12 @@ class Sm90ForwardKernel:
 # --------------------------------------------------------------------------------------------------
 # JAX entry points (called by fa4_jax/lowering/cuda.py).
 
-_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16"}
-
-
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    dtype_name = getattr(dtype, "name", str(dtype))
-    if dtype_name not in _DTYPE_NAMES:
-        return f"the sm90 kernel takes bfloat16 or float16 inputs, not {dtype_name}"
-    batch, q_len, q_heads, head_dim = query_shape
-    _, kv_len, kv_heads, _ = key_shape
-    v_head_dim = value_shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"the sm90 kernel takes head dims {SUPPORTED_HEAD_DIMS}, not {head_dim}"
-    if v_head_dim != head_dim:
-        return f"the sm90 kernel needs the value head dim ({v_head_dim}) to equal the query/key head dim ({head_dim})"
-    if q_heads % kv_heads != 0:
-        return f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})"
-    if batch == 0 or q_len == 0 or kv_len == 0:
-        return "the sm90 kernel needs non-empty batch and sequence axes"
+    reason = forward_launch.shape_unsupported_reason("sm90", query_shape, key_shape, value_shape, dtype,
+                                                    SUPPORTED_HEAD_DIMS)
+    if reason is not None:
+        return reason
     if config.has_q_start:
         # The kernel implements q_start/q_total (rows at q_start + i, offset kv_len - q_total), but
         # that path has not run on a GPU yet: until it has, sequence-sharded queries take the reference.
@@ -802,20 +786,11 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
     return None
 
 
-def _sm_count() -> int:
-    try:
-        device = jax.local_devices(backend="gpu")[0]
-        return int(getattr(device, "core_count", DEFAULT_SM_COUNT))
-    except (RuntimeError, IndexError):
-        return DEFAULT_SM_COUNT
-
-
 def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape, dtype,
                    sm_count: Optional[int] = None) -> KernelOptions:
     """The static kernel configuration for one call (also what the compile test builds)."""
-    dtype_name = getattr(dtype, "name", str(dtype))
     return KernelOptions(
-        dtype_name=_DTYPE_NAMES[dtype_name],
+        dtype_name=getattr(dtype, "name", str(dtype)),
         head_dim=query_shape[-1],
         v_head_dim=value_shape[-1],
         group=query_shape[2] // key_shape[2],
@@ -829,20 +804,13 @@ def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape,
         has_kv_lengths=config.has_kv_seq_lengths,
         has_q_start=config.has_q_start,
         q_total=config.q_total if config.has_q_start else None,
-        sm_count=_sm_count() if sm_count is None else sm_count,
+        sm_count=forward_launch.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
     )
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(options: KernelOptions) -> Sm90ForwardKernel:
     return Sm90ForwardKernel(options)
-
-
-def kernel_arguments(query, key, value, optional: dict):
-    """The positional inputs of `Sm90ForwardKernel.__call__` after the stream (absent ones None)."""
-    return (query, key, value, optional.get("sinks"), optional.get("q_segment_ids"),
-            optional.get("kv_segment_ids"), optional.get("q_seq_lengths"),
-            optional.get("kv_seq_lengths"), optional.get("q_start"))
 
 
 def attention_forward(query, key, value, optional: dict, config: AttentionConfig):
@@ -854,12 +822,5 @@ def forward_with_options(query, key, value, optional: dict, config: AttentionCon
     """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
     options = dataclasses.replace(
         kernel_options(config, query.shape, key.shape, value.shape, query.dtype), **overrides)
-    batch, q_len, q_heads, _ = query.shape
-    outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
-               jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
-    kernel = _kernel(options)
-    compile_key = ("fa4_jax.sm90_forward", KERNEL_VERSION, options)
-    arguments = kernel_arguments(query, key, value, optional)
-    compile_cache.prepare(kernel, arguments, outputs, compile_key)
-    out, lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
-    return out, lse
+    return forward_launch.launch(_kernel(options), "fa4_jax.sm90_forward", KERNEL_VERSION, options,
+                                 query, key, value, optional)
