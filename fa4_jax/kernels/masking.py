@@ -59,6 +59,12 @@ class MaskShape:
     has_q_lengths: bool = False
     has_segments: bool = False
 
+    @classmethod
+    def from_config(cls, config) -> "MaskShape":
+        """The rules an `AttentionConfig` asks for (key lengths need no rule: they clip `kv_len`)."""
+        return cls(causal=config.causal, window_left=config.window_left, window_right=config.window_right,
+                   has_q_lengths=config.has_q_seq_lengths, has_segments=config.has_segment_ids)
+
     @property
     def right_reach(self) -> Optional[int]:
         """Largest j - (i + offset) that is visible, or None when unbounded on the right."""
