@@ -1,0 +1,60 @@
+"""The CuTe kernels through `fa4_jax.attention(implementation="cute")` on the shared test grid (GPU).
+
+The kernel engineers' own files (test_sm90_forward.py, ...) test each kernel directly; this one runs
+every `AttentionTestBase` case that this GPU's kernels take through the public API, the custom VJP
+and the CUDA dispatch. Cases are split by what the kernels take, so each runs once:
+`TestCuteAttention` (forward and backward kernels both take it) and `TestCuteForwardOnly` (the
+forward kernel does, the backward falls back). Cases no kernel takes are not collected here; the
+dispatch tests check that they fall back or raise.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax.numpy as jnp
+import pytest
+
+from fa4_jax.config import AttentionConfig
+from fa4_jax.lowering import cuda
+from test_attention import AttentionTestBase, Case
+
+
+def _kernel_takes(table: dict, case: Case) -> bool:
+    """Whether this GPU's kernel in `table` computes `case` (True without a GPU: tests skip anyway)."""
+    capability = cuda.compute_capability()
+    if capability is None:
+        return True
+    name = table.get(capability[0])
+    if name is None:
+        return False
+    config = AttentionConfig(
+        scale=case.scale or case.head_dim ** -0.5, causal=case.causal,
+        window_left=case.window[0] if case.window else None, window_right=case.window[1] if case.window else None,
+        softcap=case.softcap, has_sinks=case.sinks, has_segment_ids=case.segments is not None,
+        has_q_seq_lengths=case.lengths in ("q", "both"),
+        has_kv_seq_lengths=case.lengths in ("kv", "both", "empty"), implementation="cute")
+    shapes = ((case.batch, case.q_len, case.q_heads, case.head_dim),
+              (case.batch, case.kv_len, case.kv_heads, case.head_dim),
+              (case.batch, case.kv_len, case.kv_heads, case.v_dim))
+    module = importlib.import_module(name)
+    return module.unsupported_reason(config, *shapes, jnp.dtype(case.dtype)) is None
+
+
+class TestCuteAttention(AttentionTestBase):
+    pytestmark = pytest.mark.gpu
+    implementation = "cute"
+    default_dtype = "bfloat16"
+
+    def supports(self, case: Case) -> bool:
+        return (_kernel_takes(cuda.FORWARD_KERNELS, case) and _kernel_takes(cuda.BACKWARD_KERNELS, case))
+
+
+class TestCuteForwardOnly(AttentionTestBase):
+    pytestmark = pytest.mark.gpu
+    implementation = "cute"
+    default_dtype = "bfloat16"
+    has_backward = False
+
+    def supports(self, case: Case) -> bool:
+        return (_kernel_takes(cuda.FORWARD_KERNELS, case) and not _kernel_takes(cuda.BACKWARD_KERNELS, case))
