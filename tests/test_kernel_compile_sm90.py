@@ -55,17 +55,13 @@ CONFIGS = {
 
 _COMPILE = r"""
 import dataclasses, glob, json, os, sys
-import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import sm90_forward
+from fa4_jax.kernels import forward_launch, sm90_forward
 
 configs = json.loads(sys.argv[1])
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
-
-def fake(dtype, shape):
-    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape)))[::-1], assumed_align=16)
 
 class DtypeName:
     def __init__(self, name):
@@ -75,22 +71,12 @@ result = {}
 for name, (fields, shape, dtype, overrides) in configs.items():
     B, Sq, Sk, Hq, Hkv, D = shape
     config = AttentionConfig(scale=D ** -0.5, **fields)
-    element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
     reason = sm90_forward.unsupported_reason(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), DtypeName(dtype))
     assert reason is None, reason
     options = sm90_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
                                           DtypeName(dtype), sm_count=132)
     kernel = sm90_forward.Sm90ForwardKernel(dataclasses.replace(options, **overrides))
-    i32, f32 = cutlass.Int32, cutlass.Float32
-    cute.compile(kernel, make_fake_stream(),
-                 fake(element, (B, Sq, Hq, D)), fake(element, (B, Sk, Hkv, D)), fake(element, (B, Sk, Hkv, D)),
-                 fake(f32, (Hq,)) if config.has_sinks else None,
-                 fake(i32, (B, Sq)) if config.has_segment_ids else None,
-                 fake(i32, (B, Sk)) if config.has_segment_ids else None,
-                 fake(i32, (B,)) if config.has_q_seq_lengths else None,
-                 fake(i32, (B,)) if config.has_kv_seq_lengths else None,
-                 None,
-                 fake(element, (B, Sq, Hq, D)), fake(f32, (B, Hq, Sq)))
+    cute.compile(kernel, make_fake_stream(), *forward_launch.fake_arguments(config, shape, dtype))
     # The DSL names the file after the kernel's arguments, so configurations that differ only in
     # options write the same file: move each one out of the way under its configuration's name.
     new = glob.glob(os.path.join(dump, "cutlass_*.ptx"))

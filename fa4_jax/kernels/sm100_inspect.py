@@ -22,19 +22,14 @@ TARGET = "sm_100a"
 
 _COMPILE = r"""
 import glob, json, os, sys, time
-import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import sm100_forward
+from fa4_jax.kernels import forward_launch, sm100_forward
 
 specs = json.loads(sys.argv[1])
 dump_dir = os.environ["CUTE_DSL_DUMP_DIR"]
 named = set()
-
-def fake(dtype, shape):
-    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape)))[::-1],
-                                    assumed_align=16)
 
 class Dtype:
     def __init__(self, name):
@@ -43,21 +38,10 @@ class Dtype:
 for name, spec in specs.items():
     config = AttentionConfig(**spec["config"])
     B, Sq, Sk, Hq, Hkv, D = spec["shape"]
-    element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec["dtype"]]
     options = sm100_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
                                            Dtype(spec["dtype"]), sm_count=spec["sm_count"])
     kernel = sm100_forward.Sm100ForwardKernel(options)
-    i32, f32 = cutlass.Int32, cutlass.Float32
-    arguments = [
-        fake(element, (B, Sq, Hq, D)), fake(element, (B, Sk, Hkv, D)), fake(element, (B, Sk, Hkv, D)),
-        fake(f32, (Hq,)) if config.has_sinks else None,
-        fake(i32, (B, Sq)) if config.has_segment_ids else None,
-        fake(i32, (B, Sk)) if config.has_segment_ids else None,
-        fake(i32, (B,)) if config.has_q_seq_lengths else None,
-        fake(i32, (B,)) if config.has_kv_seq_lengths else None,
-        fake(i32, (1,)) if config.has_q_start else None,
-        fake(element, (B, Sq, Hq, D)), fake(f32, (B, Hq, Sq)),
-    ]
+    arguments = forward_launch.fake_arguments(config, spec["shape"], spec["dtype"])
     start = time.perf_counter()
     cute.compile(kernel, make_fake_stream(), *arguments)
     seconds = time.perf_counter() - start
