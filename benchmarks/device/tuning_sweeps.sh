@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The forward and backward tuning sweeps of docs/sm90_{forward,backward}_tuning.md in one device call.
+# With two GPUs they run side by side, one per GPU (each sweep is one process on one GPU timing fa4_jax
+# against cuDNN on the same inputs, so the ratios stay same-run ratios); with one GPU, one after the other.
+# Usage (device machine, repo root, bundle sourced): bash benchmarks/device/tuning_sweeps.sh REV
+set -u
+export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+GPUS=$(nvidia-smi -L | wc -l)
+
+forward() {  # $1: GPU index
+  local dir=$OUT/forward; mkdir -p "$dir"
+  export FA4_JAX_CACHE_DIR=/tmp/fa4_forward_cache CUDA_VISIBLE_DEVICES=$1
+  JAX_PLATFORMS=cpu timeout 220 python3 benchmarks/attention.py --compile-only --compile-workers 5 \
+    > "$dir/compile.log" 2>&1 & local compile=$!
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 220 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    tests/test_sm90_forward.py -k variant --junitxml="$dir/variant_tests.xml" > "$dir/variant_tests.log" 2>&1
+  wait $compile
+  timeout 300 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 230 \
+    --exclude-failed "$dir/variant_tests.xml" --out "$dir/forward_variants_h200.json" > "$dir/bench.log" 2>&1
+  echo "forward bench rc=$?" >> "$dir/bench.log"
+}
+
+backward() {  # $1: GPU index
+  local dir=$OUT/backward; mkdir -p "$dir"
+  export FA4_JAX_CACHE_DIR=/tmp/fa4_backward_cache CUDA_VISIBLE_DEVICES=$1
+  JAX_PLATFORMS=cpu timeout 210 python3 benchmarks/attention_backward.py --precompile-only --precompile-workers 8 \
+    --head-dims 128 64 --seq-lens 1024 4096 16384 > "$dir/precompile.log" 2>&1 & local pre=$!
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 220 python3 -m pytest -q -rA -n 6 -p no:cacheprovider \
+    --timeout 120 --timeout-method thread tests/test_sm90_backward.py > "$dir/gpu_tests.log" 2>&1
+  echo "pytest rc=$?" >> "$dir/gpu_tests.log"
+  wait $pre
+  timeout 300 python3 benchmarks/attention_backward.py --out "$dir/backward_variants_h200.json" \
+    --head-dims 128 64 --seq-lens 1024 4096 16384 --iterations 10 --variants-passing "$dir/gpu_tests.log" \
+    > "$dir/bench.log" 2>&1
+  echo "backward bench rc=$?" >> "$dir/bench.log"
+}
+
+if [ "$GPUS" -ge 2 ]; then
+  forward 0 & backward 1 & wait
+else
+  forward 0; backward 0
+fi
+tail -3 "$OUT/forward/variant_tests.log"; tail -24 "$OUT/forward/bench.log"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/backward/gpu_tests.log" | tail -8; tail -16 "$OUT/backward/bench.log"
