@@ -110,20 +110,106 @@ def test_compare_script_summary_and_plot(tmp_path):
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
 
-    def run(name, attention, losses, step):
-        return {"name": name, "ok": True, "attention": attention, "fa4_implementation": "auto",
-                "loss": losses, "median_step_seconds": step, "tokens_per_second": 1000 / step,
-                "devices": {"kind": "cpu", "used": 1},
+    def run(name, attention, losses, step, mesh=None, all_reduces=0):
+        return {"name": name, "mesh_flag": mesh, "ok": True, "attention": attention,
+                "fa4_implementation": "auto", "loss": losses, "median_step_seconds": step,
+                "tokens_per_second": 1000 / step, "warnings": [], "custom_calls": {},
+                "collectives": {"all-reduce": all_reduces, "all-gather": 0},
+                "devices": {"kind": "cpu", "used": 1 if mesh is None else 2},
                 "config": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 32, "batch": 8,
                            "dtype": "float32"}}
 
     runs = [run("cudnn", "cudnn", [3.0, 2.0, 1.0], 0.2), run("fa4", "fa4", [3.0, 2.1, 1.0], 0.1),
-            {"name": "fa4_reference", "ok": False}]
+            {"name": "fa4_reference", "mesh_flag": None, "ok": False, "exit": 1, "log_tail": "boom"}]
     numbers = compare.compare(runs)["fa4"]
     assert numbers["step_time_ratio_vs_cudnn"] == pytest.approx(0.5)
     assert numbers["max_abs_loss_difference"] == pytest.approx(0.1)
+    assert numbers["same_collectives_as_cudnn"]
+
+    meshes = ["data=2", "data=1,model=2"]
+    mesh_runs = [run("cudnn", "cudnn", [3.0, 2.0], 0.2, meshes[0], 1),
+                 run("fa4", "fa4", [3.0, 2.0], 0.2, meshes[0], 1),
+                 run("cudnn", "cudnn", [3.0, 2.5], 0.4, meshes[1], 8),
+                 run("fa4", "fa4", [3.0, 2.0], 0.2, meshes[1], 9),
+                 {"name": "fa4_reference", "mesh_flag": meshes[1], "ok": False, "exit": "timeout",
+                  "log_tail": ""}]
+    summary = compare.summarize([], meshes, mesh_runs)
+    assert summary["comparison"][meshes[0]]["fa4"]["step_time_ratio_vs_cudnn"] == pytest.approx(1.0)
+    assert summary["comparison"][meshes[0]]["fa4"]["same_collectives_as_cudnn"]
+    assert summary["comparison"][meshes[1]]["fa4"]["max_abs_loss_difference"] == pytest.approx(0.5)
+    assert not summary["comparison"][meshes[1]]["fa4"]["same_collectives_as_cudnn"]
+    assert summary["devices"]["used"] == 2 and summary["comparison"][meshes[1]]["fa4"]["devices_used"] == 2
+
     pytest.importorskip("matplotlib")
-    result = tmp_path / "summary.json"
-    result.write_text(json.dumps({"runs": runs}))
-    compare.main(["plot", str(result), "--png", str(tmp_path / "curves.png")])
-    assert (tmp_path / "curves.png").stat().st_size > 0
+    for name, written in (("one_mesh", compare.summarize([], None, runs)), ("two_meshes", summary)):
+        result = tmp_path / f"{name}.json"
+        result.write_text(json.dumps(written))
+        compare.main(["plot", str(result), "--png", str(tmp_path / f"{name}.png")])
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+        compare.main(["table", str(result)])
+
+
+@pytest.fixture(scope="module")
+def two_gpus():
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs two GPUs")
+
+
+def cute_kernel_calls(targets: dict) -> int:
+    return sum(count for target, count in targets.items() if target.startswith("CuteDSLRT"))
+
+
+@pytest.mark.gpu
+def test_two_gpus_heads_sharded_attention_runs_the_cute_kernels_without_collectives(train_gpt, two_gpus,
+                                                                                      inputs):
+    mesh = train_gpt.make_mesh({"data": 1, "model": 2})
+    heads = NamedSharding(mesh, P("data", None, "model", None))
+    query, key, value, cotangent = (jax.device_put(inputs.normal((2, 512, 8, 128), jnp.bfloat16), heads)
+                                    for _ in range(4))
+
+    def forward_and_backward(query, key, value, cotangent, implementation):
+        out, pullback = jax.vjp(
+            lambda q, k, v: fa4_jax.attention(q, k, v, causal=True, implementation=implementation),
+            query, key, value)
+        return out, pullback(cotangent)
+
+    compiled = jax.jit(forward_and_backward, static_argnums=4).lower(
+        query, key, value, cotangent, "cute").compile()
+    hlo = compiled.as_text()
+    counts = train_gpt.collective_counts(hlo)
+    assert set(counts.values()) == {0}, counts
+    targets = train_gpt.custom_call_targets(hlo)
+    assert cute_kernel_calls(targets) == 2, targets   # the forward kernel and the backward kernel
+
+    out, gradients = compiled(query, key, value, cotangent)
+    assert out.sharding.is_equivalent_to(heads, 4)
+    assert all(gradient.sharding.is_equivalent_to(heads, 4) for gradient in gradients)
+    on_one_device = [jax.device_put(array, jax.devices()[0]) for array in (query, key, value, cotangent)]
+    expected_out, expected_gradients = jax.jit(forward_and_backward, static_argnums=4)(
+        *on_one_device, "reference")
+    for got, expected in zip((out, *gradients), (expected_out, *expected_gradients)):
+        got, expected = (np.asarray(array, np.float32) for array in (got, expected))
+        assert np.linalg.norm(got - expected) <= 2e-2 * np.linalg.norm(expected)
+
+
+@pytest.mark.gpu
+def test_two_gpus_model_parallel_step_attention_adds_no_collective(train_gpt, two_gpus):
+    """The tensor-parallel GPT step (heads and MLP on `model`) with fa4_jax attention has the same
+    collectives as with cuDNN's or XLA's attention: only what the projections need."""
+    mesh = train_gpt.make_mesh({"data": 1, "model": 2})
+    layers = 2
+    counts, targets = {}, {}
+    for attention in ("fa4", "cudnn", "xla"):
+        args = train_gpt.parse_args(
+            ["--attention", attention, "--fa4-implementation", "cute", "--dtype", "bfloat16", "--layers",
+             str(layers), "--d-model", "512", "--heads", "4", "--seq-len", "512", "--batch", "4",
+             "--vocab", "256", "--steps", "2"])
+        hlo = train_gpt.build_training(args, mesh)[-1]
+        counts[attention] = train_gpt.collective_counts(hlo)
+        targets[attention] = train_gpt.custom_call_targets(hlo)
+    assert counts["fa4"] == counts["cudnn"] == counts["xla"], counts
+    assert counts["fa4"]["all-gather"] == counts["fa4"]["all-to-all"] == 0, counts
+    assert counts["fa4"]["all-reduce"] + counts["fa4"]["reduce-scatter"] > 0, counts  # it is sharded
+    assert cute_kernel_calls(targets["fa4"]) == 2 * layers, targets["fa4"]
+    assert not any("fmha" in target for target in targets["fa4"]), targets["fa4"]
+    assert any("fmha" in target for target in targets["cudnn"]), targets["cudnn"]
