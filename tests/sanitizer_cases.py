@@ -1,0 +1,69 @@
+"""Small calls of the CuTe kernels for compute-sanitizer (tests/test_sanitizer.py runs this file under it).
+
+    compute-sanitizer --tool racecheck python tests/sanitizer_cases.py forward
+
+Each case runs `fa4_jax.attention(implementation="cute")` once (forward, or forward and gradient) on
+shapes small enough for the sanitizer, chosen to reach every code path that synchronises differently:
+the default configuration of each head dim (three consumer warp groups at D = 64, the Q double buffer
+and TMA-store epilogue at D = 128, ping-pong at D = 256), ragged tiles, GQA, masks that skip blocks,
+and the deterministic backward.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import fa4_jax  # noqa: E402
+
+# (name, batch, q_len, kv_len, q_heads, kv_heads, head_dim, options)
+FORWARD_CASES = [
+    ("d64", 1, 200, 200, 2, 2, 64, {}),
+    ("d64-causal-gqa", 1, 333, 257, 4, 2, 64, {"causal": True}),
+    ("d128-causal", 2, 300, 300, 2, 1, 128, {"causal": True}),
+    ("d128-window-lengths", 2, 257, 300, 2, 2, 128,
+     {"window": (64, 0), "kv_seq_lengths": jnp.array([300, 130], jnp.int32)}),
+    ("d96", 1, 200, 150, 2, 2, 96, {}),
+    ("d192-causal", 1, 200, 200, 2, 2, 192, {"causal": True}),
+    ("d256-causal", 1, 300, 300, 2, 2, 256, {"causal": True}),
+    ("d256", 1, 150, 200, 2, 1, 256, {"softcap": 20.0}),
+]
+BACKWARD_CASES = [
+    ("d64", 1, 200, 200, 2, 2, 64, {}),
+    ("d64-causal-gqa", 1, 333, 257, 4, 2, 64, {"causal": True}),
+    ("d128-causal", 1, 300, 300, 2, 1, 128, {"causal": True}),
+    ("d128-deterministic", 1, 300, 300, 2, 2, 128, {"deterministic": True}),
+    ("d128-causal-deterministic", 1, 257, 300, 2, 2, 128, {"causal": True, "deterministic": True}),
+    ("d96-window", 1, 200, 200, 2, 2, 96, {"window": (64, 0)}),
+]
+
+
+def run(kind: str, names=None) -> None:
+    cases = FORWARD_CASES if kind == "forward" else BACKWARD_CASES
+    keys = iter(jax.random.split(jax.random.key(0), 4 * len(cases)))
+    for name, batch, q_len, kv_len, q_heads, kv_heads, head_dim, options in cases:
+        if names and name not in names:
+            continue
+        query = jax.random.normal(next(keys), (batch, q_len, q_heads, head_dim), jnp.bfloat16)
+        key = jax.random.normal(next(keys), (batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
+        value = jax.random.normal(next(keys), (batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
+
+        def attention(q, k, v):
+            return fa4_jax.attention(q, k, v, implementation="cute", **options)
+
+        if kind == "forward":
+            result = jax.jit(attention)(query, key, value)
+        else:
+            loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+            result = jax.jit(jax.grad(loss, (0, 1, 2)))(query, key, value)
+        jax.block_until_ready(result)
+        print(f"{kind} {name}: ran", flush=True)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2:])
