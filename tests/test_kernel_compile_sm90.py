@@ -6,10 +6,10 @@ real: wgmma (tensor cores), cp.async.bulk.tensor (TMA), setmaxnreg (register rea
 producer and consumers) and mbarrier waits, and for the absence of local memory. Where `ptxas` is
 installed, its report must show no spills.
 
-The tuning options (KernelOptions: three consumer warpgroups, Q double buffer, TMA-store epilogue,
-key tile, ping-pong at D=256, early Q release, split key loop, first block scheduled) compile in four
-more configurations, each checked for the instructions its option adds; the default configurations
-are the GPU-verified ones.
+The configurations are what `sm90_forward.kernel_options` picks (the tuned defaults: three consumer
+warpgroups with every pipeline option at D = 64, Q double buffer + TMA-store epilogue at D = 96 / 128
+with the split key loop when causal, ping-pong at D = 256 causal), plus overrides where an option is
+only reachable that way; each is checked for the instructions its effective options add.
 """
 
 from __future__ import annotations
@@ -28,29 +28,33 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (AttentionConfig fields, [B, Sq, Sk, Hq, Hkv, D], dtype, KernelOptions overrides)
 CONFIGS = {
+    # D = 128 non-causal: Q double buffer + TMA store.
     "d128": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {}),
-    "d64-causal": ({"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {}),
+    # D = 64 causal, Sq below the three-warpgroup cut: Q double buffer + TMA store.
+    "d64-causal-short": ({"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {}),
+    # D = 64 causal above the cut: three consumer warpgroups (160 registers) with every pipeline option,
+    # here with the features that fit them (sinks, lengths, GQA).
+    "d64-causal-three-warpgroups-sinks-lengths-fp16": (
+        {"causal": True, "has_sinks": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
+        [2, 2000, 2100, 4, 2, 64], "float16", {}),
+    # D = 64 with a softcap, window and segments (which spill at 160 registers): two warpgroups.
+    "d64-all-features-long": (
+        {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True, "window_left": 300,
+         "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
+        [2, 1600, 1700, 4, 2, 64], "bfloat16", {}),
     "d256-gqa-fp16": ({}, [1, 300, 700, 8, 2, 256], "float16", {}),
+    # D = 256 causal: ping-pong barriers.
+    "d256-causal": ({"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16", {}),
     "d96-window": ({"window_left": 100, "window_right": 0}, [1, 500, 500, 2, 2, 96], "bfloat16", {}),
     "d192-all-features": (
         {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True,
          "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
         [2, 300, 400, 4, 2, 192], "bfloat16", {}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
-    # Tuning options (off by default), combined where they can share a compile.
-    "d64-three-warpgroups-all": (
-        {"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16",
-        {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
-         "split_masked_loop": True, "schedule_first_block": True}),
-    "d128-q2-tma-store-split-lengths-fp16": (
+    # D = 128 causal with lengths in fp16: Q double buffer + TMA store + split key loop.
+    "d128-causal-lengths-fp16": (
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 128],
-        "float16", {"q_stages": 2, "tma_store": True, "split_masked_loop": True}),
-    "d128-key-tile-176-split-window": (
-        {"window_left": 300, "window_right": 0}, [2, 1000, 1000, 4, 4, 128], "bfloat16",
-        {"key_tile": 176, "split_masked_loop": True}),
-    "d256-pingpong-early-q-causal": (
-        {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
-        {"pingpong_max_head_dim": 256, "early_q_release": True}),
+        "float16", {}),
 }
 
 _COMPILE = r"""
@@ -75,14 +79,18 @@ for name, (fields, shape, dtype, overrides) in configs.items():
     assert reason is None, reason
     options = sm90_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
                                           DtypeName(dtype), sm_count=132)
-    kernel = sm90_forward.Sm90ForwardKernel(dataclasses.replace(options, **overrides))
+    options = dataclasses.replace(options, **overrides)
+    kernel = sm90_forward.Sm90ForwardKernel(options)
     cute.compile(kernel, make_fake_stream(), *forward_launch.fake_arguments(config, shape, dtype))
     # The DSL names the file after the kernel's arguments, so configurations that differ only in
     # options write the same file: move each one out of the way under its configuration's name.
     new = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
     assert len(new) == 1, new
-    result[name] = os.path.join(dump, name + ".ptx")
-    os.replace(new[0], result[name])
+    path = os.path.join(dump, name + ".ptx")
+    os.replace(new[0], path)
+    effective = {field: getattr(options, field) for field in ("consumer_warpgroups", "q_stages", "tma_store",
+                 "split_masked_loop", "poly_exp2_every", "pingpong_max_head_dim", "head_dim")}
+    result[name] = {"ptx": path, "options": effective}
 print("SM90_PTX " + json.dumps(result))
 """
 
@@ -102,7 +110,7 @@ def compiled(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_ptx_has_hopper_instructions(compiled, name):
-    with open(compiled[name]) as handle:
+    with open(compiled[name]["ptx"]) as handle:
         ptx = handle.read()
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx, "no tensor-core wgmma"
@@ -110,37 +118,53 @@ def test_ptx_has_hopper_instructions(compiled, name):
     assert re.search(r"setmaxnreg\.dec", ptx) and re.search(r"setmaxnreg\.inc", ptx), "no register reallocation"
     assert "mbarrier.try_wait" in ptx, "no mbarrier pipeline"
     assert not re.search(r"\.local\b|ld\.local|st\.local", ptx), "local memory in the PTX"
-    overrides = CONFIGS[name][3]
-    if overrides.get("poly_exp2_every"):
+    options = compiled[name]["options"]
+    if options["poly_exp2_every"]:
         assert "cvt.rmi.f32.f32" in ptx, "polynomial exp2 missing"
-    if overrides.get("consumer_warpgroups") == 3:
+    if options["consumer_warpgroups"] == 3:
         assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160;", ptx), "consumers not raised to 160 registers"
-    if overrides.get("tma_store"):
+    if options["tma_store"]:
         assert "stmatrix.sync.aligned" in ptx, "O not written to shared memory with stmatrix"
         assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), "no TMA store of O"
         assert "cp.async.bulk.wait_group.read" in ptx, "shared O buffer reused without waiting for the TMA store"
         assert "fence.proxy.async.shared::cta" in ptx, "no proxy fence between stmatrix and the TMA store"
-    if overrides.get("pingpong_max_head_dim", 128) >= CONFIGS[name][1][-1] or CONFIGS[name][1][-1] <= 128:
+    if options["head_dim"] <= options["pingpong_max_head_dim"]:
         assert re.search(r"bar\.sync\s+%r\d+, 256;", ptx), "no ping-pong scheduler barrier"
 
 
 def test_tuning_options_are_checked():
-    """Options that cannot make a kernel are refused before compiling, with the reason."""
+    """Options that cannot make a kernel are refused before compiling, with the reason; the tuned
+    defaults of every supported head dim fit."""
     from fa4_jax.config import AttentionConfig
     from fa4_jax.kernels import sm90_forward
 
     class DtypeName:
         name = "bfloat16"
 
-    shape = (1, 256, 2, 128)
-    options = sm90_forward.kernel_options(AttentionConfig(scale=0.1), shape, shape, shape, DtypeName(), sm_count=132)
-    options.check()
+    def options_for(head_dim, causal=False, q_len=256):
+        shape = (1, q_len, 2, head_dim)
+        return sm90_forward.kernel_options(AttentionConfig(scale=0.1, causal=causal), shape, shape, shape,
+                                           DtypeName(), sm_count=132)
+
+    options = options_for(128)
     for overrides, reason in [({"consumer_warpgroups": 3}, "registers"), ({"consumer_warpgroups": 4}, "consumer_warpgroups"),
-                              ({"key_tile": 100}, "multiple of 16"), ({"q_stages": 3}, "q_stages"),
-                              ({"key_tile": 176, "tma_store": True}, "shared memory")]:
+                              ({"q_stages": 3}, "q_stages")]:
         with pytest.raises(ValueError, match=reason):
             dataclasses.replace(options, **overrides).check()
-    assert dataclasses.replace(options, q_stages=2, tma_store=True).shared_memory_bytes() <= sm90_forward.SHARED_MEMORY_LIMIT
+    with pytest.raises(ValueError, match="shared memory"):
+        dataclasses.replace(options_for(256), q_stages=2).check()
+    for head_dim in sm90_forward.SUPPORTED_HEAD_DIMS:
+        for causal in (False, True):
+            for q_len in (1024, 4096):
+                options_for(head_dim, causal, q_len).check()
+    assert options_for(64, True, 1024).consumer_warpgroups == 2
+    assert options_for(64, True, 2048).consumer_warpgroups == 3
+    assert options_for(64, False, 1024).consumer_warpgroups == 3
+    softcapped = sm90_forward.kernel_options(AttentionConfig(scale=0.1, softcap=5.0), (1, 4096, 2, 64),
+                                             (1, 4096, 2, 64), (1, 4096, 2, 64), DtypeName(), sm_count=132)
+    assert softcapped.consumer_warpgroups == 2 and softcapped.q_stages == 2
+    assert options_for(96).q_stages == 2 and options_for(128, True).split_masked_loop
+    assert options_for(256, True).pingpong_max_head_dim == 256 and options_for(256).pingpong_max_head_dim == 128
 
 
 _EPILOGUE_LAYOUT = r"""
@@ -192,7 +216,7 @@ def test_tma_store_epilogue_layout(tmp_path):
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_no_register_spills(compiled, name):
-    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", compiled[name], "-o", os.devnull],
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", compiled[name]["ptx"], "-o", os.devnull],
                             capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report.stderr)

@@ -5,6 +5,10 @@ Each case draws fresh random inputs, poisons the device memory pool with NaN bef
 error to be within twice the error of the fa4_jax reference on the same bf16/fp16 inputs (plus a floor
 of one bf16/fp16 rounding of the output), with -inf LSE and zero outputs on rows that see no key.
 
+The grid covers every configuration `sm90_forward.kernel_options` picks: D = 64 causal both below and
+above the three-warpgroup query-length cut, D = 96 / 128 with the Q double buffer and TMA store (split
+key loop when causal), D = 256 causal with ping-pong.
+
 The kernel's tuning candidates (sm90_forward.TUNING_CANDIDATES, docs/sm90_forward_tuning.md) run a
 smaller grid of the same cases through `sm90_forward.forward_with_options`, so one GPU run checks every
 candidate the benchmark times: `pytest tests/test_sm90_forward.py -k variant`. One CPU test checks the
@@ -70,6 +74,17 @@ CASES = [
     Case("lengths-causal-fp16", q_lengths=True, kv_lengths=True, causal=True, dtype=jnp.float16),
     Case("persistent-many-tiles", batch=2, q_len=1024, kv_len=1024, q_heads=16, kv_heads=16, causal=True),
     Case("single-row", q_len=1, kv_len=77),
+    # D = 64 causal with Sq above sm90_forward.THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN: the three-warpgroup
+    # configuration (the short causal D = 64 cases above take the two-warpgroup one), except the last two.
+    Case("causal-d64-long", head_dim=64, causal=True, q_len=1500, kv_len=1500),
+    Case("lengths-causal-d64-long-fp16", head_dim=64, causal=True, q_len=1600, kv_len=1700, q_lengths=True,
+         kv_lengths=True, dtype=jnp.float16),
+    Case("window-causal-left-d64-long", head_dim=64, causal=True, window=(300, None), q_len=1600, kv_len=1600),
+    Case("sinks-gqa-causal-d64-long", head_dim=64, causal=True, q_len=1555, kv_len=1555, q_heads=8, kv_heads=2,
+         sinks=True),
+    # D = 64 with a softcap, window or segments keeps two warpgroups at any length.
+    Case("softcap-segments-causal-d64-long", head_dim=64, causal=True, q_len=1555, kv_len=1555, softcap=20.0,
+         segments=True),
 ]
 
 

@@ -14,10 +14,10 @@ Design (one CTA = one 128-row query tile at a time, persistent over tiles):
 
 Grouped-query attention maps query head h to key/value head h // (Hq / Hkv).
 
-Tuning options (KernelOptions; the defaults are the configuration verified and timed on the H200, the
-others are candidates measured by benchmarks/attention.py --variants, see docs/sm90_forward_tuning.md):
+Tuning options (KernelOptions). The field defaults are the first H200-verified configuration;
+`kernel_options` picks, per head dim, mask and query length, the combination that measured fastest
+(benchmarks/results/forward_variants_h200.json, docs/sm90_forward_tuning.md):
 - consumer_warpgroups=3: a 192-row query tile, three consumers taking turns on the tensor cores;
-- key_tile: key/value block rows other than the per-head-dim default;
 - q_stages=2: two Q buffers, so the next tile's Q loads while this tile computes;
 - early_q_release: Q's buffer is released after the tile's last Q K^T (not after its last P V and
   the softmax before it), so the next tile's Q load starts one block earlier (any head dim, no
@@ -60,7 +60,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per CTA on sm_90
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; the real count is passed in when a GPU is present.
 SCHEDULER_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup; 0 is __syncthreads)
 EPILOGUE_BARRIER = 4   # named barriers 4..6: one per consumer warpgroup, for the TMA-store epilogue
-KERNEL_VERSION = 2  # bump when the generated code changes, so on-disk caches do not serve stale kernels
+KERNEL_VERSION = 3  # bump when the generated code changes, so on-disk caches do not serve stale kernels
 
 # (key tile, pipeline stages) per head dim, sized to fit 227 KiB of shared memory and 240 registers.
 _TILE_N_AND_STAGES = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
@@ -88,7 +88,6 @@ class KernelOptions:
     pingpong: bool = True
     # Tuning options (module docstring); the defaults are the GPU-verified configuration.
     consumer_warpgroups: int = 2
-    key_tile: Optional[int] = None
     q_stages: int = 1
     tma_store: bool = False
     pingpong_max_head_dim: int = 128
@@ -102,7 +101,7 @@ class KernelOptions:
 
     @property
     def tile_n(self) -> int:
-        return self.key_tile if self.key_tile is not None else _TILE_N_AND_STAGES[self.head_dim][0]
+        return _TILE_N_AND_STAGES[self.head_dim][0]
 
     @property
     def num_stages(self) -> int:
@@ -127,8 +126,6 @@ class KernelOptions:
         if self.consumer_warpgroups == 3 and self.v_head_dim > 64:
             # 160 registers per consumer thread: ptxas spills from Dv = 96 on (seen with ptxas 13.0).
             raise ValueError("three consumer warpgroups fit in registers only for value head dims <= 64")
-        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
-            raise ValueError(f"key_tile {self.tile_n}: a multiple of 16 in [16, 256] (wgmma N and P V's K)")
         if self.q_stages not in (1, 2):
             raise ValueError("q_stages must be 1 or 2")
         if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
@@ -136,24 +133,21 @@ class KernelOptions:
                              f"{SHARED_MEMORY_LIMIT} available")
 
 
-# Candidate tunings, measured against the default by `benchmarks/attention.py --variants` and checked
-# against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md has the predictions):
-# name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
-TUNING_CANDIDATES = {
-    "wg3": ({"consumer_warpgroups": 3}, (64,), (False, True)),
-    "wg3-all": ({"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
-                 "split_masked_loop": True, "schedule_first_block": True}, (64,), (False, True)),
-    "q2-tma": ({"q_stages": 2, "tma_store": True}, (64, 128), (False, True)),
-    "tma": ({"tma_store": True}, (128,), (True,)),
-    "q2": ({"q_stages": 2}, (128,), (True,)),
-    "early-q-tma": ({"early_q_release": True, "tma_store": True}, (128,), (True,)),
-    "q2-tma-split": ({"q_stages": 2, "tma_store": True, "split_masked_loop": True}, (128,), (True,)),
-    "q2-tma-first": ({"q_stages": 2, "tma_store": True, "schedule_first_block": True}, (128,), (True,)),
-    "key-tile-176": ({"key_tile": 176}, (128,), (False,)),
-    "pingpong-d256": ({"pingpong_max_head_dim": 256}, (256,), (True,)),
-    "early-q": ({"early_q_release": True}, (256,), (True,)),
-    "early-q-split": ({"early_q_release": True, "split_masked_loop": True}, (256,), (True,)),
-}
+# The measured winners (H200, rev 385f690, docs/sm90_forward_tuning.md), applied by `kernel_options`.
+# D = 64: three consumer warpgroups with every pipeline option ("wg3-all", 1.06-1.17x cuDNN).
+THREE_WARPGROUPS = {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
+                    "split_masked_loop": True, "schedule_first_block": True}
+# D = 64 causal short queries (and D = 64 with a softcap, window or segments), and D = 96 / 128:
+# Q double buffer + TMA-store epilogue ("q2-tma").
+Q_DOUBLE_BUFFER_TMA_STORE = {"q_stages": 2, "tma_store": True}
+# D = 64 causal: wg3-all was 8 % slower than q2-tma at Sq = 1024 and 8 % faster at 2048; the cut sits
+# at the geometric middle, ~1448, rounded to the next multiple of 64 rows.
+THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
+
+# Candidate tunings on top of `kernel_options`, measured against it by `benchmarks/attention.py
+# --variants` and checked against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md
+# has the predictions): name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
+TUNING_CANDIDATES = {}
 
 
 def _cutlass_dtype(name: str):
@@ -786,23 +780,43 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
     return None
 
 
+def tuned_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape, softcap: Optional[float],
+                    q_len: int) -> dict:
+    """The KernelOptions tuning fields that measured fastest for this head dim, mask and query length."""
+    if v_head_dim <= 64:
+        # At 160 registers per consumer thread ptxas spills with a softcap, a window or segments
+        # (ptxas 13.0: 28-268 bytes), so those keep two warpgroups.
+        plain_mask = softcap is None and not mask.has_segments and (mask.window_left, mask.window_right) == (None, None)
+        if plain_mask and not (mask.causal and q_len < THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN):
+            return dict(THREE_WARPGROUPS)
+        return dict(Q_DOUBLE_BUFFER_TMA_STORE)
+    if head_dim <= 128:
+        return dict(Q_DOUBLE_BUFFER_TMA_STORE, split_masked_loop=mask.causal)
+    if head_dim == 256 and mask.causal:
+        return {"pingpong_max_head_dim": 256}
+    return {}
+
+
 def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape, dtype,
                    sm_count: Optional[int] = None) -> KernelOptions:
     """The static kernel configuration for one call (also what the compile test builds)."""
+    mask = masking.MaskShape.from_config(config)
+    softcap = None if config.softcap is None else float(config.softcap)
     return KernelOptions(
         dtype_name=getattr(dtype, "name", str(dtype)),
         head_dim=query_shape[-1],
         v_head_dim=value_shape[-1],
         group=query_shape[2] // key_shape[2],
         scale=float(config.scale),
-        mask=masking.MaskShape.from_config(config),
-        softcap=None if config.softcap is None else float(config.softcap),
+        mask=mask,
+        softcap=softcap,
         has_sinks=config.has_sinks,
         has_q_lengths=config.has_q_seq_lengths,
         has_kv_lengths=config.has_kv_seq_lengths,
         has_q_start=config.has_q_start,
         q_total=config.q_total if config.has_q_start else None,
         sm_count=forward_launch.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
+        **tuned_overrides(query_shape[-1], value_shape[-1], mask, softcap, query_shape[1]),
     )
 
 
