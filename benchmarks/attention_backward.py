@@ -1,8 +1,9 @@
-"""Backward benchmark: the sm90 backward kernel's tunings vs cuDNN's backward, one process, same inputs.
+"""Backward benchmark: the sm90 backward kernel's variants vs cuDNN's backward, one process, same inputs.
 
-One command sweeps every variant over the grid and writes one JSON (rewritten after every row, so a
-run cut short by a time limit still leaves its rows). Per shape it times, with CUPTI (all kernels of
-the call, median of iterations):
+One command sweeps every variant over the grid (by default the whole one: D 128, 64, 256 x S 1k-16k x
+causal or not, B*S = 16k tokens) and writes one JSON (rewritten after every row, so a run cut short
+by a time limit still leaves its rows). Per shape it times, with CUPTI (all kernels of the call,
+median of iterations):
 - each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`sm90_backward.backward_with_options`)
   with one `Tuning`, deterministic or not, given the forward's out and LSE;
 - cudnn: the VJP of jax.nn.dot_product_attention(implementation="cudnn"), residuals precomputed, so
@@ -10,14 +11,16 @@ the call, median of iterations):
 - the first variant again, last (`<variant>_repeat_ms`): the spread of its two timings is the noise.
 Every variant's dq/dk/dv are compared with cuDNN's (max |difference|), so a wrong variant shows.
 TFLOP/s counts backward FLOPs = 2.5x forward (forward = 4*B*H*Sq*Sk*D, halved when causal).
+A shape the kernel does not take (e.g. D = 256) gets `fa4_jax_backward: "reference fallback: <why>"`
+and only cuDNN is timed: fa4_jax would run the reference there, which is not ours to time.
 
-Compiling 11 variants x up to 20 shapes one after another would take most of a device call, so
+Compiling every variant x 20 shapes one after another would take most of a device call, so
 --precompile-workers N first lowers every (shape, variant) kernel for CUDA in N CPU-platform
 processes at once into the on-disk kernel cache (fa4_jax.kernels.compile_cache); the timing process
 then loads them. CUTE_DSL_ARCH is set to sm_90a in both (the cache key includes it).
 
 Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
-       [--variants default candidate ...] [--head-dims 128 64] [--seq-lens 1024 4096] [--quick]
+       [--variants default deterministic ...] [--head-dims 128 64 256] [--seq-lens 1024 4096] [--quick]
        [--iterations N] [--precompile-only] [--variants-passing PYTEST_LOG]
 Also a section of benchmarks/attention.py ("backward", registered when this module is imported).
 The git revision comes from $FA4_GIT_REVISION when set (the device copy has no .git), else `git`.
@@ -43,36 +46,17 @@ import attention  # noqa: E402  (the shared benchmark driver: shapes, FLOPs, CUP
 
 
 def _variants():
-    """name -> (Tuning, deterministic). "default" is the tuning that has run on the H200."""
+    """name -> (Tuning, deterministic)."""
     from fa4_jax.kernels import sm90_backward as bwd
 
-    tma = bwd.Tuning(dq_reduction="tma")
-    candidate = bwd.CANDIDATE_TUNING
-    no_writer = dataclasses.replace(candidate, dq_writer_warp=False, tma_dkv_store=False)
     return {
         "default": (bwd.DEFAULT_TUNING, False),
-        "tma": (tma, False),
-        "tma_early_dv": (dataclasses.replace(tma, early_dv=True), False),
-        "tma_early_dv_staged_stats": (dataclasses.replace(tma, early_dv=True, staged_row_stats=True), False),
-        "candidate_no_writer": (no_writer, False),
-        "candidate_no_writer_3_stages": (dataclasses.replace(no_writer, stages=3), False),
-        "candidate_no_dkv_store": (dataclasses.replace(candidate, tma_dkv_store=False), False),
-        "candidate": (candidate, False),
         "deterministic": (bwd.DEFAULT_TUNING, True),
-        "deterministic_candidate_no_writer": (no_writer, True),
-        "deterministic_candidate": (candidate, True),
     }
 
 
-# The GPU test tuning (tests/test_sm90_backward.py) each variant's code path is checked by; "default"
-# and "tma" have run on the H200 before.
-TESTED_BY = {"default": "default", "deterministic": "default", "tma": "default",
-             "tma_early_dv": "candidate_no_writer", "tma_early_dv_staged_stats": "candidate_no_writer",
-             "candidate_no_writer": "candidate_no_writer",
-             "candidate_no_writer_3_stages": "candidate_no_writer",
-             "deterministic_candidate_no_writer": "candidate_no_writer",
-             "candidate_no_dkv_store": "candidate_no_dkv_store",
-             "candidate": "candidate", "deterministic_candidate": "candidate"}
+# The GPU test tuning (tests/test_sm90_backward.py) each variant's code path is checked by.
+TESTED_BY = {"default": "default", "deterministic": "default"}
 
 
 def variants_passing(test_log: str):
@@ -149,6 +133,15 @@ def _dims(shape):
     return shape["batch"], shape["seq_len"], shape["heads"], shape["head_dim"]
 
 
+def _fallback_reason(shape):
+    """Why the sm90 backward kernel does not take this shape (fa4_jax then runs the reference), or None."""
+    import jax.numpy as jnp
+    from fa4_jax.kernels import sm90_backward
+
+    dims = _dims(shape)
+    return sm90_backward.unsupported_reason(_config(shape), dims, dims, dims, jnp.bfloat16)
+
+
 def _lower_for_cuda(job):
     """Worker: lower one backward (or the residuals' forward) kernel for CUDA, filling the disk cache."""
     import jax
@@ -177,7 +170,8 @@ def _worker_initializer():
 
 def precompile(shapes, variant_names, workers):
     """Fill the on-disk cache for every (shape, variant) in `workers` CPU-platform processes."""
-    jobs = [(shape, name) for shape in shapes for name in ["forward", *variant_names]]
+    jobs = [(shape, name) for shape in shapes if _fallback_reason(shape) is None
+            for name in ["forward", *variant_names]]
     start = time.perf_counter()
     failures = []
     context = __import__("multiprocessing").get_context("spawn")
@@ -196,23 +190,23 @@ def backward_section(shape, arguments, args):
     """Rows for one shape: every variant in args.variants (default: all) and cuDNN."""
     import jax
     import jax.numpy as jnp
-    from fa4_jax.kernels import sm90_backward
 
     query, key, value = arguments
     config = _config(shape)
     d_out = jax.random.normal(jax.random.key(1), query.shape, jnp.float32).astype(query.dtype)
-    out, lse, residuals = _forward_residuals(query, key, value, config)
-    row = dict(section="backward", residuals=residuals, **shape)
+    row = dict(section="backward", **shape)
     candidates = {}
-    reason = sm90_backward.unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
-    variants = _variants()
-    for name in getattr(args, "variants", None) or list(variants):
-        tuning, deterministic = variants[name]
-        if reason is not None:
-            row[f"{name}_error"] = f"unsupported: {reason}"
-            continue
-        candidates[name] = (_backward(_config(shape, deterministic), tuning),
-                            (query, key, value, out, lse, d_out))
+    reason = _fallback_reason(shape)
+    if reason is not None:
+        row["fa4_jax_backward"] = f"reference fallback: {reason}"
+    else:
+        row["fa4_jax_backward"] = "sm90_backward"
+        out, lse, row["residuals"] = _forward_residuals(query, key, value, config)
+        variants = _variants()
+        for name in getattr(args, "variants", None) or list(variants):
+            tuning, deterministic = variants[name]
+            candidates[name] = (_backward(_config(shape, deterministic), tuning),
+                                (query, key, value, out, lse, d_out))
     try:
         _, cudnn_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=shape["causal"], implementation="cudnn"), query, key, value)
@@ -252,8 +246,9 @@ def _summary(row, names):
     for name in names:
         ratio = row.get(f"{name}_vs_cudnn")
         cells.append(f"{ratio:5.2f}" if ratio is not None else "  -  ")
+    fallback = "" if row["fa4_jax_backward"] == "sm90_backward" else " (reference fallback, not timed)"
     return (f"D={row['head_dim']:3d} causal={int(row['causal'])} S={row['seq_len']:5d} "
-            f"cudnn {row.get('cudnn_ms', float('nan')):7.3f} ms | " + " ".join(cells))
+            f"cudnn {row.get('cudnn_ms', float('nan')):7.3f} ms | " + " ".join(cells) + fallback)
 
 
 def run(args):
@@ -300,7 +295,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_backward.json")
     parser.add_argument("--variants", nargs="+", help="names from the variant table (default: all)")
-    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[128, 64, 256],
+                        help="in this order (a run cut short has measured the first ones whole)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=list(attention.SEQUENCE_LENGTHS))
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")

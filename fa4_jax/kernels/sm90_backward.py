@@ -9,18 +9,17 @@ Three stages, one obvious place each:
   every query head of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE,
   dP^T = V dO^T, dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and
   dK += dS^T Q with P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in
-  shared memory for dQ = dS K, which it adds into the fp32 accumulator in global memory with `red.add`
-  (or, dq_reduction="tma", staged in shared memory and added by one TMA bulk reduce per warp group);
+  shared memory for dQ = dS K, and stages dQ in shared memory for the dQ writer warp, which adds it
+  into the fp32 accumulator in global memory with TMA bulk reduce-adds;
 - postprocess (in `attention_backward`, JAX): dQ scaled and cast, the sinks gradient.
 
-Warp roles: warp group 0 is the producer (one warp issues the TMA loads of K, V once and of Q, dO per
-query block into a `stages`-deep ring of mbarrier-guarded buffers; with `Tuning.dq_writer_warp` a
-second warp issues the dQ reduce-adds); warp groups 1 and 2 are consumers, each owning 64 of the
-tile's 128 keys for S, dP, dK, dV and half of the head dimension for dQ.
+Warp roles: warp group 0 is the producer (warp 0 issues the TMA loads of K, V once and of Q, dO per
+query block into a two-deep ring of mbarrier-guarded buffers; warp 1, the dQ writer, issues the dQ
+reduce-adds); warp groups 1 and 2 are consumers, each owning 64 of the tile's 128 keys for S, dP,
+dK, dV and half of the head dimension for dQ.
 
-`Tuning` holds the choices that change speed only; DEFAULT_TUNING is the code that has run on the
-H200, CANDIDATE_TUNING what the next measurement is expected to promote
-(docs/sm90_backward_tuning.md has the predictions and the device command).
+`Tuning` holds the choices that change speed only; DEFAULT_TUNING is what the H200 sweep measured
+fastest (docs/sm90_backward_tuning.md has the measurements and the predictions behind them).
 
 deterministic=True orders the dQ additions: a per (batch, query head, query block) counter in global
 memory lets key block n add only after every earlier key block that touches the same query block has
@@ -50,14 +49,11 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import compile_cache, masking
 
 LOG2_E = math.log2(math.e)
-SUPPORTED_HEAD_DIMS = (64, 128)
-# Head dims the kernel compiles for but that have not run on a GPU yet: only `backward_with_options`
-# (the GPU tests, the benchmark) takes them; dispatch falls back to the reference until they pass.
-UNVERIFIED_HEAD_DIMS = (96,)
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
 TILE_M = 64      # query rows per block
 TILE_N = 128     # keys per CTA (64 per consumer warp group)
-KERNEL_VERSION = 2   # bump when the generated code changes (part of the compile key)
-DQ_REDUCTIONS = ("red", "tma")
+KERNEL_VERSION = 3   # bump when the generated code changes (part of the compile key)
+QUERY_STAGES = 2     # Q / dO ring depth (a third stage measured no faster and leaves no room for dQ)
 SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
 
 
@@ -65,64 +61,39 @@ SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
 class Tuning:
     """Choices that change the speed, not the function computed (beyond dQ's fp32 summation order).
 
-    dq_reduction: how each key block's dQ share reaches the fp32 accumulator in global memory: "red"
-      (one red.global.add.f32 per element) or "tma" (staged in shared memory, one bulk tensor
-      reduce-add per warp group, as FA3 does; measured 1.4-1.6x faster than "red" at D = 128).
-    stages: depth of the Q / dO ring (3 only where shared memory allows, see `Sm90BackwardKernel`).
+    Every field defaults to what the H200 sweep measured fastest (rev 385f690); turning one off gives
+    the code path that configurations short of registers take anyway. With softcap or segment ids
+    the four are off (`Sm90BackwardKernel` says why).
+
     early_dv: issue dV += P^T dO as soon as P is in registers, so the dS arithmetic and the dPsum loads
       run while the tensor cores compute dV (otherwise dV waits for dS, behind dP).
     stagger: key block n walks its query blocks starting n blocks in (cyclically), so the CTAs that
-      run together add into different dQ tiles instead of all into the same one (less contention
-      in the L2 reduction). Ignored when deterministic (the dQ turns would then wait on each other).
+      run together add into different dQ tiles instead of all into the same one. Ignored when
+      deterministic (the dQ turns would then wait on each other).
     staged_row_stats: the producer copies each query block's LSE and dPsum (64 floats each) into the
       Q / dO stage with one bulk copy apiece, and the consumers read them from shared memory where
       they are used, instead of 32 scattered global loads per thread per block held in registers.
     tma_dkv_store: at the end, dK and dV go through shared memory (over K and V, no longer read) and
       two TMA bulk stores, instead of 128 two-byte global stores per thread.
-    dq_writer_warp (with dq_reduction="tma"): the consumers only stage dQ in one of two shared
-      buffers and go on; a warp of the producer warp group issues the bulk reduce-adds (and, when
-      deterministic, waits for the dQ tile's turn), so neither the reduce nor the turn stalls the
-      tensor-core warp groups unless they run two query blocks ahead. It also frees the consumers'
-      registers that held the staging addresses across the loop: without it, TMA dQ spills with
-      segment ids (100 bytes at D = 128) and so does tma_dkv_store (32 bytes).
-    With softcap or segment ids only dq_reduction, stages and dq_writer_warp apply
-    (`Sm90BackwardKernel` says why).
     """
-    dq_reduction: str = "red"
-    stages: int = 2
-    early_dv: bool = False
-    stagger: bool = False
-    staged_row_stats: bool = False
-    tma_dkv_store: bool = False
-    dq_writer_warp: bool = False
-
-    def __post_init__(self):
-        if self.dq_reduction not in DQ_REDUCTIONS:
-            raise ValueError(f"dq_reduction must be one of {DQ_REDUCTIONS}, got {self.dq_reduction!r}")
-        if self.stages not in (2, 3):
-            raise ValueError(f"stages must be 2 or 3, got {self.stages}")
-        if self.dq_writer_warp and self.dq_reduction != "tma":
-            raise ValueError("dq_writer_warp needs dq_reduction='tma'")
+    early_dv: bool = True
+    stagger: bool = True
+    staged_row_stats: bool = True
+    tma_dkv_store: bool = True
 
 
-# The default has run on the H200 over the whole GPU test grid; CANDIDATE_TUNING is what the next
-# measurement is expected to make the default (docs/sm90_backward_tuning.md).
 DEFAULT_TUNING = Tuning()
-CANDIDATE_TUNING = Tuning(dq_reduction="tma", early_dv=True, stagger=True, staged_row_stats=True,
-                          tma_dkv_store=True, dq_writer_warp=True)
 
 
-def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype, *,
-                       unverified: bool = False) -> Optional[str]:
-    """Why this kernel cannot take the call, or None when it can (with `unverified`, also the head
-    dims that compile but have not run on a GPU)."""
+def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
+                       dtype) -> Optional[str]:
+    """Why this kernel cannot take the call, or None when it can."""
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"sm90 backward takes bfloat16 or float16, got {dtype}"
     head_dim = query_shape[-1]
-    head_dims = SUPPORTED_HEAD_DIMS + (UNVERIFIED_HEAD_DIMS if unverified else ())
-    if head_dim not in head_dims:
-        return f"sm90 backward supports head dims {head_dims}, got {head_dim}"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"sm90 backward supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}"
     if value_shape[-1] != head_dim:
         return f"sm90 backward needs value head dim == query head dim ({value_shape[-1]} != {head_dim})"
     if query_shape[2] % key_shape[2] != 0:
@@ -147,9 +118,7 @@ K_MAJOR = cute.nvgpu.OperandMajorMode.K
 MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
 WARP_GROUP = 128
 DS_READY_BARRIER = 1
-DQ_ORDER_BARRIER = 2
-DQ_STAGING_BARRIER = 3     # 3 and 4: one per consumer warp group
-DKV_STORE_BARRIER = 5
+DKV_STORE_BARRIER = 2
 DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
 
 
@@ -238,10 +207,9 @@ class Sm90BackwardKernel:
         self.q_total = q_total
         self.deterministic = deterministic
         self.tuning = tuning
-        self.dq_reduction = tuning.dq_reduction
         # Softcap and segment ids leave no registers to spare: there early_dv, staged_row_stats,
         # stagger and tma_dkv_store each make ptxas spill (D = 128: 148/92, 36/8, 84 and 48 bytes),
-        # so those configurations take only dq_reduction, stages and dq_writer_warp from the tuning.
+        # so those configurations take none of them.
         register_bound = softcap is not None or has_segment_ids
         self.early_dv = tuning.early_dv and not register_bound
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
@@ -249,10 +217,10 @@ class Sm90BackwardKernel:
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.tile_m = TILE_M
         self.tile_n = TILE_N
-        self.stages = tuning.stages
+        self.stages = QUERY_STAGES
         if self.shared_memory_bytes() > SHARED_MEMORY_BYTES:
-            raise ValueError(f"{tuning} needs {self.shared_memory_bytes()} bytes of shared memory at "
-                             f"head dim {head_dim}; sm_90 has {SHARED_MEMORY_BYTES}")
+            raise ValueError(f"head dim {head_dim} needs {self.shared_memory_bytes()} bytes of shared "
+                             f"memory; sm_90 has {SHARED_MEMORY_BYTES}")
         self.num_consumer_groups = 2
         self.num_threads = WARP_GROUP * (1 + self.num_consumer_groups)
         self.consumer_threads = WARP_GROUP * self.num_consumer_groups
@@ -265,25 +233,19 @@ class Sm90BackwardKernel:
 
     def shared_memory_bytes(self):
         """What `SharedStorage` takes, member by member with its alignment: the mbarriers, Q and dO
-        rings, K, V, two dS buffers, the dQ staging (TMA reduce only), the staged row statistics;
+        rings, K, V, two dS buffers, the two dQ staging buffers, the staged row statistics;
         the whole rounded up to its largest alignment."""
         element = self.dtype.width // 8
         q_ring = self.stages * self.tile_m * self.head_dim * element
         key_tile = self.tile_n * self.head_dim * element
         members = [(q_ring, 1024), (q_ring, 1024), (key_tile, 1024), (key_tile, 1024),
                    (2 * self.tile_m * self.tile_n * element, 1024),
-                   (self.tile_m * self.head_dim * 4 * self._dq_buffers(), 1024),
+                   (self.tile_m * self.head_dim * 4 * DQ_BUFFERS, 1024),
                    (self._row_stats_floats() * 4, 128), (self._row_stats_floats() * 4, 128)]
         offset = 8 * (2 * self.stages + 2 + 2 * DQ_BUFFERS)
         for size, alignment in members:
             offset = _ceil_div(offset, alignment) * alignment + size
         return _ceil_div(offset, 1024) * 1024
-
-    def _dq_buffers(self):
-        """dQ staging tiles in shared memory: none for red.add, one per query block in flight."""
-        if self.dq_reduction != "tma":
-            return 0
-        return DQ_BUFFERS if self.tuning.dq_writer_warp else 1
 
     def _row_stats_floats(self):
         """Floats per row statistic (LSE, dPsum) in shared memory: a query block per stage."""
@@ -311,11 +273,9 @@ class Sm90BackwardKernel:
         k_layout = k_major_layout(self.dtype, self.tile_n, d, None, swizzle_columns(d // 2, 64))
         v_layout = k_major_layout(self.dtype, self.tile_n, d, None, swizzle_columns(d, 64))
         ds_layout = mn_major_layout(self.dtype, self.tile_m, self.tile_n, 2)
-        # dQ staging for the TMA reduce: one fp32 [tile_m, D/2] tile per consumer warp group,
-        # swizzled (128 bytes where D/2 allows) so the accumulator stores do not conflict on banks.
-        # With the writer warp: (rows, D/2, warp group, buffer).
-        dq_tiles = (2, DQ_BUFFERS) if self.tuning.dq_writer_warp else 2
-        dq_layout = k_major_layout(Float32, self.tile_m, d // 2, dq_tiles,
+        # dQ staging for the TMA reduce: (rows, D/2, warp group, buffer) fp32 tiles, swizzled
+        # (128 bytes where D/2 allows) so the accumulator stores do not conflict on banks.
+        dq_layout = k_major_layout(Float32, self.tile_m, d // 2, (2, DQ_BUFFERS),
                                    swizzle_columns(d // 2, 32))
         return q_layout, k_layout, v_layout, ds_layout, dq_layout
 
@@ -343,12 +303,9 @@ class Sm90BackwardKernel:
             cpasync.CopyBulkTensorTileG2SOp(), mK, k_layout, (self.tile_n, self.head_dim))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mV, v_layout, (self.tile_n, self.head_dim))
-        tma_dq, tma_mdQ, dq_staging = None, None, 0
-        if const_expr(self.dq_reduction == "tma"):
-            tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
-                (self.tile_m, self.head_dim // 2))
-            dq_staging = cute.cosize(dq_layout)
+        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
+            (self.tile_m, self.head_dim // 2))
         tma_dk, tma_mdK, tma_dv, tma_mdV = None, None, None, None
         if const_expr(self.tma_dkv_store):
             tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
@@ -373,7 +330,7 @@ class Sm90BackwardKernel:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], align]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], align]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], align]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_staging], align]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], align]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self._row_stats_floats()], 128]
             sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, self._row_stats_floats()], 128]
 
@@ -384,15 +341,14 @@ class Sm90BackwardKernel:
         num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
-                    tma_v, tma_mV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mdQacc,
-                    mSem, mdK, mdV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mQ.shape[0],
+                    tma_v, tma_mV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mSem, mdK, mdV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mQ.shape[0],
                     q_layout, k_layout, v_layout, ds_layout, dq_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
-               mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mdQacc, mSem, mdK, mdV,
+               mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mSem, mdK, mdV,
                tma_dq, mdQ_tma, tma_dk, tma_mdK, tma_dv, tma_mdV, q_len_static, q_layout, k_layout,
                v_layout, ds_layout, dq_layout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -407,9 +363,7 @@ class Sm90BackwardKernel:
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
-        sdQ = None
-        if const_expr(self.dq_reduction == "tma"):
-            sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
+        sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
         sLSE = None
         sdPsum = None
         if const_expr(self.staged_row_stats):
@@ -428,14 +382,11 @@ class Sm90BackwardKernel:
             barrier_storage=storage.key_barriers.data_ptr(), num_stages=1,
             producer_group=producer, consumer_group=consumers,
             tx_count=self.key_block_bytes, defer_sync=True)
-        dq_pipe = None
-        if const_expr(self.tuning.dq_writer_warp):
-            dq_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.dq_barriers.data_ptr(), num_stages=DQ_BUFFERS,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.consumer_threads),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                defer_sync=True)
+        dq_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.dq_barriers.data_ptr(), num_stages=DQ_BUFFERS,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            defer_sync=True)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -466,15 +417,13 @@ class Sm90BackwardKernel:
                 self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
                               mLSE, mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head,
                               batch, m_lo, m_count, iterations)
-            if const_expr(self.tuning.dq_writer_warp):
-                if warp_idx == 1:
-                    self._write_dq(dq_pipe, sdQ, tma_dq, mdQ_tma, mSem, n_block, kv_head, batch,
-                                   m_lo, m_count, iterations, kv_len, offset, q_start)
+            if warp_idx == 1:
+                self._write_dq(dq_pipe, sdQ, tma_dq, mdQ_tma, mSem, n_block, kv_head, batch, m_lo,
+                               m_count, iterations, kv_len, offset, q_start)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
-                          dq_pipe, query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq,
-                          mdQ_tma, mSem, mdK, mdV, (tma_dk, tma_mdK, tma_dv, tma_mdV),
+                          dq_pipe, query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdK, mdV, (tma_dk, tma_mdK, tma_dv, tma_mdV),
                           tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count, iterations,
                           offset, kv_len, q_len, q_start)
 
@@ -529,8 +478,7 @@ class Sm90BackwardKernel:
 
     @cute.jit
     def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum, dq_pipe,
-                 query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdQacc, tma_dq, mdQ_tma, mSem,
-                 mdK, mdV, dkv_store, tidx,
+                 query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdK, mdV, dkv_store, tidx,
                  n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len, q_len,
                  q_start):
         d = self.head_dim
@@ -575,8 +523,6 @@ class Sm90BackwardKernel:
                                                    self.stages)
         ds_barrier = pipeline.NamedBarrier(barrier_id=DS_READY_BARRIER,
                                            num_threads=self.consumer_threads)
-        dq_target = (thr_dq, mdQacc, sdQ, tma_dq, mdQ_tma, mSem, batch, n_block, kv_len, offset,
-                     q_start, tidx)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
@@ -676,20 +622,15 @@ class Sm90BackwardKernel:
             query_pipe.consumer_release(query_state)
             query_state.advance()
 
-            if const_expr(self.tuning.dq_writer_warp):
-                # Stage this block's dQ for the writer warp; wait only for a free buffer.
-                dq_pipe.producer_acquire(dq_state)
-                staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
-                cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
-                cute.arch.fence_proxy("async.shared", space="cta")
-                dq_pipe.producer_commit(dq_state)
-                dq_state.advance()
-            else:
-                self._add_dq(acc_dq, q_head, m_block, *dq_target)
+            # Stage this block's dQ for the writer warp; wait only for a free buffer. The two
+            # [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2).
+            dq_pipe.producer_acquire(dq_state)
+            staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
+            cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            dq_pipe.producer_commit(dq_state)
+            dq_state.advance()
 
-        if const_expr(self.dq_reduction == "tma" and not self.tuning.dq_writer_warp):
-            if (tidx % WARP_GROUP) // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem must outlive the reduce
         if const_expr(self.tma_dkv_store):
             self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
                                 tidx)
@@ -767,86 +708,6 @@ class Sm90BackwardKernel:
                 cute.arch.sync_warp()
             dq_pipe.consumer_release(dq_state)
             dq_state.advance()
-
-    @cute.jit
-    def _add_dq(self, acc_dq, q_head, m_block, thr_dq, mdQacc, sdQ, tma_dq, mdQ_tma, mSem, batch,
-                n_block, kv_len, offset, q_start, tidx):
-        """Add one query block's dQ share into the fp32 accumulator in global memory."""
-        row_start = q_start + m_block * self.tile_m
-        if const_expr(self.dq_reduction == "red"):
-            self._add_dq_red(acc_dq, thr_dq, mdQacc, mSem, q_head, batch, m_block, n_block,
-                             row_start, kv_len, offset, tidx)
-        else:
-            self._add_dq_tma(acc_dq, thr_dq, sdQ, tma_dq, mdQ_tma, mSem, q_head, batch, m_block,
-                             n_block, row_start, kv_len, offset, tidx)
-
-    @cute.jit
-    def _add_dq_red(self, acc_dq, thr_dq, mdQacc, mSem, q_head, batch, m_block, n_block, row_start,
-                    kv_len, offset, tidx):
-        """dQ tile += this thread's fp32 values, one red.global.add each."""
-        gdQ = cute.local_tile(mdQacc[None, None, q_head, batch], (self.tile_m, self.head_dim),
-                              (m_block, 0))
-        tdQgdQ = thr_dq.partition_C(gdQ)
-        if const_expr(self.deterministic):
-            self._wait_turn(mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset, tidx)
-        for e in cutlass.range_constexpr(cute.size(acc_dq)):
-            cute.arch.red(tdQgdQ.iterator + cute.crd2idx(e, tdQgdQ.layout), acc_dq[e],
-                          op="add", dtype=Float32, sem="relaxed", scope="gpu")
-        if const_expr(self.deterministic):
-            cute.arch.fence_acq_rel_gpu()
-            self._pass_turn(mSem, batch, q_head, m_block, tidx)
-
-    @cute.jit
-    def _add_dq_tma(self, acc_dq, thr_dq, sdQ, tma_dq, mdQ_tma, mSem, q_head, batch, m_block,
-                    n_block, row_start, kv_len, offset, tidx):
-        """dQ tile += the accumulators, staged in shared memory and added by one bulk tensor
-        reduce per warp group (issued by the group's first warp)."""
-        group = tidx // WARP_GROUP
-        issuing_warp = (tidx % WARP_GROUP) // 32 == 0
-        staging = pipeline.NamedBarrier(barrier_id=DQ_STAGING_BARRIER + group,
-                                        num_threads=WARP_GROUP)
-        if issuing_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)   # last reduce has read the buffer
-        staging.arrive_and_wait()
-        # The two [tile_m, D/2] halves viewed as one [tile_m, D] tile: column c in half c // (D/2).
-        cute.autovec_copy(acc_dq, thr_dq.partition_C(cute.group_modes(sdQ, 1, 3)))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        staging.arrive_and_wait()
-        if const_expr(self.deterministic):
-            self._wait_turn(mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset, tidx)
-        gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
-                              (self.tile_m, self.head_dim // 2), (m_block, None))
-        tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
-                                               cute.group_modes(sdQ, 0, 2),
-                                               cute.group_modes(gdQ, 0, 2))
-        if issuing_warp:
-            cute.copy(tma_dq, tdQsdQ[None, group], tdQgdQ[None, group])
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0)           # added, not just read
-        if const_expr(self.deterministic):
-            self._pass_turn(mSem, batch, q_head, m_block, tidx)
-
-    @cute.jit
-    def _wait_turn(self, mSem, batch, q_head, m_block, n_block, row_start, kv_len, offset, tidx):
-        """Spin until every earlier key block has added its dQ share for this query block."""
-        first, _ = masking.key_block_range(self.mask, row_start, self.tile_m, self.tile_n, kv_len,
-                                           offset)
-        turn = n_block - first
-        if tidx == 0:
-            flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
-            seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-            while seen != turn:
-                seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-        cute.arch.barrier(barrier_id=DQ_ORDER_BARRIER, number_of_threads=self.consumer_threads)
-
-    @cute.jit
-    def _pass_turn(self, mSem, batch, q_head, m_block, tidx):
-        """After both warp groups' additions are complete: let the next key block add."""
-        cute.arch.barrier(barrier_id=DQ_ORDER_BARRIER, number_of_threads=self.consumer_threads)
-        if tidx == 0:
-            flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
-            cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     @cute.jit
     def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
@@ -943,18 +804,13 @@ def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: 
 
 def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
-    if reason is not None:
-        raise NotImplementedError(reason)
     return backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config)
 
 
 def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig,
                           tuning: Tuning = DEFAULT_TUNING):
-    """`attention_backward` with the kernel's `Tuning` exposed (tests and benchmarks; these also
-    reach UNVERIFIED_HEAD_DIMS)."""
-    reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype,
-                                unverified=True)
+    """`attention_backward` with the kernel's `Tuning` exposed (tests and benchmarks)."""
+    reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
     if reason is not None:
         raise NotImplementedError(reason)
     batch, q_len, q_heads, head_dim = query.shape
