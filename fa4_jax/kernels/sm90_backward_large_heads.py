@@ -1,0 +1,623 @@
+"""Hopper (sm_90a) attention backward for head dims 192 and 256: dQ, dK, dV in CuTe DSL.
+
+sm90_backward.py keeps dK and dV of 64 keys per consumer warp group in registers: at D = 256 that is
+256 fp32 registers per thread before a single score, more than a thread has. This kernel uses the
+layout FA3 uses for large heads:
+
+- a CTA owns one block of TILE_N = 64 keys of one KV head and walks the query blocks (TILE_M = 64
+  rows) of every query head of its group, as sm90_backward does;
+- the two consumer warp groups split the head dimension, not the keys: group g accumulates
+  dK[:, g D/2 : (g+1) D/2] and the same columns of dV for all 64 keys. Per thread that is
+  2 x 64 x D/2 / 128 = D/2 fp32 registers (128 at D = 256, 96 at D = 192);
+- S = Q K^T and dP = dO V^T (64 rows x 64 keys) are split by keys instead: group g computes the 32 keys
+  [32 g, 32 g + 32) of all 64 rows, 16 fp32 registers each;
+- P and dS therefore leave registers: each group rounds its half into shared memory, a named barrier
+  joins the halves, and both groups read the whole tile as the A operand of dV += P^T dO, dK += dS^T Q
+  and dQ = dS K (N = the group's half of D);
+- dQ (a [64, D/2] fp32 tile per group) is staged in shared memory and added into the fp32 accumulator
+  by TMA bulk reduce-adds that a writer warp of the producer warp group issues (deterministic: in key
+  block order, waited for by the writer alone);
+- dK and dV leave through shared memory (over K and V) and TMA stores.
+
+Registers (consumers get 240 with setmaxnreg): dK + dV D/2, dQ D/4 (64 at D = 256) but only after S
+and dP (32) are dead, row statistics 4. Shared memory (227 KiB): K, V 64 x D x 2 bytes each; Q and
+dO `stages` x 64 x D x 2 each; P and dS two 64 x 64 buffers each (the second lets one group write
+block i + 1 while the other still reads block i); the dQ staging 64 x D x 4. At D = 256 that is
+64 + 64 + 32 + 64 KiB with one Q / dO stage, at D = 192 48 + 96 + 32 + 48 KiB with two: 224 KiB
+each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the struct.)
+
+Preprocess (dPsum, the LSE in the exp2 domain) and postprocess (dQ scale and cast, the sinks
+gradient) are sm90_backward's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.jax as cutlass_jax
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import compile_cache, masking, sm90_backward
+from fa4_jax.kernels.sm90_backward import (K_MAJOR, LOG2_E, MN_MAJOR, WARP_GROUP, gemm,
+                                           k_major_layout, swizzle_columns, transpose_view)
+from fa4_jax.kernels.sm90_forward import _accumulator_mn
+
+SUPPORTED_HEAD_DIMS = (192, 256)
+TILE_M = sm90_backward.TILE_M   # query rows per block (the preprocess pads the row statistics to it)
+TILE_N = 64                     # keys per CTA
+KERNEL_VERSION = 1              # bump when the generated code changes (part of the compile key)
+SHARED_MEMORY_BYTES = sm90_backward.SHARED_MEMORY_BYTES
+PDS_READY_BARRIER = 1           # both groups' halves of P and dS are in shared memory
+PDS_BUFFERS = 2
+
+
+def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
+                       dtype) -> Optional[str]:
+    """Why this kernel cannot take the call, or None when it can."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"sm90 large-head backward takes bfloat16 or float16, got {dtype}"
+    head_dim = query_shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"sm90 large-head backward supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+    if value_shape[-1] != head_dim:
+        return (f"sm90 large-head backward needs value head dim == query head dim "
+                f"({value_shape[-1]} != {head_dim})")
+    if query_shape[2] % key_shape[2] != 0:
+        return f"query heads {query_shape[2]} not a multiple of key heads {key_shape[2]}"
+    if query_shape[1] == 0 or key_shape[1] == 0:
+        return "sm90 large-head backward needs at least one query row and one key"
+    if config.has_q_start:
+        return "sm90 large-head backward does not yet take a sequence-sharded query (q_start)"
+    return None
+
+
+def query_stages(head_dim: int) -> int:
+    """Depth of the Q / dO ring: what is left of shared memory after K, V, P, dS and the dQ staging
+    (two stages at D = 192, one at D = 256)."""
+    return 2 if head_dim <= 192 else 1
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+class Sm90LargeHeadBackwardKernel:
+    """Static configuration of one backward kernel; `__call__` is the host-side launcher."""
+
+    def __init__(self, dtype_name, head_dim, group, scale, causal, window_left, window_right,
+                 softcap, has_segment_ids, has_q_seq_lengths, has_kv_seq_lengths, q_total,
+                 deterministic):
+        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+        self.head_dim = head_dim
+        self.half_dim = head_dim // 2
+        self.group = group
+        self.scale = scale
+        self.softcap = softcap
+        self.has_segment_ids = has_segment_ids
+        self.has_q_seq_lengths = has_q_seq_lengths
+        self.has_kv_seq_lengths = has_kv_seq_lengths
+        self.q_total = q_total
+        self.deterministic = deterministic
+        # Key block n starts its walk n query blocks in, so the CTAs running together add into
+        # different dQ tiles; deterministic mode needs the plain order (the turns would wait).
+        self.stagger = not deterministic
+        self.tile_m = TILE_M
+        self.tile_n = TILE_N
+        self.stages = query_stages(head_dim)
+        if self.shared_memory_bytes() > SHARED_MEMORY_BYTES:
+            raise ValueError(f"head dim {head_dim} needs {self.shared_memory_bytes()} bytes of shared "
+                             f"memory; sm_90 has {SHARED_MEMORY_BYTES}")
+        self.num_threads = WARP_GROUP * 3
+        self.consumer_threads = WARP_GROUP * 2
+        self.producer_registers = 24
+        self.consumer_registers = 240
+        self.mask = masking.MaskShape(causal=causal, window_left=window_left,
+                                      window_right=window_right, has_q_lengths=has_q_seq_lengths,
+                                      has_segments=has_segment_ids)
+        self.scale_log2 = scale * LOG2_E
+
+    def shared_memory_bytes(self):
+        """What `SharedStorage` takes, member by member with its alignment (mbarriers first)."""
+        element = self.dtype.width // 8
+        q_ring = self.stages * self.tile_m * self.head_dim * element
+        key_tile = self.tile_n * self.head_dim * element
+        pds = PDS_BUFFERS * self.tile_m * self.tile_n * element
+        members = [q_ring, q_ring, key_tile, key_tile, pds, pds, self.tile_m * self.head_dim * 4]
+        offset = 8 * (2 * self.stages + 2 + 2)
+        for size in members:
+            offset = _ceil_div(offset, 1024) * 1024 + size
+        return _ceil_div(offset, 1024) * 1024
+
+    # Shared with the 64 / 96 / 128 kernel: they only read the attributes set above.
+    _softcap_slope = sm90_backward.Sm90BackwardKernel._softcap_slope
+    _store_dkv_tma = sm90_backward.Sm90BackwardKernel._store_dkv_tma
+
+    # -------------------------------------------------------------------------------- host side
+    def _tiled_mmas(self):
+        # S = Q K^T, dP = dO V^T: M = 64 query rows, N = keys, 32 per warp group.
+        mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 2, 1),
+            (self.tile_m, self.tile_n // 2))
+        # dV += P^T dO, dK += dS^T Q: A = P^T / dS^T (keys contiguous), B = dO / Q read as
+        # [D, rows] (D contiguous); each warp group N = its half of D.
+        mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1),
+            (self.tile_n, self.half_dim))
+        # dQ = dS K: A = dS (keys contiguous = K-major), B = K read as [D, keys].
+        mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 2, 1),
+            (self.tile_m, self.half_dim))
+        return mma_sdp, mma_dkv, mma_dq
+
+    def _smem_layouts(self):
+        d = self.head_dim
+        # Q, dO and K are also read MN-major with N = D / 2 per warp group, and dK / dV are written
+        # over K / V by halves of D: the swizzle atom must tile that half (64 columns at D = 256,
+        # 32 at D = 192).
+        half_atom = swizzle_columns(self.half_dim, 64)
+        q_layout = k_major_layout(self.dtype, self.tile_m, d, self.stages, half_atom)
+        k_layout = k_major_layout(self.dtype, self.tile_n, d, None, half_atom)
+        v_layout = k_major_layout(self.dtype, self.tile_n, d, None, half_atom)
+        # P and dS as [rows, keys], keys contiguous: what the S accumulator writes pairwise, the
+        # K-major A of dQ and (transposed) the MN-major A of dV / dK.
+        pds_layout = k_major_layout(self.dtype, self.tile_m, self.tile_n, PDS_BUFFERS,
+                                    swizzle_columns(self.tile_n, 64))
+        # dQ staging: (rows, D/2, warp group), fp32, 128-byte swizzle.
+        dq_layout = k_major_layout(Float32, self.tile_m, self.half_dim, 2,
+                                   swizzle_columns(self.half_dim, 32))
+        return q_layout, k_layout, v_layout, pds_layout, dq_layout
+
+    @cute.jit
+    def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
+                 mdQacc, mSem, mdK, mdV):
+        # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
+        qkv_order = [1, 3, 2, 0]
+        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=qkv_order))
+            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+        # Row statistics [B, H, S_pad] -> (S_pad, H, B).
+        mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                        for t in (mLSE, mdPsum)]
+
+        mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
+        q_layout, k_layout, v_layout, pds_layout, dq_layout = self._smem_layouts()
+        q_stage_layout = cute.select(q_layout, mode=[0, 1])
+        tile_q = (self.tile_m, self.head_dim)
+        tile_k = (self.tile_n, self.head_dim)
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, q_stage_layout, tile_q)
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load, mdO, q_stage_layout, tile_q)
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, k_layout, tile_k)
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, v_layout, tile_k)
+        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
+            (self.tile_m, self.half_dim))
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, k_layout, tile_k)
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, v_layout, tile_k)
+        self.query_block_bytes = 2 * cute.size_in_bytes(self.dtype, q_stage_layout)
+        self.key_block_bytes = (cute.size_in_bytes(self.dtype, k_layout)
+                                + cute.size_in_bytes(self.dtype, v_layout))
+
+        align = 1024
+
+        @cute.struct
+        class SharedStorage:
+            query_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            key_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            dq_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], align]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], align]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(pds_layout)], align]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(pds_layout)], align]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], align]
+
+        self.shared_storage = SharedStorage
+        assert SharedStorage.size_in_bytes() == self.shared_memory_bytes(), (
+            SharedStorage.size_in_bytes(), self.shared_memory_bytes())
+        num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
+        grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
+        self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
+                    tma_v, tma_mV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mdPsum,
+                    mQSeg, mKVSeg, mQLen, mKVLen, mSem, mQ.shape[0], q_layout, k_layout, v_layout,
+                    pds_layout, dq_layout).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
+               tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
+               mSem, q_len_static, q_layout, k_layout, v_layout, pds_layout, dq_layout):
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv_head, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group = cute.arch.make_warp_uniform(tidx // WARP_GROUP)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        sP = storage.sP.get_tensor(pds_layout.outer, swizzle=pds_layout.inner)
+        sdS = storage.sdS.get_tensor(pds_layout.outer, swizzle=pds_layout.inner)
+        sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
+
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
+        query_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.query_barriers.data_ptr(), num_stages=self.stages,
+            producer_group=producer, consumer_group=consumers,
+            tx_count=self.query_block_bytes, defer_sync=True)
+        key_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.key_barriers.data_ptr(), num_stages=1,
+            producer_group=producer, consumer_group=consumers,
+            tx_count=self.key_block_bytes, defer_sync=True)
+        # One dQ staging buffer (no room for two): the consumers fill it, the writer warp empties it.
+        dq_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.dq_barriers.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # Geometry as in sm90_backward: global row i sits at key position i + offset.
+        kv_len = cute.size(mK, mode=[0])
+        if const_expr(self.has_kv_seq_lengths):
+            kv_len = cutlass.min(mKVLen[batch], kv_len)
+        q_len = q_len_static
+        if const_expr(self.has_q_seq_lengths):
+            q_len = cutlass.min(mQLen[batch], q_len_static)
+        aligned_q_len = q_len
+        if const_expr(self.q_total is not None):
+            aligned_q_len = Int32(self.q_total)
+        offset = kv_len - aligned_q_len
+        num_m_blocks = cute.ceil_div(q_len_static, self.tile_m)
+        m_lo, m_hi = masking.query_block_range(self.mask, n_block, self.tile_m, self.tile_n, kv_len,
+                                               offset, num_m_blocks)
+        m_count = m_hi - m_lo
+        iterations = m_count * self.group
+
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.producer_registers)
+            if warp_idx == 0:
+                self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
+                              query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
+                              iterations)
+            if warp_idx == 1:
+                self._write_dq(dq_pipe, sdQ, tma_dq, mdQ, mSem, n_block, kv_head, batch, m_lo,
+                               m_count, iterations, kv_len, offset)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_registers)
+            self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
+                          key_pipe, dq_pipe, mLSE, mdPsum, mQSeg, mKVSeg,
+                          (tma_dk, mdK, tma_dv, mdV), tidx - WARP_GROUP, n_block, kv_head, batch,
+                          m_lo, m_count, iterations, offset, kv_len, q_len)
+
+    @cute.jit
+    def _query_block(self, it, kv_head, n_block, m_lo, m_count):
+        """(query head, query block) of iteration `it`: the group's heads in turn, each over the
+        query blocks this key block sees (staggered by n_block unless deterministic)."""
+        step = it % m_count
+        if const_expr(self.stagger):
+            step = (step + n_block) % m_count
+        return kv_head * self.group + it // m_count, m_lo + step
+
+    @cute.jit
+    def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, query_pipe,
+                 key_pipe, n_block, kv_head, batch, m_lo, m_count, iterations):
+        """Warp 0: K and V once, then Q and dO of every query block into the ring."""
+        tile_q = (self.tile_m, self.head_dim)
+        tile_k = (self.tile_n, self.head_dim)
+        gK = cute.local_tile(mK[None, None, kv_head, batch], tile_k, (n_block, 0))
+        gV = cute.local_tile(mV[None, None, kv_head, batch], tile_k, (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        key_pipe.producer_acquire(key_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
+
+        query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for it in cutlass.range(iterations, unroll=1):
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+            gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
+            gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1),
+                                                 cute.group_modes(sdO, 0, 2),
+                                                 cute.group_modes(gdO, 0, 2))
+            query_pipe.producer_acquire(query_state)
+            barrier = query_pipe.producer_get_barrier(query_state)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, query_state.index],
+                      tma_bar_ptr=barrier)
+            cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, query_state.index],
+                      tma_bar_ptr=barrier)
+            query_state.advance()
+
+    @cute.jit
+    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
+                 key_pipe, dq_pipe, mLSE, mdPsum, mQSeg, mKVSeg, dkv_store, tidx, n_block, kv_head,
+                 batch, m_lo, m_count, iterations, offset, kv_len, q_len):
+        thr_sdp = mma_sdp.get_slice(tidx)
+        thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+
+        # Operand fragments: shared-memory descriptors (the stage / buffer is the last mode).
+        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
+        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
+        tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
+        tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
+        tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sP)))
+        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdO)))
+        tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sdS)))
+        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sQ)))
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
+        tPsP = thr_sdp.partition_C(sP)          # where this thread's P and dS values go
+        tdSsdS = thr_sdp.partition_C(sdS)
+
+        tile_kd = (self.tile_n, self.head_dim)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_kd), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_kd), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        # (row, key) coordinates of this thread's S elements, viewed (rows, keys) for the masks.
+        coords = _accumulator_mn(thr_sdp.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        rows = cute.size(coords, mode=[0])
+        key_base = n_block * self.tile_n
+        logit_scale = self.scale_log2          # with softcap the scale is already applied
+        if const_expr(self.softcap is not None):
+            logit_scale = LOG2_E
+
+        key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        key_pipe.consumer_wait(key_state)
+        query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pds_ready = pipeline.NamedBarrier(barrier_id=PDS_READY_BARRIER,
+                                          num_threads=self.consumer_threads)
+        for it in cutlass.range(iterations, unroll=1):
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+            row_base = m_block * self.tile_m
+            stage = query_state.index
+            buffer = it % PDS_BUFFERS
+            query_pipe.consumer_wait(query_state)
+
+            shape_s = thr_sdp.partition_shape_C((self.tile_m, self.tile_n))
+            acc_s = cute.make_rmem_tensor(shape_s, Float32)
+            acc_dp = cute.make_rmem_tensor(shape_s, Float32)
+            warpgroup.fence()
+            gemm(mma_sdp, acc_s, tSrQ[None, None, None, stage], tSrK, True)
+            warpgroup.commit_group()
+            gemm(mma_sdp, acc_dp, tdPrdO[None, None, None, stage], tdPrV, True)
+            warpgroup.commit_group()
+
+            # This thread's two rows' statistics, loaded while the GEMMs run.
+            lse = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+            dpsum = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+            for r in cutlass.range_constexpr(rows):
+                lse[r] = mLSE[row_base + coords[r, 0][0], q_head, batch]
+                dpsum[r] = mdPsum[row_base + coords[r, 0][0], q_head, batch]
+
+            warpgroup.wait_group(1)
+            if const_expr(self.softcap is not None):
+                masking.apply_softcap(acc_s, self.softcap, self.scale)
+            scores = _accumulator_mn(acc_s)
+            if masking.block_is_partial(self.mask, n_block, row_base, self.tile_m, self.tile_n,
+                                        kv_len, q_len, offset):
+                q_segments = None
+                kv_segments = None
+                if const_expr(self.has_segment_ids):
+                    q_segments = mQSeg[batch, None]
+                    kv_segments = mKVSeg[batch, None]
+                masking.apply_mask(scores, coords, self.mask, row_base, key_base, kv_len, q_len,
+                                   offset, row_base, q_segments, kv_segments)
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r],
+                                                  fastmath=True)
+            self._round_into(acc_s, tPsP[None, None, None, buffer])
+
+            warpgroup.wait_group(0)
+            grads = _accumulator_mn(acc_dp)
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    grad = scores[r, c] * (grads[r, c] - dpsum[r])
+                    if const_expr(self.softcap is not None):
+                        grad = grad * self._softcap_slope(scores[r, c], lse[r])
+                    grads[r, c] = grad
+            self._round_into(acc_dp, tdSsdS[None, None, None, buffer])
+
+            # Both groups' halves of P and dS in shared memory before either reads the whole tile.
+            cute.arch.fence_view_async_shared()
+            pds_ready.arrive_and_wait()
+            warpgroup.fence()
+            gemm(mma_dkv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, stage],
+                 False)
+            gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage],
+                 False)
+            warpgroup.commit_group()
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)),
+                                           Float32)
+            gemm(mma_dq, acc_dq, tdQrdS[None, None, None, buffer], tdQrK, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            query_pipe.consumer_release(query_state)
+            query_state.advance()
+
+            # Stage dQ for the writer warp (waits only if it has not read the last block yet).
+            dq_pipe.producer_acquire(dq_state)
+            cute.autovec_copy(acc_dq, thr_dq.partition_C(cute.group_modes(sdQ, 1, 3)))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            dq_pipe.producer_commit(dq_state)
+            dq_state.advance()
+
+        self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
+                            tidx)
+
+    @cute.jit
+    def _round_into(self, accumulator, destination):
+        """Round an fp32 S-shaped accumulator to the input type and store it into shared memory."""
+        rounded = cute.make_rmem_tensor(accumulator.layout, self.dtype)
+        rounded.store(accumulator.load().to(self.dtype))
+        cute.autovec_copy(rounded, destination)
+
+    @cute.jit
+    def _write_dq(self, dq_pipe, sdQ, tma_dq, mdQ, mSem, n_block, kv_head, batch, m_lo, m_count,
+                  iterations, kv_len, offset):
+        """The dQ writer warp: per query block, wait for the staged dQ, add its two halves into the
+        fp32 accumulator with bulk tensor reduces, free the buffer once the copy engine has read it.
+        Deterministic: wait for the tile's turn first, pass it on once the sums are in memory."""
+        lane = cute.arch.lane_idx()
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        for it in cutlass.range(iterations, unroll=1):
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+            gdQ = cute.local_tile(mdQ[None, None, q_head, batch], (self.tile_m, self.half_dim),
+                                  (m_block, None))
+            tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
+                                                   cute.group_modes(sdQ, 0, 2),
+                                                   cute.group_modes(gdQ, 0, 2))
+            dq_pipe.consumer_wait(dq_state)
+            flag = None
+            if const_expr(self.deterministic):
+                first, _ = masking.key_block_range(self.mask, m_block * self.tile_m, self.tile_m,
+                                                   self.tile_n, kv_len, offset)
+                flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
+                if lane == 0:
+                    seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                    while seen != n_block - first:
+                        seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                cute.arch.sync_warp()
+            for half in cutlass.range_constexpr(2):
+                cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)           # added, not just read
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+            dq_pipe.consumer_release(dq_state)
+            dq_state.advance()
+
+
+# ----------------------------------------------------------------------------------------------------
+# JAX side
+# ----------------------------------------------------------------------------------------------------
+
+
+def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int):
+    """The configured kernel object (its `__call__` is the cute.jit launcher)."""
+    return Sm90LargeHeadBackwardKernel(
+        dtype_name, head_dim, group, config.scale, config.causal, config.window_left,
+        config.window_right, config.softcap, config.has_segment_ids, config.has_q_seq_lengths,
+        config.has_kv_seq_lengths, config.q_total, config.deterministic)
+
+
+def _compile_key(config: AttentionConfig, dtype_name, head_dim, group):
+    return ("fa4_jax.sm90_backward_large_heads", KERNEL_VERSION, dtype_name, head_dim, group,
+            config.scale, config.causal, config.window_left, config.window_right, config.softcap,
+            config.has_segment_ids, config.has_q_seq_lengths, config.has_kv_seq_lengths,
+            config.q_total, config.deterministic)
+
+
+def kernel_arguments(query, key, value, d_out, lse_log2, dpsum, optional, dq_accum, semaphores):
+    """The launcher's arguments after the stream, in its order (also what the compile test fakes)."""
+    return (query, key, value, d_out, lse_log2, dpsum, optional.get("q_segment_ids"),
+            optional.get("kv_segment_ids"), optional.get("q_seq_lengths"),
+            optional.get("kv_seq_lengths"), dq_accum, semaphores)
+
+
+def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
+    """Fake tensors in the launcher's order (after the stream, outputs dK, dV last), for compiling
+    without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+    padded = _ceil_div(q_len, TILE_M) * TILE_M
+
+    def fake(dtype, dims):
+        return make_fake_compact_tensor(dtype, dims, stride_order=tuple(range(len(dims)))[::-1],
+                                        assumed_align=16)
+
+    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    optional = {
+        "q_segment_ids": fake(Int32, (batch, q_len)) if config.has_segment_ids else None,
+        "kv_segment_ids": fake(Int32, (batch, kv_len)) if config.has_segment_ids else None,
+        "q_seq_lengths": fake(Int32, (batch,)) if config.has_q_seq_lengths else None,
+        "kv_seq_lengths": fake(Int32, (batch,)) if config.has_kv_seq_lengths else None,
+    }
+    semaphores = (fake(Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic
+                  else None)
+    inputs = kernel_arguments(
+        fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
+        fake(element, query_shape), fake(Float32, (batch, q_heads, padded)),
+        fake(Float32, (batch, q_heads, padded)), optional,
+        fake(Float32, (batch, padded, q_heads, head_dim)), semaphores)
+    return [*inputs, fake(element, key_shape), fake(element, key_shape)]
+
+
+def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
+    """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
+    reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    batch, q_len, q_heads, head_dim = query.shape
+    group = q_heads // key.shape[2]
+    dtype_name = jnp.dtype(query.dtype).name
+    d_out = d_out.astype(query.dtype)
+    dpsum, lse_log2 = sm90_backward._preprocess(out, lse, d_out, d_lse)
+    padded = dpsum.shape[-1]
+    dq_accum = jnp.zeros((batch, padded, q_heads, head_dim), jnp.float32)
+    semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32)
+                  if config.deterministic else None)
+
+    kernel = make_kernel(config, dtype_name, head_dim, group)
+    inputs = kernel_arguments(query, key, value, d_out, lse_log2, dpsum, optional, dq_accum,
+                              semaphores)
+    dq_index = len(inputs) - 2
+    aliases = {dq_index: 0} if semaphores is None else {dq_index: 0, dq_index + 1: 1}
+    outputs = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32)]
+    if semaphores is not None:
+        outputs.append(jax.ShapeDtypeStruct(semaphores.shape, jnp.int32))
+    outputs += [jax.ShapeDtypeStruct(key.shape, query.dtype),
+                jax.ShapeDtypeStruct(value.shape, query.dtype)]
+
+    def launch(stream, *arrays):
+        return kernel(stream, *arrays)
+
+    compile_key = _compile_key(config, dtype_name, head_dim, group)
+    compile_cache.prepare(launch, inputs, tuple(outputs), compile_key, aliases)
+    results = cutlass_jax.cutlass_call(
+        launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
+        compile_key=compile_key)(*inputs)
+    dq_accum, d_key, d_value = results[0], results[-2], results[-1]
+    d_query = (dq_accum[:, :q_len] * config.scale).astype(query.dtype)
+    d_sinks = None
+    if config.has_sinks:
+        d_sinks = sm90_backward._sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
+    return d_query, d_key, d_value, d_sinks

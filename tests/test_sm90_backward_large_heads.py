@@ -1,0 +1,94 @@
+"""The Hopper large-head backward kernel (D = 192, 256) against the float64 NumPy oracle, on an H200
+(skipped without a GPU).
+
+Same harness as tests/test_sm90_backward.py (its Case, problem builder, oracle and NaN poisoning):
+the kernel gets the oracle's out and LSE rounded to the kernel's types, so the forward kernel is not
+involved, and the tolerance is the same 4 roundings of the inputs' type relative to max |expected|.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpy_reference
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import sm90_backward_large_heads
+from test_sm90_backward import ROUNDING, Case, _make_problem, _oracle, _poison_device_memory
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    Case("plain-d256", head_dim=256),
+    Case("plain-d192", head_dim=192),
+    Case("aligned-d256", head_dim=256, q_len=256, kv_len=256),
+    Case("fp16-d256", head_dim=256, dtype=jnp.float16),
+    Case("causal-d256", head_dim=256, causal=True, q_len=300, kv_len=300),
+    Case("causal-cross-d192", head_dim=192, causal=True, q_len=100, kv_len=357),
+    Case("causal-more-queries-d256", head_dim=256, causal=True, q_len=300, kv_len=150),
+    Case("gqa-causal-d256", head_dim=256, q_heads=8, kv_heads=2, causal=True),
+    Case("gqa-d192-fp16", head_dim=192, q_heads=8, kv_heads=2, dtype=jnp.float16),
+    Case("window-d256", head_dim=256, window=(32, 16), q_len=300, kv_len=300),
+    Case("window-causal-left-d192", head_dim=192, window=(70, None), causal=True, q_len=400,
+         kv_len=400),
+    Case("softcap-d256", head_dim=256, softcap=5.0, scale=1.0),
+    Case("sinks-dlse-d256", head_dim=256, sinks=True, d_lse=True),
+    Case("sinks-causal-empty-rows-d192", head_dim=192, sinks=True, causal=True, q_len=300,
+         kv_len=150),
+    Case("segments-d256", head_dim=256, segments=True, q_len=300, kv_len=300),
+    Case("lengths-causal-d256", head_dim=256, q_lengths=True, kv_lengths=True, causal=True),
+    Case("single-row-d256", head_dim=256, q_len=1, kv_len=77),
+    Case("gqa-long-d256", head_dim=256, q_heads=8, kv_heads=2, q_len=700, kv_len=900),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_backward_matches_oracle(case: Case, inputs):
+    query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
+    assert sm90_backward_large_heads.unsupported_reason(
+        config, query.shape, key.shape, value.shape, query.dtype) is None
+    out64, lse64, expected = _oracle(query, key, value, d_out, d_lse, options)
+    out = jnp.asarray(out64, jnp.float32).astype(case.dtype)
+    lse = jnp.asarray(lse64, jnp.float32)
+
+    _poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
+    grads = jax.jit(lambda *a: sm90_backward_large_heads.attention_backward(*a, optional, config))(
+        query, key, value, out, lse, d_out, d_lse)
+
+    tolerance = 4 * ROUNDING[case.dtype]
+    for name, actual in zip(("dq", "dk", "dv", "dsinks"), grads):
+        if expected[name] is None:
+            assert actual is None
+            continue
+        actual = np.asarray(jnp.asarray(actual, jnp.float32))
+        assert not np.any(np.isnan(actual)), f"{case.name} {name}: NaN"
+        numpy_reference.assert_close(actual, expected[name], tolerance, f"{case.name} {name}")
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_is_bitwise_reproducible(causal, head_dim, inputs):
+    """deterministic=True: five runs give identical bits (16 key blocks add into each dQ tile)."""
+    batch, length, heads = 1, 1024, 4
+    query, key, value, d_out = (inputs.normal((batch, length, heads, head_dim), jnp.bfloat16)
+                                for _ in range(4))
+    config = AttentionConfig(scale=head_dim ** -0.5, causal=causal, deterministic=True)
+    as64 = numpy_reference.to_float64
+    out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
+    out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
+
+    def backward(config):
+        return jax.jit(lambda *a: sm90_backward_large_heads.attention_backward(
+            *a, None, {}, config)[:3])
+
+    first = [np.asarray(g.astype(jnp.float32))
+             for g in backward(config)(query, key, value, out, lse, d_out)]
+    for _ in range(4):
+        again = backward(config)(query, key, value, out, lse, d_out)
+        for a, b in zip(first, again):
+            assert np.array_equal(a, np.asarray(b.astype(jnp.float32)))
+    loose = backward(config.replace(deterministic=False))(query, key, value, out, lse, d_out)
+    for a, b in zip(first, loose):
+        np.testing.assert_allclose(a, np.asarray(b.astype(jnp.float32)), atol=2e-2, rtol=2e-2)
