@@ -1,5 +1,5 @@
 """The Hopper large-head backward kernel (D = 192, 256) against the float64 NumPy oracle, on an H200
-(skipped without a GPU).
+(skipped without a GPU); and, on the CPU, the mapping of its dQ accumulator back to rows and columns.
 
 Same harness as tests/test_sm90_backward.py (its Case, problem builder, oracle and NaN poisoning):
 the kernel gets the oracle's out and LSE rounded to the kernel's types, so the forward kernel is not
@@ -17,8 +17,6 @@ import numpy_reference
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import sm90_backward_large_heads
 from test_sm90_backward import ROUNDING, Case, _make_problem, _oracle, _poison_device_memory
-
-pytestmark = pytest.mark.gpu
 
 CASES = [
     Case("plain-d256", head_dim=256),
@@ -44,6 +42,7 @@ CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_backward_matches_oracle(case: Case, inputs):
     query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
@@ -67,6 +66,7 @@ def test_backward_matches_oracle(case: Case, inputs):
         numpy_reference.assert_close(actual, expected[name], tolerance, f"{case.name} {name}")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_is_bitwise_reproducible(causal, head_dim, inputs):
@@ -92,3 +92,28 @@ def test_deterministic_is_bitwise_reproducible(causal, head_dim, inputs):
     loose = backward(config.replace(deterministic=False))(query, key, value, out, lse, d_out)
     for a, b in zip(first, loose):
         np.testing.assert_allclose(a, np.asarray(b.astype(jnp.float32)), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_dq_accumulator_order(head_dim):
+    """Each (warp group, chunk, thread, value) slot of a block lands on the row and column the wgmma
+    accumulator layout gives it: thread t = 32 w + 4 q + r, value 4 j + 2 h + c of group g holds
+    row 16 w + 8 h + q, column g D/2 + 8 j + 2 r + c."""
+    batch, heads, blocks, q_len = 2, 3, 2, 100
+    expected = np.zeros((batch, blocks * 64, heads, head_dim), np.float32)
+    accumulator = np.zeros((batch, heads, blocks, 64 * head_dim), np.float32)
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(accumulator.shape).astype(np.float32)
+    for g in range(2):
+        for j in range(head_dim // 16):
+            for t in range(128):
+                w, q, r = t // 32, (t % 32) // 4, t % 4
+                for h in range(2):
+                    for c in range(2):
+                        flat = ((g * head_dim // 16 + j) * 128 + t) * 4 + 2 * h + c
+                        row, column = 16 * w + 8 * h + q, g * head_dim // 2 + 8 * j + 2 * r + c
+                        for block in range(blocks):
+                            expected[:, block * 64 + row, :, column] = values[:, :, block, flat]
+    accumulator[:] = values
+    actual = sm90_backward_large_heads.dq_from_accumulator(jnp.asarray(accumulator), q_len)
+    np.testing.assert_array_equal(np.asarray(actual), expected[:, :q_len])

@@ -14,9 +14,14 @@ layout FA3 uses for large heads:
 - P and dS therefore leave registers: each group rounds its half into shared memory, a named barrier
   joins the halves, and both groups read the whole tile as the A operand of dV += P^T dO, dK += dS^T Q
   and dQ = dS K (N = the group's half of D);
-- dQ (a [64, D/2] fp32 tile per group) is staged in shared memory and added into the fp32 accumulator
-  by TMA bulk reduce-adds that a writer warp of the producer warp group issues (deterministic: in key
-  block order, waited for by the writer alone);
+- dQ (a [64, D/2] fp32 tile per group) is staged in shared memory in the threads' register order,
+  one 16-byte store per 4 values and one address per thread, and added into the fp32 accumulator by
+  one bulk reduce-add (`cp.reduce.async.bulk`, 64 x D x 4 contiguous bytes) that a writer warp of the
+  producer warp group issues (deterministic: in key block order, waited for by the writer alone).
+  The accumulator is therefore kept in that order, [B, Hq, query block, 64 x D], and the
+  postprocess (`dq_from_accumulator`) puts rows and columns back while it scales and casts. A
+  swizzled [64, D/2] staging tile for a TMA tensor reduce would need 16 swizzled addresses per
+  thread held across the loop: 96 bytes of spills at D = 256 with segment ids;
 - dK and dV leave through shared memory (over K and V) and TMA stores.
 
 Registers (consumers get 240 with setmaxnreg): dK + dV D/2, dQ D/4 (64 at D = 256) but only after S
@@ -44,6 +49,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
@@ -55,7 +61,7 @@ from fa4_jax.kernels.sm90_forward import _accumulator_mn
 SUPPORTED_HEAD_DIMS = (192, 256)
 TILE_M = sm90_backward.TILE_M   # query rows per block (the preprocess pads the row statistics to it)
 TILE_N = 64                     # keys per CTA
-KERNEL_VERSION = 1              # bump when the generated code changes (part of the compile key)
+KERNEL_VERSION = 2              # bump when the generated code changes (part of the compile key)
 SHARED_MEMORY_BYTES = sm90_backward.SHARED_MEMORY_BYTES
 PDS_READY_BARRIER = 1           # both groups' halves of P and dS are in shared memory
 PDS_BUFFERS = 2
@@ -173,25 +179,23 @@ class Sm90LargeHeadBackwardKernel:
         # K-major A of dQ and (transposed) the MN-major A of dV / dK.
         pds_layout = k_major_layout(self.dtype, self.tile_m, self.tile_n, PDS_BUFFERS,
                                     swizzle_columns(self.tile_n, 64))
-        # dQ staging: (rows, D/2, warp group), fp32, 128-byte swizzle.
-        dq_layout = k_major_layout(Float32, self.tile_m, self.half_dim, 2,
-                                   swizzle_columns(self.half_dim, 32))
-        return q_layout, k_layout, v_layout, pds_layout, dq_layout
+        return q_layout, k_layout, v_layout, pds_layout
 
     @cute.jit
     def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
                  mdQacc, mSem, mdK, mdV):
         # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
+        # mdQacc stays [B, Hq, query block, 64 x D] (see `dq_from_accumulator`).
         qkv_order = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
+        mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=qkv_order))
-            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+            for t in (mQ, mK, mV, mdO, mdK, mdV)]
         # Row statistics [B, H, S_pad] -> (S_pad, H, B).
         mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                         for t in (mLSE, mdPsum)]
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
-        q_layout, k_layout, v_layout, pds_layout, dq_layout = self._smem_layouts()
+        q_layout, k_layout, v_layout, pds_layout = self._smem_layouts()
         q_stage_layout = cute.select(q_layout, mode=[0, 1])
         tile_q = (self.tile_m, self.head_dim)
         tile_k = (self.tile_n, self.head_dim)
@@ -201,9 +205,6 @@ class Sm90LargeHeadBackwardKernel:
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load, mdO, q_stage_layout, tile_q)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, k_layout, tile_k)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, v_layout, tile_k)
-        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
-            (self.tile_m, self.half_dim))
         store = cpasync.CopyBulkTensorTileS2GOp()
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, k_layout, tile_k)
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, v_layout, tile_k)
@@ -224,7 +225,8 @@ class Sm90LargeHeadBackwardKernel:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], align]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(pds_layout)], align]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(pds_layout)], align]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], align]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim],
+                                   align]
 
         self.shared_storage = SharedStorage
         assert SharedStorage.size_in_bytes() == self.shared_memory_bytes(), (
@@ -232,16 +234,16 @@ class Sm90LargeHeadBackwardKernel:
         num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
-                    tma_v, tma_mV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mdPsum,
+                    tma_v, tma_mV, mdQacc, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mdPsum,
                     mQSeg, mKVSeg, mQLen, mKVLen, mSem, mQ.shape[0], q_layout, k_layout, v_layout,
-                    pds_layout, dq_layout).launch(
+                    pds_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
-               tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
-               mSem, q_len_static, q_layout, k_layout, v_layout, pds_layout, dq_layout):
+               mdQacc, tma_dk, mdK, tma_dv, mdV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
+               mSem, q_len_static, q_layout, k_layout, v_layout, pds_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -254,7 +256,7 @@ class Sm90LargeHeadBackwardKernel:
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sP = storage.sP.get_tensor(pds_layout.outer, swizzle=pds_layout.inner)
         sdS = storage.sdS.get_tensor(pds_layout.outer, swizzle=pds_layout.inner)
-        sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
@@ -299,8 +301,8 @@ class Sm90LargeHeadBackwardKernel:
                               query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
                               iterations)
             if warp_idx == 1:
-                self._write_dq(dq_pipe, sdQ, tma_dq, mdQ, mSem, n_block, kv_head, batch, m_lo,
-                               m_count, iterations, kv_len, offset)
+                self._write_dq(dq_pipe, sdQ, mdQacc, mSem, n_block, kv_head, batch, m_lo, m_count,
+                               iterations, kv_len, offset)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
@@ -374,6 +376,12 @@ class Sm90LargeHeadBackwardKernel:
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
         tPsP = thr_sdp.partition_C(sP)          # where this thread's P and dS values go
         tdSsdS = thr_sdp.partition_C(sdS)
+        # This thread's dQ values in shared memory: 4 at a time (16 bytes), the 128 threads of a
+        # group side by side, so a warp's stores fill whole 512-byte lines.
+        dq_chunks = self.head_dim // 16         # 64 x D/2 values / 128 threads / 4 per chunk
+        tdQsdQ = cute.make_tensor(
+            sdQ.iterator + ((tidx // WARP_GROUP) * dq_chunks * WARP_GROUP + tidx % WARP_GROUP) * 4,
+            cute.make_layout((4, dq_chunks), stride=(1, 4 * WARP_GROUP)))
 
         tile_kd = (self.tile_n, self.head_dim)
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_kd), Float32)
@@ -458,7 +466,8 @@ class Sm90LargeHeadBackwardKernel:
                  False)
             warpgroup.commit_group()
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)),
-                                           Float32)
+                                           Float32)   # ((2 columns, 2 row halves, D/16), 1, 1)
+            assert cute.size(acc_dq) == 4 * dq_chunks
             gemm(mma_dq, acc_dq, tdQrdS[None, None, None, buffer], tdQrK, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -467,7 +476,8 @@ class Sm90LargeHeadBackwardKernel:
 
             # Stage dQ for the writer warp (waits only if it has not read the last block yet).
             dq_pipe.producer_acquire(dq_state)
-            cute.autovec_copy(acc_dq, thr_dq.partition_C(cute.group_modes(sdQ, 1, 3)))
+            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, dq_chunks))),
+                              tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
             dq_pipe.producer_commit(dq_state)
             dq_state.advance()
@@ -483,20 +493,17 @@ class Sm90LargeHeadBackwardKernel:
         cute.autovec_copy(rounded, destination)
 
     @cute.jit
-    def _write_dq(self, dq_pipe, sdQ, tma_dq, mdQ, mSem, n_block, kv_head, batch, m_lo, m_count,
+    def _write_dq(self, dq_pipe, sdQ, mdQacc, mSem, n_block, kv_head, batch, m_lo, m_count,
                   iterations, kv_len, offset):
-        """The dQ writer warp: per query block, wait for the staged dQ, add its two halves into the
-        fp32 accumulator with bulk tensor reduces, free the buffer once the copy engine has read it.
+        """The dQ writer warp: per query block, wait for the staged dQ, add it into the fp32
+        accumulator with one bulk reduce, free the buffer once the copy engine has read it.
         Deterministic: wait for the tile's turn first, pass it on once the sums are in memory."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        tile_bytes = self.tile_m * self.head_dim * 4
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
-            gdQ = cute.local_tile(mdQ[None, None, q_head, batch], (self.tile_m, self.half_dim),
-                                  (m_block, None))
-            tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
-                                                   cute.group_modes(sdQ, 0, 2),
-                                                   cute.group_modes(gdQ, 0, 2))
+            destination = mdQacc.iterator + cute.crd2idx((batch, q_head, m_block, 0), mdQacc.layout)
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
@@ -508,8 +515,10 @@ class Sm90LargeHeadBackwardKernel:
                     while seen != n_block - first:
                         seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
-            for half in cutlass.range_constexpr(2):
-                cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
+            if lane == 0:
+                primitives.cp_reduce_async_bulk_global_shared_cta(
+                    destination, sdQ.iterator, tile_bytes, op=primitives.CpReduceOp.ADD,
+                    type=primitives.CpReduceType.F32)
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0)           # added, not just read
@@ -577,8 +586,23 @@ def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
         fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
         fake(element, query_shape), fake(Float32, (batch, q_heads, padded)),
         fake(Float32, (batch, q_heads, padded)), optional,
-        fake(Float32, (batch, padded, q_heads, head_dim)), semaphores)
+        fake(Float32, (batch, q_heads, padded // TILE_M, TILE_M * head_dim)), semaphores)
     return [*inputs, fake(element, key_shape), fake(element, key_shape)]
+
+
+def dq_from_accumulator(dq_accum, q_len: int):
+    """The kernel's fp32 dQ accumulator [B, Hq, query block, 64 x D] as [B, q_len, Hq, D].
+
+    Within a block the kernel stores, for consumer warp group g (columns g D/2 ...), 4-value chunk j
+    and thread t = 32 w + 4 q + r of the group, the 4 values (row half h, column c) of the wgmma
+    accumulator: flat index ((g D/16 + j) 128 + t) 4 + 2 h + c. That element is row 16 w + 8 h + q,
+    column g D/2 + 8 j + 2 r + c of the block (the PTX ISA's wgmma D fragment layout)."""
+    batch, heads, blocks, _ = dq_accum.shape
+    head_dim = dq_accum.shape[-1] // TILE_M
+    fragments = dq_accum.reshape(batch, heads, blocks, 2, head_dim // 16, 4, 8, 4, 2, 2)
+    #             axes:          0      1      2       g  j              w  q  r  h  c
+    rows_columns = fragments.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
+    return rows_columns.reshape(batch, blocks * TILE_M, heads, head_dim)[:, :q_len]
 
 
 def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
@@ -592,7 +616,7 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
     d_out = d_out.astype(query.dtype)
     dpsum, lse_log2 = sm90_backward._preprocess(out, lse, d_out, d_lse)
     padded = dpsum.shape[-1]
-    dq_accum = jnp.zeros((batch, padded, q_heads, head_dim), jnp.float32)
+    dq_accum = jnp.zeros((batch, q_heads, padded // TILE_M, TILE_M * head_dim), jnp.float32)
     semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32)
                   if config.deterministic else None)
 
@@ -616,7 +640,7 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
         launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
         compile_key=compile_key)(*inputs)
     dq_accum, d_key, d_value = results[0], results[-2], results[-1]
-    d_query = (dq_accum[:, :q_len] * config.scale).astype(query.dtype)
+    d_query = (dq_from_accumulator(dq_accum, q_len) * config.scale).astype(query.dtype)
     d_sinks = None
     if config.has_sinks:
         d_sinks = sm90_backward._sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
