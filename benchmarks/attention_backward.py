@@ -46,17 +46,22 @@ import attention  # noqa: E402  (the shared benchmark driver: shapes, FLOPs, CUP
 
 
 def _variants():
-    """name -> (Tuning, deterministic)."""
+    """name -> (Tuning, deterministic). `default` and `deterministic` are what fa4_jax runs; the others
+    are the experiments of docs/sm90_backward_tuning.md ("Deterministic mode")."""
     from fa4_jax.kernels import sm90_backward as bwd
 
     return {
         "default": (bwd.DEFAULT_TUNING, False),
         "deterministic": (bwd.DEFAULT_TUNING, True),
+        "deterministic_candidate": (bwd.CANDIDATE_TUNING, True),
+        "no_stagger": (dataclasses.replace(bwd.DEFAULT_TUNING, stagger=False), False),
     }
 
 
-# The GPU test tuning (tests/test_sm90_backward.py) each variant's code path is checked by.
-TESTED_BY = {"default": "default", "deterministic": "default"}
+# The GPU test tuning (tests/test_sm90_backward.py) each variant's code path is checked by (without
+# the stagger the walk is the one deterministic mode takes).
+TESTED_BY = {"default": "default", "deterministic": "default", "deterministic_candidate": "candidate",
+             "no_stagger": "default"}
 
 
 def variants_passing(test_log: str):

@@ -57,3 +57,22 @@ def test_block_ranges_cover_every_visible_pair(shape):
         block = visible[:, n_block * tile_n:(n_block + 1) * tile_n]
         touched = np.nonzero(block.any(axis=1))[0] // tile_m
         assert all(first <= m < end for m in touched), (n_block, first, end, set(touched))
+
+
+@pytest.mark.parametrize("shape", [masking.MaskShape(causal=True),
+                                   masking.MaskShape(causal=True, window_left=100),
+                                   masking.MaskShape(causal=True, window_right=-3)], ids=repr)
+def test_causal_arrival_order_is_diagonal_first(shape):
+    """Under causal masking a key block's walk starts no earlier than the previous block's, so key
+    block n + 1 reaches every query block no later than key block n (its step there, m - first, is
+    smaller): the turn order of `Tuning.deterministic_diagonal_first` (highest key block first) is the
+    order in which the CTAs, all walking from their first block, arrive."""
+    tile_m, tile_n, num_m_blocks = 64, 128, 20
+    for kv_len, row_offset in itertools.product((130, 700, 1000), (0, 300, -200, 37)):
+        num_n_blocks = -(-kv_len // tile_n)
+        ranges = [masking.query_block_range(shape, n, tile_m, tile_n, kv_len, row_offset, num_m_blocks)
+                  for n in range(num_n_blocks)]
+        for m_block in range(num_m_blocks):
+            visitors = [n for n, (first, end) in enumerate(ranges) if first <= m_block < end]
+            steps = [m_block - ranges[n][0] for n in visitors]
+            assert steps == sorted(steps, reverse=True), (kv_len, row_offset, m_block, visitors, steps)

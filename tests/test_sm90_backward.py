@@ -75,7 +75,13 @@ CASES = [
     Case("gqa-long", q_heads=8, kv_heads=2, q_len=700, kv_len=900),
 ]
 
-TUNINGS = {"default": sm90_backward.DEFAULT_TUNING}
+# The candidate differs from the default only in deterministic mode (the dQ turn order), so it runs
+# only in the deterministic tests: every case whose key blocks start at different query blocks
+# (causal, windows, Sq != Sk, GQA, lengths), where a wrong turn would hang or race.
+TUNINGS = {"default": sm90_backward.DEFAULT_TUNING, "candidate": sm90_backward.CANDIDATE_TUNING}
+DETERMINISTIC_CASES = ["plain-d64", "causal-d128", "causal-cross", "causal-more-queries", "window",
+                       "window-causal-left", "gqa", "segments", "lengths-causal", "causal-gqa-d96",
+                       "gqa-long"]
 
 
 def _poison_device_memory(nbytes: int):
@@ -127,14 +133,21 @@ def _oracle(query, key, value, d_out, d_lse, options):
     return out, lse, grads
 
 
-@pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_backward_matches_oracle(case: Case, tuning, inputs):
-    _check_against_oracle(case, TUNINGS[tuning], inputs)
+def test_backward_matches_oracle(case: Case, inputs):
+    _check_against_oracle(case, sm90_backward.DEFAULT_TUNING, inputs)
 
 
-def _check_against_oracle(case: Case, tuning, inputs):
+@pytest.mark.parametrize("tuning", sorted(TUNINGS))
+@pytest.mark.parametrize("case", [case for case in CASES if case.name in DETERMINISTIC_CASES],
+                         ids=lambda case: case.name)
+def test_deterministic_matches_oracle(case: Case, tuning, inputs):
+    _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=True)
+
+
+def _check_against_oracle(case: Case, tuning, inputs, deterministic=False):
     query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
+    config = config.replace(deterministic=deterministic)
     out64, lse64, expected = _oracle(query, key, value, d_out, d_lse, options)
     out = jnp.asarray(out64, jnp.float32).astype(case.dtype)
     lse = jnp.asarray(lse64, jnp.float32)
@@ -151,6 +164,23 @@ def _check_against_oracle(case: Case, tuning, inputs):
         actual = np.asarray(jnp.asarray(actual, jnp.float32))
         assert not np.any(np.isnan(actual)), f"{case.name} {name}: NaN"
         numpy_reference.assert_close(actual, expected[name], tolerance, f"{case.name} {name}")
+
+
+# Small shapes for compute-sanitizer (racecheck on shared memory, memcheck with one allocation per
+# buffer): select with `-k sanitizer_shapes`, docs/sm90_backward_tuning.md has the commands.
+SANITIZER_MODES = {"default": (sm90_backward.DEFAULT_TUNING, False),
+                   "deterministic": (sm90_backward.DEFAULT_TUNING, True),
+                   "deterministic-candidate": (sm90_backward.CANDIDATE_TUNING, True)}
+
+
+@pytest.mark.parametrize("mode", sorted(SANITIZER_MODES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sanitizer_shapes(head_dim, causal, mode, inputs):
+    tuning, deterministic = SANITIZER_MODES[mode]
+    case = Case(f"sanitizer-d{head_dim}", head_dim=head_dim, batch=1, q_heads=2, kv_heads=2,
+                q_len=200, kv_len=200, causal=causal)
+    _check_against_oracle(case, tuning, inputs, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("tuning", sorted(TUNINGS))

@@ -22,8 +22,9 @@ dK, dV and half of the head dimension for dQ.
 fastest (docs/sm90_backward_tuning.md has the measurements and the predictions behind them).
 
 deterministic=True orders the dQ additions: a per (batch, query head, query block) counter in global
-memory lets key block n add only after every earlier key block that touches the same query block has
-added, so the fp32 sums happen in one fixed order and the result is bitwise reproducible.
+memory lets key block n add only after every key block before it in the tile's turn order (lowest
+first, or with `Tuning.deterministic_diagonal_first` highest first) has added, so the fp32 sums
+happen in one fixed order and the result is bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -75,14 +76,24 @@ class Tuning:
       they are used, instead of 32 scattered global loads per thread per block held in registers.
     tma_dkv_store: at the end, dK and dV go through shared memory (over K and V, no longer read) and
       two TMA bulk stores, instead of 128 two-byte global stores per thread.
+    deterministic_diagonal_first (deterministic only): each dQ tile takes its key blocks' additions
+      from the highest key block down, and the key blocks of a head launch highest first. Under a
+      causal mask key block n starts at query block ~2n, so key block n + 1 reaches every tile two
+      steps before key block n does: the turn order becomes the arrival order and nobody waits
+      (lowest first, key block n waits ~2n steps at its first tile for key block 0 to get there).
+      Launch order matching the turn order keeps it deadlock-free: a CTA only waits for CTAs that
+      were launched before it.
     """
     early_dv: bool = True
     stagger: bool = True
     staged_row_stats: bool = True
     tma_dkv_store: bool = True
+    deterministic_diagonal_first: bool = False
 
 
 DEFAULT_TUNING = Tuning()
+# What the next measurement is expected to promote (docs/sm90_backward_tuning.md, "Deterministic mode").
+CANDIDATE_TUNING = Tuning(deterministic_diagonal_first=True)
 
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
@@ -215,6 +226,7 @@ class Sm90BackwardKernel:
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.stagger = tuning.stagger and not (deterministic or register_bound)
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
+        self.diagonal_first = tuning.deterministic_diagonal_first and deterministic
         self.tile_m = TILE_M
         self.tile_n = TILE_N
         self.stages = QUERY_STAGES
@@ -341,7 +353,8 @@ class Sm90BackwardKernel:
         num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
-                    tma_v, tma_mV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mSem, mdK, mdV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mQ.shape[0],
+                    tma_v, tma_mV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mSem, mdK,
+                    mdV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mQ.shape[0],
                     q_layout, k_layout, v_layout, ds_layout, dq_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -353,6 +366,8 @@ class Sm90BackwardKernel:
                v_layout, ds_layout, dq_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
+        if const_expr(self.diagonal_first):
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block      # launched in dQ turn order
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group = cute.arch.make_warp_uniform(tidx // WARP_GROUP)
 
@@ -423,7 +438,8 @@ class Sm90BackwardKernel:
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
-                          dq_pipe, query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdK, mdV, (tma_dk, tma_mdK, tma_dv, tma_mdV),
+                          dq_pipe, query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdK, mdV,
+                          (tma_dk, tma_mdK, tma_dv, tma_mdV),
                           tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count, iterations,
                           offset, kv_len, q_len, q_start)
 
@@ -686,12 +702,16 @@ class Sm90BackwardKernel:
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
-                first, _ = masking.key_block_range(self.mask, q_start + m_block * self.tile_m,
-                                                   self.tile_m, self.tile_n, kv_len, offset)
+                # The tile's visitors: exactly key blocks [first, end) (test_backward_block_ranges.py).
+                first, end = masking.key_block_range(self.mask, q_start + m_block * self.tile_m,
+                                                     self.tile_m, self.tile_n, kv_len, offset)
+                turn = n_block - first
+                if const_expr(self.diagonal_first):
+                    turn = end - 1 - n_block
                 flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
                 if lane == 0:
                     seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                    while seen != n_block - first:
+                    while seen != turn:
                         seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
             for half in cutlass.range_constexpr(2):
