@@ -45,6 +45,12 @@ CONFIGS = {
     "d256-gqa-fp16": ({}, [1, 300, 700, 8, 2, 256], "float16", {}),
     # D = 256 causal: ping-pong barriers.
     "d256-causal": ({"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16", {}),
+    # Candidates (TUNING_CANDIDATES): the TMA store in two column chunks with early Q release and
+    # zigzag tile order at D = 256; zigzag at D = 128 with the promoted options.
+    "d256-causal-store-chunks-early-q-zigzag": (
+        {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
+        {"tma_store": True, "store_chunks": 2, "early_q_release": True, "zigzag_tiles": True}),
+    "d128-causal-zigzag": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"zigzag_tiles": True}),
     "d96-window": ({"window_left": 100, "window_right": 0}, [1, 500, 500, 2, 2, 96], "bfloat16", {}),
     "d192-all-features": (
         {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True,
@@ -171,6 +177,7 @@ _EPILOGUE_LAYOUT = r"""
 import cutlass, cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
+from fa4_jax.kernels.sm90_forward import _accumulator_mn
 
 mismatches, checked = [], []
 THREADS = (0, 1, 2, 3, 4, 5, 8, 13, 31, 32, 47, 64, 90, 127)  # every lane role of the wgmma C layout
@@ -193,14 +200,45 @@ def compare():
                     if cutlass.const_expr((in_tile[i][0] - 64 * w, in_tile[i][1]) != (in_one[i][0], in_one[i][1])):
                         mismatches.append((warpgroups, thread, w, i))
 
+chunk_mismatches, chunk_checked = [], []
+
+@cute.jit
+def compare_chunks():
+    # store_chunks: chunk k of a thread's (rows, columns) view of its Dv = 256 accumulator must be the
+    # (rows, columns) view of a one-warpgroup N = 256 / chunks MMA, shifted by k * 256 / chunks columns.
+    dtype = cutlass.BFloat16
+    for chunks in cutlass.range_constexpr(2, 5, 2):
+        width = 256 // chunks
+        def pv_mma(atoms, n):
+            return sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, cutlass.Float32,
+                atom_layout_mnk=(atoms, 1, 1), tiler_mn=(64, n), a_source=warpgroup.OperandSource.RMEM)
+        tile, one = pv_mma(2, 256), pv_mma(1, width)
+        for thread in THREADS:
+            in_one = _accumulator_mn(one.get_slice(thread).partition_C(cute.make_identity_tensor((64, width))))
+            for w in cutlass.range_constexpr(2):
+                in_tile = _accumulator_mn(tile.get_slice(thread + 128 * w).partition_C(
+                    cute.make_identity_tensor((128, 256))))
+                chunk_width = cute.size(in_one, mode=[1])
+                for k in cutlass.range_constexpr(chunks):
+                    for r in cutlass.range_constexpr(cute.size(in_one, mode=[0])):
+                        for c in cutlass.range_constexpr(chunk_width):
+                            chunk_checked.append(1)
+                            full = in_tile[r, k * chunk_width + c]
+                            if cutlass.const_expr((full[0] - 64 * w, full[1] - k * width) != (in_one[r, c][0], in_one[r, c][1])):
+                                chunk_mismatches.append((chunks, thread, w, k, r, c))
+
 compare()
 print("EPILOGUE_LAYOUT", len(checked), len(mismatches), mismatches[:5])
+compare_chunks()
+print("EPILOGUE_CHUNKS", len(chunk_checked), len(chunk_mismatches), chunk_mismatches[:5])
 """
 
 
 def test_tma_store_epilogue_layout(tmp_path):
     """The TMA-store epilogue partitions each warpgroup's O buffer with a one-warpgroup MMA: thread t of
-    warpgroup w must hold, in the same register order, rows 64 w + (the rows thread t holds there)."""
+    warpgroup w must hold, in the same register order, rows 64 w + (the rows thread t holds there);
+    with store_chunks, chunk k of its columns must be that MMA's columns + k Dv / chunks."""
     script = tmp_path / "epilogue_layout.py"  # the DSL compiles functions from their source file
     script.write_text(_EPILOGUE_LAYOUT)
     environment = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
@@ -211,6 +249,9 @@ def test_tma_store_epilogue_layout(tmp_path):
     line = next(line for line in process.stdout.splitlines() if line.startswith("EPILOGUE_LAYOUT"))
     _, checked, mismatched, examples = line.split(" ", 3)
     assert int(checked) == 14 * (2 + 3) * 32 and int(mismatched) == 0, examples
+    line = next(line for line in process.stdout.splitlines() if line.startswith("EPILOGUE_CHUNKS"))
+    _, checked, mismatched, examples = line.split(" ", 3)
+    assert int(checked) == 2 * 14 * 2 * 128 and int(mismatched) == 0, examples
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")

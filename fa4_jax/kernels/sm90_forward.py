@@ -28,7 +28,13 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
   consumers start a tile half a step apart instead of all doing their first softmax at once;
 - tma_store: O goes registers -> shared memory (stmatrix) -> global memory by TMA store, per
   warpgroup, the store running on while the next tile computes;
-- pingpong_max_head_dim: the largest head dim that uses the ping-pong scheduler barriers.
+- store_chunks: the TMA-store epilogue writes O in this many column chunks through one buffer of
+  Dv / store_chunks columns per warpgroup (a 32 KB buffer at D = 256, which fits next to Q, K, V
+  where the full 64 KB does not);
+- pingpong_max_head_dim: the largest head dim that uses the ping-pong scheduler barriers;
+- zigzag_tiles: the persistent CTAs take their tiles in alternating order, wave by wave
+  (tile_scheduler.zigzag_tile), so with longest-first causal tiles no CTA gets the longest tile of
+  every wave.
 """
 
 from __future__ import annotations
@@ -90,10 +96,12 @@ class KernelOptions:
     consumer_warpgroups: int = 2
     q_stages: int = 1
     tma_store: bool = False
+    store_chunks: int = 1
     pingpong_max_head_dim: int = 128
     early_q_release: bool = False
     split_masked_loop: bool = False
     schedule_first_block: bool = False
+    zigzag_tiles: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -116,7 +124,7 @@ class KernelOptions:
         total += aligned(self.tile_n * self.head_dim * self.num_stages)
         total += aligned(self.tile_n * self.v_head_dim * self.num_stages)
         if self.tma_store:
-            total += aligned(self.tile_m * self.v_head_dim)
+            total += aligned(self.tile_m * self.v_head_dim // self.store_chunks)
         return total + 1024  # the first buffer's alignment after the barriers
 
     def check(self):
@@ -126,6 +134,9 @@ class KernelOptions:
         if self.consumer_warpgroups == 3 and self.v_head_dim > 64:
             # 160 registers per consumer thread: ptxas spills from Dv = 96 on (seen with ptxas 13.0).
             raise ValueError("three consumer warpgroups fit in registers only for value head dims <= 64")
+        if self.store_chunks > 1 and self.v_head_dim % (64 * self.store_chunks):
+            raise ValueError(f"store_chunks {self.store_chunks}: each chunk must be a multiple of 64 columns "
+                             f"(one 128-byte swizzle atom) of Dv = {self.v_head_dim}")
         if self.q_stages not in (1, 2):
             raise ValueError("q_stages must be 1 or 2")
         if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
@@ -147,7 +158,15 @@ THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
 # Candidate tunings on top of `kernel_options`, measured against it by `benchmarks/attention.py
 # --variants` and checked against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md
 # has the predictions): name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
-TUNING_CANDIDATES = {}
+TUNING_CANDIDATES = {
+    # D = 256: the TMA-store epilogue in two 128-column chunks through one 32 KB buffer per warpgroup
+    # (the full 64 KB does not fit), alone and with Q released after the last Q K^T: at D = 128 the
+    # TMA store turned the Q-release gain from 0 into +15 %.
+    "store-chunks": ({"tma_store": True, "store_chunks": 2}, (256,), (True,)),
+    "early-q-store-chunks": ({"tma_store": True, "store_chunks": 2, "early_q_release": True}, (256,), (True,)),
+    # Causal: alternate the CTAs' tile order wave by wave (longest-first tiles, static assignment).
+    "zigzag": ({"zigzag_tiles": True}, (128, 256), (True,)),
+}
 
 
 def _cutlass_dtype(name: str):
@@ -248,6 +267,7 @@ class Sm90ForwardKernel:
         self.tile_n = options.tile_n
         self.num_stages = options.num_stages
         self.q_stages = options.q_stages
+        self.store_columns = options.v_head_dim // options.store_chunks
         self.mask = options.mask
         self.threads = THREADS_PER_WARPGROUP * (1 + self.consumer_warpgroups)
         self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
@@ -307,13 +327,13 @@ class Sm90ForwardKernel:
         tma_m_o = None
         tiled_mma_epilogue = None
         if cutlass.const_expr(self.options.tma_store):
-            o_layout = _smem_layout(self.dtype, ROWS_PER_WARPGROUP, self.v_head_dim, self.consumer_warpgroups)
+            o_layout = _smem_layout(self.dtype, ROWS_PER_WARPGROUP, self.store_columns, self.consumer_warpgroups)
             tma_o, tma_m_o = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), m_o, cute.select(o_layout, mode=[0, 1]),
-                (ROWS_PER_WARPGROUP, self.v_head_dim))
+                (ROWS_PER_WARPGROUP, self.store_columns))
             tiled_mma_epilogue = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.v_head_dim),
+                Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.store_columns),
                 a_source=warpgroup.OperandSource.RMEM)
 
         self.shared_storage = _shared_storage_struct(
@@ -393,6 +413,15 @@ class Sm90ForwardKernel:
                          tiled_mma_epilogue, tma_o, m_o_tma, s_o)
 
     @cute.jit
+    def next_tile(self, tile: Int32, wave: Int32) -> Int32:
+        """This CTA's tile in persistent wave `wave`, after `tile` (producer and consumers walk the same
+        sequence)."""
+        next_tile = tile + cute.arch.grid_dim()[0]
+        if cutlass.const_expr(self.options.zigzag_tiles):
+            next_tile = tile_scheduler.zigzag_tile(wave, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
+        return next_tile
+
+    @cute.jit
     def tile_bounds(self, m_block: Int32, batch_index: Int32, q_len_static: Int32, kv_len_static: Int32,
                     q_seq_lengths: Optional[cute.Tensor], kv_seq_lengths: Optional[cute.Tensor],
                     q_start: Optional[cute.Tensor]):
@@ -429,6 +458,7 @@ class Sm90ForwardKernel:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile = cute.arch.block_idx()[0]
+        wave = Int32(0)
         while tile < num_tiles:
             m_block, head, batch_index = tile_scheduler.tile_coordinates(
                 tile, num_m_blocks, m_q.shape[2], m_q.shape[3], self.mask.causal)
@@ -471,7 +501,8 @@ class Sm90ForwardKernel:
                 cute.copy(tma_v, t_v_gmem[None, first], t_v_smem[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
                 v_state = _advanced(v_state)
-            tile += cute.arch.grid_dim()[0]
+            wave += 1
+            tile = self.next_tile(tile, wave)
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, m_q: cute.Tensor,
@@ -518,6 +549,7 @@ class Sm90ForwardKernel:
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         self.scheduler_start(warpgroup_index)
         tile = cute.arch.block_idx()[0]
+        wave = Int32(0)
         while tile < num_tiles:
             m_block, head, batch_index = tile_scheduler.tile_coordinates(
                 tile, num_m_blocks, m_q.shape[2], m_q.shape[3], self.mask.causal)
@@ -608,7 +640,8 @@ class Sm90ForwardKernel:
                 self.store_lse(coords_o, lse_rows, m_o, m_lse, m_block, head, batch_index)
             else:
                 self.store_tile(acc_o, coords_o, lse_rows, m_o, m_lse, thread_mma_pv, m_block, head, batch_index)
-            tile += cute.arch.grid_dim()[0]
+            wave += 1
+            tile = self.next_tile(tile, wave)
         if cutlass.const_expr(self.options.tma_store):
             # Shared memory must outlive the last TMA store's reads of it.
             if tidx % THREADS_PER_WARPGROUP == 0:
@@ -735,33 +768,52 @@ class Sm90ForwardKernel:
     def store_tile_through_shared(self, acc_o: cute.Tensor, tiled_mma_epilogue: cute.TiledMma,
                                   tma_o: cute.CopyAtom, m_o_tma: cute.Tensor, s_o: cute.Tensor,
                                   warpgroup_index: Int32, m_block: Int32, head: Int32, batch_index: Int32):
-        """This warpgroup's 64 rows of O: registers -> its shared buffer (stmatrix) -> TMA store.
+        """This warpgroup's 64 rows of O: registers -> its shared buffer (stmatrix) -> TMA store, in
+        `store_chunks` column chunks through the one buffer.
 
-        The store is left in flight; the buffer is reused one tile later, after waiting for the TMA
-        unit to have read it. Rows past Sq are clipped by the TMA unit.
+        The last store is left in flight; the buffer is reused (next chunk, or next tile) after
+        waiting for the TMA unit to have read it. Rows past Sq are clipped by the TMA unit.
         """
         lane_in_warpgroup = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
         barrier_id = EPILOGUE_BARRIER + warpgroup_index
-        if lane_in_warpgroup == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
         out_rows = cute.make_rmem_tensor(acc_o.layout, self.dtype)
-        out_rows.store(acc_o.load().to(self.dtype))
         s_o_warpgroup = s_o[None, None, warpgroup_index]
         store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
         tiled_store = cute.make_tiled_copy_C(store_atom, tiled_mma_epilogue)
         thread_store = tiled_store.get_slice(lane_in_warpgroup)
-        cute.copy(tiled_store, thread_store.retile(out_rows), thread_store.partition_D(s_o_warpgroup))
-        # stmatrix writes through the generic proxy; the TMA unit reads through the async proxy.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
-        if lane_in_warpgroup == 0:
-            g_o = cute.local_tile(m_o_tma[None, None, head, batch_index], (ROWS_PER_WARPGROUP, self.v_head_dim),
-                                  (m_block * self.consumer_warpgroups + warpgroup_index, 0))
-            t_o_smem, t_o_gmem = cpasync.tma_partition(
-                tma_o, 0, cute.make_layout(1), cute.group_modes(s_o_warpgroup, 0, 2), cute.group_modes(g_o, 0, 2))
-            cute.copy(tma_o, t_o_smem, t_o_gmem)
-            cute.arch.cp_async_bulk_commit_group()
+        g_o_rows = m_o_tma[None, None, head, batch_index]
+        for chunk in cutlass.range_constexpr(self.options.store_chunks):
+            # The buffer is free once the TMA unit has read the previous store out of it.
+            if lane_in_warpgroup == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
+            if cutlass.const_expr(chunk == 0):
+                out_rows.store(acc_o.load().to(self.dtype))
+            chunk_rows = out_rows
+            if cutlass.const_expr(self.options.store_chunks > 1):
+                # Columns [chunk * Dv / chunks, ...) of this thread's rows, in the register order of a
+                # one-warpgroup MMA with N = Dv / chunks: per thread, the mn view's columns are
+                # (2 adjacent, N / 8 groups), so a chunk is a contiguous run of them.
+                chunk_rows = cute.make_rmem_tensor(
+                    tiled_mma_epilogue.get_slice(0).partition_shape_C((ROWS_PER_WARPGROUP, self.store_columns)),
+                    self.dtype)
+                chunk_mn = _accumulator_mn(chunk_rows)
+                out_mn = _accumulator_mn(out_rows)
+                chunk_width = cute.size(chunk_mn, mode=[1])
+                for r in cutlass.range_constexpr(cute.size(chunk_mn, mode=[0])):
+                    for c in cutlass.range_constexpr(chunk_width):
+                        chunk_mn[r, c] = out_mn[r, chunk * chunk_width + c]
+            cute.copy(tiled_store, thread_store.retile(chunk_rows), thread_store.partition_D(s_o_warpgroup))
+            # stmatrix writes through the generic proxy; the TMA unit reads through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
+            if lane_in_warpgroup == 0:
+                g_o = cute.local_tile(g_o_rows, (ROWS_PER_WARPGROUP, self.store_columns),
+                                      (m_block * self.consumer_warpgroups + warpgroup_index, chunk))
+                t_o_smem, t_o_gmem = cpasync.tma_partition(
+                    tma_o, 0, cute.make_layout(1), cute.group_modes(s_o_warpgroup, 0, 2), cute.group_modes(g_o, 0, 2))
+                cute.copy(tma_o, t_o_smem, t_o_gmem)
+                cute.arch.cp_async_bulk_commit_group()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -47,3 +47,14 @@ def tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first: 
         m_block = tile_index % num_m_blocks
         rest = tile_index // num_m_blocks
     return m_block, rest % num_heads, rest // num_heads
+
+
+def zigzag_tile(wave, cta, grid):
+    """The tile CTA `cta` of `grid` persistent CTAs takes in wave `wave` when waves alternate direction:
+    even waves hand tiles wave * grid + 0, 1, ... to CTAs 0, 1, ..., odd waves in reverse. With tiles
+    in longest-first order, the CTA that got a wave's longest tile gets the next wave's shortest, where
+    the plain stride (tile = wave * grid + cta) gives CTA 0 the longest of every wave. Once a CTA's
+    tile is past the last one, the following waves are too, so `while tile < num_tiles` still ends
+    each CTA's loop."""
+    odd = wave % 2
+    return wave * grid + cta + odd * (grid - 1 - 2 * cta)
