@@ -51,6 +51,9 @@ from fa4_jax.kernels import compile_cache, masking
 
 LOG2_E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
+# Head dims whose dK + dV accumulators do not fit this kernel's registers: sm90_backward_large_heads
+# (64-key tiles, D split between the warp groups) takes them; this module's entry points route there.
+LARGE_HEAD_DIMS = (192, 256)
 TILE_M = 64      # query rows per block
 TILE_N = 128     # keys per CTA (64 per consumer warp group)
 KERNEL_VERSION = 3   # bump when the generated code changes (part of the compile key)
@@ -99,6 +102,8 @@ CANDIDATE_TUNING = Tuning(deterministic_diagonal_first=True)
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
                        dtype) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
+    if query_shape[-1] in LARGE_HEAD_DIMS:
+        return _large_heads().unsupported_reason(config, query_shape, key_shape, value_shape, dtype)
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"sm90 backward takes bfloat16 or float16, got {dtype}"
@@ -119,6 +124,12 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
 
 def _ceil_div(a, b):
     return (a + b - 1) // b
+
+
+def _large_heads():
+    # Imported on use: sm90_backward_large_heads imports this module.
+    from fa4_jax.kernels import sm90_backward_large_heads
+    return sm90_backward_large_heads
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -829,7 +840,12 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
 
 def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig,
                           tuning: Tuning = DEFAULT_TUNING):
-    """`attention_backward` with the kernel's `Tuning` exposed (tests and benchmarks)."""
+    """`attention_backward` with the kernel's `Tuning` exposed (tests and benchmarks). Large head
+    dims go to their own kernel, which has no tuning choices: only the default is accepted there."""
+    if query.shape[-1] in LARGE_HEAD_DIMS:
+        if tuning != DEFAULT_TUNING:
+            raise NotImplementedError(f"Tuning variants apply to head dims {SUPPORTED_HEAD_DIMS} only")
+        return _large_heads().attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config)
     reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
     if reason is not None:
         raise NotImplementedError(reason)
