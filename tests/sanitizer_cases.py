@@ -6,7 +6,7 @@ Each case runs `fa4_jax.attention(implementation="cute")` once (forward, or forw
 shapes small enough for the sanitizer, chosen to reach every code path that synchronises differently:
 the default configuration of each head dim (three consumer warp groups at D = 64, the Q double buffer
 and TMA-store epilogue at D = 128, ping-pong at D = 256), ragged tiles, GQA, masks that skip blocks,
-and the deterministic backward.
+the deterministic backward, and the large-head backward (D = 192, 256).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ BACKWARD_CASES = [
     ("d128-deterministic", 1, 300, 300, 2, 2, 128, {"deterministic": True}),
     ("d128-causal-deterministic", 1, 257, 300, 2, 2, 128, {"causal": True, "deterministic": True}),
     ("d96-window", 1, 200, 200, 2, 2, 96, {"window": (64, 0)}),
+    ("d192", 1, 200, 150, 2, 1, 192, {}),
+    ("d256-causal-deterministic", 1, 257, 300, 2, 2, 256, {"causal": True, "deterministic": True}),
 ]
 
 
