@@ -45,12 +45,17 @@ CONFIGS = {
     "d256-gqa-fp16": ({}, [1, 300, 700, 8, 2, 256], "float16", {}),
     # D = 256 causal: ping-pong barriers.
     "d256-causal": ({"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16", {}),
-    # Candidates (TUNING_CANDIDATES): the TMA store in two column chunks with early Q release and
-    # zigzag tile order at D = 256; zigzag at D = 128 with the promoted options.
+    # The promoted D = 256 causal set spelled out (the TMA store in two column chunks, early Q release,
+    # zigzag tile order), and zigzag at D = 128.
     "d256-causal-store-chunks-early-q-zigzag": (
         {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
         {"tma_store": True, "store_chunks": 2, "early_q_release": True, "zigzag_tiles": True}),
     "d128-causal-zigzag": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"zigzag_tiles": True}),
+    # The D = 256 causal defaults with every feature that adds registers or shared memory.
+    "d256-causal-all-features": (
+        {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True, "window_left": 300,
+         "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
+        [2, 700, 900, 4, 2, 256], "float16", {}),
     "d96-window": ({"window_left": 100, "window_right": 0}, [1, 500, 500, 2, 2, 96], "bfloat16", {}),
     "d192-all-features": (
         {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True,

@@ -151,6 +151,11 @@ THREE_WARPGROUPS = {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, 
 # D = 64 causal short queries (and D = 64 with a softcap, window or segments), and D = 96 / 128:
 # Q double buffer + TMA-store epilogue ("q2-tma").
 Q_DOUBLE_BUFFER_TMA_STORE = {"q_stages": 2, "tma_store": True}
+# D = 256 causal (rev 0954406 sweep): the TMA-store epilogue in two column chunks with early Q release
+# ("early-q-store-chunks", 0.75 -> 0.88x cuDNN at S = 1k, 0.91 -> 1.01x at 2k) and, for D = 128 and
+# 256 causal, the zigzag tile order (D = 256 4k: 0.99 -> 1.11x, D = 128 4k: 1.00 -> 1.08x, 2k +1 %).
+LARGE_HEAD_CAUSAL = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 2,
+                     "early_q_release": True, "zigzag_tiles": True}
 # D = 64 causal: wg3-all was 8 % slower than q2-tma at Sq = 1024 and 8 % faster at 2048; the cut sits
 # at the geometric middle, ~1448, rounded to the next multiple of 64 rows.
 THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
@@ -158,15 +163,8 @@ THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
 # Candidate tunings on top of `kernel_options`, measured against it by `benchmarks/attention.py
 # --variants` and checked against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md
 # has the predictions): name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
-TUNING_CANDIDATES = {
-    # D = 256: the TMA-store epilogue in two 128-column chunks through one 32 KB buffer per warpgroup
-    # (the full 64 KB does not fit), alone and with Q released after the last Q K^T: at D = 128 the
-    # TMA store turned the Q-release gain from 0 into +15 %.
-    "store-chunks": ({"tma_store": True, "store_chunks": 2}, (256,), (True,)),
-    "early-q-store-chunks": ({"tma_store": True, "store_chunks": 2, "early_q_release": True}, (256,), (True,)),
-    # Causal: alternate the CTAs' tile order wave by wave (longest-first tiles, static assignment).
-    "zigzag": ({"zigzag_tiles": True}, (128, 256), (True,)),
-}
+# Empty: the last sweep's winners are promoted above, its losers deleted.
+TUNING_CANDIDATES: dict = {}
 
 
 def _cutlass_dtype(name: str):
@@ -843,9 +841,9 @@ def tuned_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape, sof
             return dict(THREE_WARPGROUPS)
         return dict(Q_DOUBLE_BUFFER_TMA_STORE)
     if head_dim <= 128:
-        return dict(Q_DOUBLE_BUFFER_TMA_STORE, split_masked_loop=mask.causal)
+        return dict(Q_DOUBLE_BUFFER_TMA_STORE, split_masked_loop=mask.causal, zigzag_tiles=mask.causal)
     if head_dim == 256 and mask.causal:
-        return {"pingpong_max_head_dim": 256}
+        return dict(LARGE_HEAD_CAUSAL)
     return {}
 
 
