@@ -63,7 +63,7 @@ cute.compile(kernel.__call__, make_fake_stream(), *arguments)
 
 # The default tuning everywhere: D 64 / 96 / 128, causal, GQA, deterministic, and the configurations
 # short of registers (softcap, segment ids), where `Sm90BackwardKernel` drops early dV, staged row
-# statistics, the stagger and the TMA dK / dV store.
+# statistics and the TMA dK / dV store.
 CASES = {
     "d128": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128]),
     "d128-causal-gqa": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 512, 8, 2, 128]),
@@ -73,13 +73,6 @@ CASES = {
                             dtype="float16"),
     "d64-causal-gqa-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True),
                                          shape=[2, 300, 300, 8, 2, 64]),
-    # The candidate's dQ turn order (highest key block first, launched in that order).
-    "d128-causal-gqa-deterministic-candidate": dict(
-        config=dict(scale=128 ** -0.5, causal=True, deterministic=True), shape=[2, 256, 512, 8, 2, 128],
-        tuning=dict(deterministic_diagonal_first=True)),
-    "d64-causal-deterministic-candidate": dict(
-        config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 4, 4, 64],
-        tuning=dict(deterministic_diagonal_first=True)),
     "d64-softcap": dict(config=dict(scale=1.0, softcap=5.0), shape=[1, 200, 333, 4, 4, 64]),
     "d96-causal-gqa": dict(config=dict(scale=96 ** -0.5, causal=True), shape=[2, 300, 300, 8, 2, 96]),
     "d96-deterministic": dict(config=dict(scale=96 ** -0.5, deterministic=True),
@@ -133,7 +126,7 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
     if CASES[name]["config"].get("deterministic"):
         assert re.search(r"ld(\.[a-z]+)*\.acquire", ptx), "no acquire load for the dQ ordering"
         assert re.search(r"red\.release", ptx) or re.search(r"red(\.[a-z]+)*\.release", ptx)
-    if _kernel(CASES[name]).diagonal_first:
+        # The dQ turn order is highest key block first, launched in that order.
         assert "%nctaid.x" in ptx, "key block not taken from the end of the grid"
     assert ".local" not in ptx, "local memory in the PTX"
     ptxas = shutil.which("ptxas")

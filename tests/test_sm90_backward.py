@@ -75,10 +75,8 @@ CASES = [
     Case("gqa-long", q_heads=8, kv_heads=2, q_len=700, kv_len=900),
 ]
 
-# The candidate differs from the default only in deterministic mode (the dQ turn order), so it runs
-# only in the deterministic tests: every case whose key blocks start at different query blocks
-# (causal, windows, Sq != Sk, GQA, lengths), where a wrong turn would hang or race.
-TUNINGS = {"default": sm90_backward.DEFAULT_TUNING, "candidate": sm90_backward.CANDIDATE_TUNING}
+# Deterministic mode again on every case whose key blocks start at different query blocks (causal,
+# windows, Sq != Sk, GQA, lengths), where a wrong dQ turn would hang or race.
 DETERMINISTIC_CASES = ["plain-d64", "causal-d128", "causal-cross", "causal-more-queries", "window",
                        "window-causal-left", "gqa", "segments", "lengths-causal", "causal-gqa-d96",
                        "gqa-long"]
@@ -138,11 +136,10 @@ def test_backward_matches_oracle(case: Case, inputs):
     _check_against_oracle(case, sm90_backward.DEFAULT_TUNING, inputs)
 
 
-@pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("case", [case for case in CASES if case.name in DETERMINISTIC_CASES],
                          ids=lambda case: case.name)
-def test_deterministic_matches_oracle(case: Case, tuning, inputs):
-    _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=True)
+def test_deterministic_matches_oracle(case: Case, inputs):
+    _check_against_oracle(case, sm90_backward.DEFAULT_TUNING, inputs, deterministic=True)
 
 
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False):
@@ -168,24 +165,17 @@ def _check_against_oracle(case: Case, tuning, inputs, deterministic=False):
 
 # Small shapes for compute-sanitizer (racecheck on shared memory, memcheck with one allocation per
 # buffer): select with `-k sanitizer_shapes`, docs/sm90_backward_tuning.md has the commands.
-SANITIZER_MODES = {"default": (sm90_backward.DEFAULT_TUNING, False),
-                   "deterministic": (sm90_backward.DEFAULT_TUNING, True),
-                   "deterministic-candidate": (sm90_backward.CANDIDATE_TUNING, True)}
-
-
-@pytest.mark.parametrize("mode", sorted(SANITIZER_MODES))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_sanitizer_shapes(head_dim, causal, mode, inputs):
-    tuning, deterministic = SANITIZER_MODES[mode]
+def test_sanitizer_shapes(head_dim, causal, deterministic, inputs):
     case = Case(f"sanitizer-d{head_dim}", head_dim=head_dim, batch=1, q_heads=2, kv_heads=2,
                 q_len=200, kv_len=200, causal=causal)
-    _check_against_oracle(case, tuning, inputs, deterministic=deterministic)
+    _check_against_oracle(case, sm90_backward.DEFAULT_TUNING, inputs, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
+def test_deterministic_is_bitwise_reproducible(causal, inputs):
     """deterministic=True: ten runs give identical bits (many key blocks add into each dQ tile)."""
     batch, length, heads, dim = 2, 1024, 4, 128
     query, key, value, d_out = (inputs.normal((batch, length, heads, dim), jnp.bfloat16)
@@ -195,7 +185,7 @@ def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
     out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
     out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
     backward = jax.jit(lambda *a: sm90_backward.backward_with_options(
-        *a, None, {}, config, TUNINGS[tuning])[:3])
+        *a, None, {}, config)[:3])
     first = [np.asarray(g.astype(jnp.float32)) for g in backward(query, key, value, out, lse, d_out)]
     for _ in range(9):
         again = backward(query, key, value, out, lse, d_out)

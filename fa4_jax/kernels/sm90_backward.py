@@ -22,9 +22,12 @@ dK, dV and half of the head dimension for dQ.
 fastest (docs/sm90_backward_tuning.md has the measurements and the predictions behind them).
 
 deterministic=True orders the dQ additions: a per (batch, query head, query block) counter in global
-memory lets key block n add only after every key block before it in the tile's turn order (lowest
-first, or with `Tuning.deterministic_diagonal_first` highest first) has added, so the fp32 sums
-happen in one fixed order and the result is bitwise reproducible.
+memory lets key block n add only after every higher key block of the tile has added, so the fp32
+sums happen in one fixed order and the result is bitwise reproducible. Highest first ("diagonal
+first") because under a causal mask key block n starts at query block ~2n, so key block n + 1
+reaches every tile two steps before key block n: the turn order is the arrival order and nobody
+waits (lowest first, key block n would wait ~2n steps at its first tile). The key blocks of a head
+launch highest first too, so a CTA only ever waits for CTAs launched before it (no deadlock).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128)
 LARGE_HEAD_DIMS = (192, 256)
 TILE_M = 64      # query rows per block
 TILE_N = 128     # keys per CTA (64 per consumer warp group)
-KERNEL_VERSION = 3   # bump when the generated code changes (part of the compile key)
+KERNEL_VERSION = 4   # bump when the generated code changes (part of the compile key)
 QUERY_STAGES = 2     # Q / dO ring depth (a third stage measured no faster and leaves no room for dQ)
 SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
 
@@ -67,36 +70,22 @@ class Tuning:
 
     Every field defaults to what the H200 sweep measured fastest (rev 385f690); turning one off gives
     the code path that configurations short of registers take anyway. With softcap or segment ids
-    the four are off (`Sm90BackwardKernel` says why).
+    the three are off (`Sm90BackwardKernel` says why).
 
     early_dv: issue dV += P^T dO as soon as P is in registers, so the dS arithmetic and the dPsum loads
       run while the tensor cores compute dV (otherwise dV waits for dS, behind dP).
-    stagger: key block n walks its query blocks starting n blocks in (cyclically), so the CTAs that
-      run together add into different dQ tiles instead of all into the same one. Ignored when
-      deterministic (the dQ turns would then wait on each other).
     staged_row_stats: the producer copies each query block's LSE and dPsum (64 floats each) into the
       Q / dO stage with one bulk copy apiece, and the consumers read them from shared memory where
       they are used, instead of 32 scattered global loads per thread per block held in registers.
     tma_dkv_store: at the end, dK and dV go through shared memory (over K and V, no longer read) and
       two TMA bulk stores, instead of 128 two-byte global stores per thread.
-    deterministic_diagonal_first (deterministic only): each dQ tile takes its key blocks' additions
-      from the highest key block down, and the key blocks of a head launch highest first. Under a
-      causal mask key block n starts at query block ~2n, so key block n + 1 reaches every tile two
-      steps before key block n does: the turn order becomes the arrival order and nobody waits
-      (lowest first, key block n waits ~2n steps at its first tile for key block 0 to get there).
-      Launch order matching the turn order keeps it deadlock-free: a CTA only waits for CTAs that
-      were launched before it.
     """
     early_dv: bool = True
-    stagger: bool = True
     staged_row_stats: bool = True
     tma_dkv_store: bool = True
-    deterministic_diagonal_first: bool = False
 
 
 DEFAULT_TUNING = Tuning()
-# What the next measurement is expected to promote (docs/sm90_backward_tuning.md, "Deterministic mode").
-CANDIDATE_TUNING = Tuning(deterministic_diagonal_first=True)
 
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
@@ -229,15 +218,13 @@ class Sm90BackwardKernel:
         self.q_total = q_total
         self.deterministic = deterministic
         self.tuning = tuning
-        # Softcap and segment ids leave no registers to spare: there early_dv, staged_row_stats,
-        # stagger and tma_dkv_store each make ptxas spill (D = 128: 148/92, 36/8, 84 and 48 bytes),
-        # so those configurations take none of them.
+        # Softcap and segment ids leave no registers to spare: there early_dv, staged_row_stats
+        # and tma_dkv_store each make ptxas spill (D = 128: 148/92, 36/8 and 48 bytes), so those
+        # configurations take none of them.
         register_bound = softcap is not None or has_segment_ids
         self.early_dv = tuning.early_dv and not register_bound
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
-        self.stagger = tuning.stagger and not (deterministic or register_bound)
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
-        self.diagonal_first = tuning.deterministic_diagonal_first and deterministic
         self.tile_m = TILE_M
         self.tile_n = TILE_N
         self.stages = QUERY_STAGES
@@ -377,7 +364,7 @@ class Sm90BackwardKernel:
                v_layout, ds_layout, dq_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
-        if const_expr(self.diagonal_first):
+        if const_expr(self.deterministic):
             n_block = cute.arch.grid_dim()[0] - 1 - n_block      # launched in dQ turn order
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group = cute.arch.make_warp_uniform(tidx // WARP_GROUP)
@@ -474,7 +461,7 @@ class Sm90BackwardKernel:
         query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                    self.stages)
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+            q_head, m_block = self._query_block(it, kv_head, m_lo, m_count)
             gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
             gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
@@ -552,7 +539,7 @@ class Sm90BackwardKernel:
                                            num_threads=self.consumer_threads)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+            q_head, m_block = self._query_block(it, kv_head, m_lo, m_count)
             row_base = m_block * self.tile_m
             stage = query_state.index
             ds_stage = it % 2
@@ -665,12 +652,10 @@ class Sm90BackwardKernel:
             self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
 
     @cute.jit
-    def _query_block(self, it, kv_head, n_block, m_lo, m_count):
+    def _query_block(self, it, kv_head, m_lo, m_count):
         """(query head, query block) of iteration `it`: the group's heads in turn, each over the query
-        blocks this key block sees; with `stagger`, key block n starts n blocks in."""
+        blocks this key block sees, lowest first."""
         step = it % m_count
-        if const_expr(self.stagger):
-            step = (step + n_block) % m_count
         return kv_head * self.group + it // m_count, m_lo + step
 
     @cute.jit
@@ -703,7 +688,7 @@ class Sm90BackwardKernel:
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+            q_head, m_block = self._query_block(it, kv_head, m_lo, m_count)
             gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
                                   (self.tile_m, self.head_dim // 2), (m_block, None))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
@@ -713,12 +698,11 @@ class Sm90BackwardKernel:
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
-                # The tile's visitors: exactly key blocks [first, end) (test_backward_block_ranges.py).
-                first, end = masking.key_block_range(self.mask, q_start + m_block * self.tile_m,
-                                                     self.tile_m, self.tile_n, kv_len, offset)
-                turn = n_block - first
-                if const_expr(self.diagonal_first):
-                    turn = end - 1 - n_block
+                # The tile's visitors: exactly key blocks [first, end) (test_backward_block_ranges.py),
+                # taking turns from the highest down.
+                _, end = masking.key_block_range(self.mask, q_start + m_block * self.tile_m,
+                                                 self.tile_m, self.tile_n, kv_len, offset)
+                turn = end - 1 - n_block
                 flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
                 if lane == 0:
                     seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
