@@ -65,8 +65,8 @@ def test_block_ranges_cover_every_visible_pair(shape):
 def test_causal_arrival_order_is_diagonal_first(shape):
     """Under causal masking a key block's walk starts no earlier than the previous block's, so key
     block n + 1 reaches every query block no later than key block n (its step there, m - first, is
-    smaller): the turn order of `Tuning.deterministic_diagonal_first` (highest key block first) is the
-    order in which the CTAs, all walking from their first block, arrive."""
+    smaller): the deterministic mode's diagonal-first turn order (highest key block first) is the order
+    in which the CTAs, all walking from their first block, arrive."""
     tile_m, tile_n, num_m_blocks = 64, 128, 20
     for kv_len, row_offset in itertools.product((130, 700, 1000), (0, 300, -200, 37)):
         num_n_blocks = -(-kv_len // tile_n)
