@@ -33,13 +33,14 @@ backward_side() {  # $1: GPU
   local dir=$WORK/backward; mkdir -p "$dir"
   export CUDA_VISIBLE_DEVICES=$1 FA4_JAX_CACHE_DIR=/tmp/fa4_cache_gpu$1
   JAX_PLATFORMS=cpu timeout 150 python3 benchmarks/attention_backward.py --precompile-only --precompile-workers 10 \
-    --variants default deterministic --head-dims 128 64 256 > "$dir/precompile.log" 2>&1
-  timeout 260 python3 benchmarks/attention_backward.py --variants default deterministic --head-dims 128 64 256 \
-    --iterations 10 --out "$dir/backward_h200.json" > "$dir/bench.log" 2>&1
-  echo "backward bench rc=$? after ${SECONDS} s" >> "$dir/bench.log"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $((560 - SECONDS)) python3 -m pytest -q -rA -n 4 -p no:cacheprovider \
+    --variants default deterministic --head-dims 128 64 256 > "$dir/precompile.log" 2>&1 & local pre=$!
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -rA -n 4 -p no:cacheprovider \
     tests/test_sanitizer.py > "$dir/sanitizer.log" 2>&1
   echo "sanitizer rc=$? after ${SECONDS} s" >> "$dir/sanitizer.log"
+  wait $pre
+  timeout $((560 - SECONDS)) python3 benchmarks/attention_backward.py --variants default deterministic \
+    --head-dims 128 64 256 --iterations 10 --out "$dir/backward_h200.json" > "$dir/bench.log" 2>&1
+  echo "backward bench rc=$? after ${SECONDS} s" >> "$dir/bench.log"
 }
 
 if [ "$GPUS" -ge 2 ]; then forward_side 0 & backward_side 1 & wait; else forward_side 0; backward_side 0; fi
