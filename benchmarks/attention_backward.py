@@ -53,11 +53,14 @@ def _variants():
     return {
         "default": (bwd.DEFAULT_TUNING, False),
         "deterministic": (bwd.DEFAULT_TUNING, True),
+        "per_thread_release": (dataclasses.replace(bwd.DEFAULT_TUNING, per_thread_query_release=True),
+                               False),
     }
 
 
 # The GPU test tuning (tests/test_sm90_backward.py) each variant's code path is checked by.
-TESTED_BY = {"default": "default", "deterministic": "default"}
+TESTED_BY = {"default": "default", "deterministic": "default",
+             "per_thread_release": "per_thread_release"}
 
 
 def variants_passing(test_log: str):

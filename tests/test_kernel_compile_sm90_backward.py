@@ -2,7 +2,9 @@
 
 The PTX must hold the instructions that make the design real: `wgmma.mma_async` (tensor cores),
 `cp.async.bulk.tensor` (TMA loads), `setmaxnreg` (producer/consumer register split) and the TMA bulk
-reduction that adds dQ into global memory; and ptxas (when installed) must report no spills.
+reduction that adds dQ into global memory; the query ring's empty mbarriers must expect the
+arrivals the tuning makes (one lane per consumer warp, or every consumer thread); and ptxas (when
+installed) must report no spills.
 Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import.
 """
 
@@ -83,6 +85,13 @@ CASES = {
     "d128-segments-lengths": dict(config=dict(scale=128 ** -0.5, has_segment_ids=True,
                                               has_q_seq_lengths=True, has_kv_seq_lengths=True),
                                   shape=[2, 197, 333, 4, 4, 128]),
+    # The candidate of docs/sm90_backward_tuning.md ("racecheck"): every consumer thread releases.
+    "d128-causal-gqa-per-thread-release": dict(
+        config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 512, 8, 2, 128],
+        tuning=dict(per_thread_query_release=True)),
+    "d64-deterministic-per-thread-release": dict(
+        config=dict(scale=0.125, deterministic=True), shape=[1, 200, 200, 2, 2, 64],
+        tuning=dict(per_thread_query_release=True)),
     # Compiled (the path exists) though unsupported_reason still refuses it until it runs on a GPU.
     "sharded-query": dict(config=dict(scale=128 ** -0.5, causal=True, has_q_start=True, q_total=1024),
                           shape=[1, 256, 1024, 4, 4, 128]),
@@ -110,15 +119,36 @@ def _compile_ptx(name, spec, directory):
         return files[0], handle.read()
 
 
+def _query_release_counts(ptx):
+    """The arrival counts the query ring's two empty mbarriers are initialised with: they sit at bytes
+    16 and 24 of the barrier block (after the two full barriers); the count is an immediate or the
+    register a `mov` sets."""
+    counts = []
+    for offset in (16, 24):
+        init = re.search(rf"mbarrier\.init\.shared(::cta)?\.b64\s+\[%r\d+\+{offset}\],\s*(%r\d+|\d+);", ptx)
+        assert init, f"no mbarrier.init at +{offset}"
+        count = init.group(2)
+        if count.startswith("%"):
+            count = re.search(rf"mov\.[bu]32\s+{re.escape(count)},\s*(\d+);", ptx).group(1)
+        counts.append(int(count))
+    return counts
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
     path, ptx = _compile_ptx(name, CASES[name], tmp_path)
+    kernel = _kernel(CASES[name])
+    # Who releases a query stage: every consumer thread, or one lane per consumer warp.
+    releasers = kernel.consumer_threads
+    if not kernel.tuning.per_thread_query_release:
+        releasers //= 32
+    assert _query_release_counts(ptx) == [releasers] * 2
     assert ".target sm_90a" in ptx
     # 5 GEMMs per query block: S^T, dP^T (K = D), dV, dK (K = 64 query rows), dQ (K = 128 keys).
     assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
-    if _kernel(CASES[name]).tma_dkv_store:   # the tuning as the kernel applies it to this config
+    if kernel.tma_dkv_store:   # the tuning as the kernel applies it to this config
         # 4d, or 3d where a batch of one drops its mode.
         assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx), "no TMA store of dK / dV"
     assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"

@@ -75,6 +75,14 @@ CASES = [
     Case("gqa-long", q_heads=8, kv_heads=2, q_len=700, kv_len=900),
 ]
 
+# The default, and the candidate under measurement (docs/sm90_backward_tuning.md, "racecheck"): every
+# consumer thread releases a query stage. Select the candidate's tests with `-k per_thread_release`.
+TUNINGS = {
+    "default": sm90_backward.DEFAULT_TUNING,
+    "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
+                                              per_thread_query_release=True),
+}
+
 # Deterministic mode again on every case whose key blocks start at different query blocks (causal,
 # windows, Sq != Sk, GQA, lengths), where a wrong dQ turn would hang or race.
 DETERMINISTIC_CASES = ["plain-d64", "causal-d128", "causal-cross", "causal-more-queries", "window",
@@ -131,15 +139,17 @@ def _oracle(query, key, value, d_out, d_lse, options):
     return out, lse, grads
 
 
+@pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_backward_matches_oracle(case: Case, inputs):
-    _check_against_oracle(case, sm90_backward.DEFAULT_TUNING, inputs)
+def test_backward_matches_oracle(case: Case, tuning, inputs):
+    _check_against_oracle(case, TUNINGS[tuning], inputs)
 
 
+@pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("case", [case for case in CASES if case.name in DETERMINISTIC_CASES],
                          ids=lambda case: case.name)
-def test_deterministic_matches_oracle(case: Case, inputs):
-    _check_against_oracle(case, sm90_backward.DEFAULT_TUNING, inputs, deterministic=True)
+def test_deterministic_matches_oracle(case: Case, tuning, inputs):
+    _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=True)
 
 
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False):
@@ -165,17 +175,19 @@ def _check_against_oracle(case: Case, tuning, inputs, deterministic=False):
 
 # Small shapes for compute-sanitizer (racecheck on shared memory, memcheck with one allocation per
 # buffer): select with `-k sanitizer_shapes`, docs/sm90_backward_tuning.md has the commands.
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("tuning", sorted(TUNINGS))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["unordered_dq", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_sanitizer_shapes(head_dim, causal, deterministic, inputs):
+def test_sanitizer_shapes(head_dim, causal, deterministic, tuning, inputs):
     case = Case(f"sanitizer-d{head_dim}", head_dim=head_dim, batch=1, q_heads=2, kv_heads=2,
                 q_len=200, kv_len=200, causal=causal)
-    _check_against_oracle(case, sm90_backward.DEFAULT_TUNING, inputs, deterministic=deterministic)
+    _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_is_bitwise_reproducible(causal, inputs):
+def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
     """deterministic=True: ten runs give identical bits (many key blocks add into each dQ tile)."""
     batch, length, heads, dim = 2, 1024, 4, 128
     query, key, value, d_out = (inputs.normal((batch, length, heads, dim), jnp.bfloat16)
@@ -185,7 +197,7 @@ def test_deterministic_is_bitwise_reproducible(causal, inputs):
     out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
     out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
     backward = jax.jit(lambda *a: sm90_backward.backward_with_options(
-        *a, None, {}, config)[:3])
+        *a, None, {}, config, TUNINGS[tuning])[:3])
     first = [np.asarray(g.astype(jnp.float32)) for g in backward(query, key, value, out, lse, d_out)]
     for _ in range(9):
         again = backward(query, key, value, out, lse, d_out)

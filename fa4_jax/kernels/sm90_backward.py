@@ -68,9 +68,9 @@ SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
 class Tuning:
     """Choices that change the speed, not the function computed (beyond dQ's fp32 summation order).
 
-    Every field defaults to what the H200 sweep measured fastest (rev 385f690); turning one off gives
-    the code path that configurations short of registers take anyway. With softcap or segment ids
-    the three are off (`Sm90BackwardKernel` says why).
+    The first three default to what the H200 sweep measured fastest (rev 385f690); turning one off
+    gives the code path that configurations short of registers take anyway. With softcap or segment
+    ids those three are off (`Sm90BackwardKernel` says why).
 
     early_dv: issue dV += P^T dO as soon as P is in registers, so the dS arithmetic and the dPsum loads
       run while the tensor cores compute dV (otherwise dV waits for dS, behind dP).
@@ -79,10 +79,16 @@ class Tuning:
       they are used, instead of 32 scattered global loads per thread per block held in registers.
     tma_dkv_store: at the end, dK and dV go through shared memory (over K and V, no longer read) and
       two TMA bulk stores, instead of 128 two-byte global stores per thread.
+    per_thread_query_release: every consumer thread arrives on a query stage's empty mbarrier (256
+      arrivals expected) instead of one lane per warp (8), so each thread's reads of the stage (its
+      loads of the staged LSE / dPsum) are ordered before the producer's next copy into the stage by
+      that thread's own arrive, not through the dS named barrier and another lane's arrive. Off until
+      measured: the candidate for the racecheck WAR reports (docs/sm90_backward_tuning.md).
     """
     early_dv: bool = True
     staged_row_stats: bool = True
     tma_dkv_store: bool = True
+    per_thread_query_release: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -387,9 +393,13 @@ class Sm90BackwardKernel:
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                               self.consumer_threads // 32)
+        query_releasers = consumers
+        if const_expr(self.tuning.per_thread_query_release):
+            query_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                        self.consumer_threads)
         query_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.query_barriers.data_ptr(), num_stages=self.stages,
-            producer_group=producer, consumer_group=consumers,
+            producer_group=producer, consumer_group=query_releasers,
             tx_count=self.query_block_bytes, defer_sync=True)
         key_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.key_barriers.data_ptr(), num_stages=1,
@@ -633,7 +643,11 @@ class Sm90BackwardKernel:
             gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            query_pipe.consumer_release(query_state)
+            if const_expr(self.tuning.per_thread_query_release):
+                # PipelineTmaAsync releases from lane 0 of each warp only: arrive from every thread.
+                cute.arch.mbarrier_arrive(query_pipe.consumer_get_barrier(query_state))
+            else:
+                query_pipe.consumer_release(query_state)
             query_state.advance()
 
             # Stage this block's dQ for the writer warp; wait only for a free buffer. The two
