@@ -51,6 +51,13 @@ CONFIGS = {
         {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
         {"tma_store": True, "store_chunks": 2, "early_q_release": True, "zigzag_tiles": True}),
     "d128-causal-zigzag": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"zigzag_tiles": True}),
+    # Candidate: each warpgroup walks only its own rows' key blocks (D = 256 causal defaults + it), and with
+    # a right window and Sq > Sk at D = 128, where the skip can cover a warpgroup's whole range.
+    "d256-causal-warpgroup-key-range": ({"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
+                                        {"warpgroup_key_range": True}),
+    "d128-window-warpgroup-key-range-lengths": (
+        {"window_left": 200, "window_right": 40, "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
+        [2, 900, 700, 4, 2, 128], "bfloat16", {"warpgroup_key_range": True}),
     # The D = 256 causal defaults with every feature that adds registers or shared memory.
     "d256-causal-all-features": (
         {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True, "window_left": 300,

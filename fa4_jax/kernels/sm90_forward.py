@@ -34,7 +34,10 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
 - pingpong_max_head_dim: the largest head dim that uses the ping-pong scheduler barriers;
 - zigzag_tiles: the persistent CTAs take their tiles in alternating order, wave by wave
   (tile_scheduler.zigzag_tile), so with longest-first causal tiles no CTA gets the longest tile of
-  every wave.
+  every wave;
+- warpgroup_key_range: with a right reach (causal, right window) each consumer warpgroup walks only
+  the key blocks its own 64 rows can see: at D = 256 (64-key blocks) the first warpgroup skips the top
+  block of every tile, releasing its K/V stages unread and still taking its ping-pong turn.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class KernelOptions:
     split_masked_loop: bool = False
     schedule_first_block: bool = False
     zigzag_tiles: bool = False
+    warpgroup_key_range: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -163,8 +167,11 @@ THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
 # Candidate tunings on top of `kernel_options`, measured against it by `benchmarks/attention.py
 # --variants` and checked against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md
 # has the predictions): name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
-# Empty: the last sweep's winners are promoted above, its losers deleted.
-TUNING_CANDIDATES: dict = {}
+TUNING_CANDIDATES: dict = {
+    # D = 256 causal: the first consumer warpgroup skips the top key block of each tile (invisible to its
+    # rows with 64-key blocks), saving half a block of tensor-core time per tile (item 14).
+    "warpgroup-key-range": ({"warpgroup_key_range": True}, (256,), (True,)),
+}
 
 
 def _cutlass_dtype(name: str):
@@ -273,6 +280,8 @@ class Sm90ForwardKernel:
         self.pingpong = options.pingpong and options.head_dim <= options.pingpong_max_head_dim
         # With segments every block is masked: there is no unmasked middle to split off.
         self.split_masked_loop = options.split_masked_loop and not options.mask.has_segments
+        # Only a right reach makes the visible key range end earlier for a tile's first rows.
+        self.warpgroup_key_range = options.warpgroup_key_range and options.mask.right_reach is not None
         # With a softcap the logits are capped before the softmax, so the exp2 scale is just log2(e).
         logit_scale = 1.0 if options.softcap is not None else options.scale
         self.scale_log2 = logit_scale * online_softmax.LOG2_E
@@ -568,6 +577,11 @@ class Sm90ForwardKernel:
             block_arguments = (tiled_mma_qk, tiled_mma_pv, frag_q_tile, frag_k, frag_vt, frag_p, acc_o, acc_o_mn,
                                row_max, row_sum, row_scale, coords_s, pipeline_k, pipeline_v)
             num_blocks = end - first
+            if cutlass.const_expr(self.warpgroup_key_range):
+                kv_state, v_state, end = self.skip_blocks_above_warpgroup(
+                    pipeline_k, pipeline_v, kv_state, v_state, row_start, kv_len, offset, first, end,
+                    warpgroup_index)
+                num_blocks = end - first
             if num_blocks > 0:
                 # First block: S = Q K^T alone, then its probabilities become the P of the next step.
                 acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
@@ -644,6 +658,35 @@ class Sm90ForwardKernel:
             # Shared memory must outlive the last TMA store's reads of it.
             if tidx % THREADS_PER_WARPGROUP == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def skip_blocks_above_warpgroup(self, pipeline_k, pipeline_v, kv_state, v_state, row_start: Int32,
+                                    kv_len: Int32, offset: Int32, first: Int32, end: Int32,
+                                    warpgroup_index: Int32):
+        """warpgroup_key_range: release, unread, the tile's top key blocks that none of this warpgroup's
+        64 rows can see, and take the ping-pong turns their steady steps would have taken (every
+        warpgroup must take the same number of turns, or the round robin stalls). Returns the advanced
+        (kv_state, v_state) and this warpgroup's end block."""
+        _, rows_end = masking.key_block_range(self.mask, row_start + warpgroup_index * ROWS_PER_WARPGROUP,
+                                              ROWS_PER_WARPGROUP, self.tile_n, kv_len, offset)
+        own_end = cutlass.min(end, rows_end)
+        # The producer's order within a tile is K_last, (K_j, V_j+1) pairs, V_first: the skipped top
+        # blocks' K and V are each the next stage of their ring.
+        for _ in cutlass.range(end - own_end, unroll=1):
+            pipeline_k.consumer_wait(kv_state)
+            pipeline_k.consumer_release(kv_state)
+            kv_state = _advanced(kv_state)
+            pipeline_v.consumer_wait(v_state)
+            pipeline_v.consumer_release(v_state)
+            v_state = _advanced(v_state)
+        turns_skipped = end - own_end
+        if cutlass.const_expr(not self.options.schedule_first_block):
+            # Without a turn for the first block a warpgroup takes one turn per block after its first.
+            turns_skipped = cutlass.max(end - first - 1, 0) - cutlass.max(own_end - first - 1, 0)
+        for _ in cutlass.range(turns_skipped, unroll=1):
+            self.scheduler_wait(warpgroup_index)
+            self.scheduler_signal(warpgroup_index)
+        return kv_state, v_state, own_end
 
     @cute.jit
     def steady_block(self, i: Int32, masked: cutlass.Constexpr, tiled_mma_qk: cute.TiledMma,
