@@ -2,7 +2,9 @@
 
 The PTX must hold what the design is made of: `wgmma.mma_async` (S, dP: D / 16 k-steps each; dV, dK,
 dQ: 4 each), TMA loads, the producer / consumer register split, the TMA bulk reduce-add of dQ and the
-TMA stores of dK / dV, and no local memory; ptxas (when installed) must report no spills.
+TMA stores of dK / dV, and no local memory; ptxas (when installed) must report no spills. The
+`Tuning` candidates compile the same way; where one does not apply (diagonal_first without
+deterministic mode, stagger in deterministic mode) the PTX is the default's, byte for byte.
 Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import.
 """
 
@@ -32,7 +34,8 @@ from fa4_jax.kernels import sm90_backward_large_heads as large_heads
 spec = json.loads(sys.argv[1])
 config = AttentionConfig(**spec["config"])
 batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
-kernel = large_heads.make_kernel(config, spec["dtype"], head_dim, q_heads // kv_heads)
+tuning = large_heads.Tuning(**spec.get("tuning", {}))
+kernel = large_heads.make_kernel(config, spec["dtype"], head_dim, q_heads // kv_heads, tuning)
 cute.compile(kernel.__call__, make_fake_stream(),
              *large_heads.fake_arguments(config, spec["shape"], spec["dtype"]))
 """
@@ -54,6 +57,17 @@ CASES = {
     "d192-deterministic-segments": dict(config=dict(scale=192 ** -0.5, deterministic=True,
                                                     has_segment_ids=True, has_kv_seq_lengths=True),
                                         shape=[1, 200, 333, 4, 2, 192]),
+    "d256-deterministic-causal-diagonal-first": dict(
+        config=dict(scale=256 ** -0.5, causal=True, deterministic=True),
+        tuning=dict(diagonal_first=True), shape=[2, 256, 512, 8, 2, 256]),
+    "d192-deterministic-window-lengths-diagonal-first": dict(
+        config=dict(scale=192 ** -0.5, deterministic=True, window_left=70, window_right=20,
+                    has_q_seq_lengths=True, has_kv_seq_lengths=True),
+        tuning=dict(diagonal_first=True), shape=[2, 300, 333, 4, 2, 192]),
+    "d256-causal-no-stagger": dict(config=dict(scale=256 ** -0.5, causal=True),
+                                   tuning=dict(stagger=False), shape=[2, 300, 333, 8, 2, 256]),
+    "d192-segments-no-stagger": dict(config=dict(scale=192 ** -0.5, has_segment_ids=True),
+                                     tuning=dict(stagger=False), shape=[1, 200, 333, 4, 4, 192]),
 }
 
 
@@ -84,6 +98,10 @@ def test_compiles_to_wgmma_tma_without_spills(name, tmp_path):
     if CASES[name]["config"].get("deterministic"):
         assert re.search(r"ld(\.[a-z]+)*\.acquire", ptx), "no acquire load for the dQ ordering"
         assert re.search(r"red(\.[a-z]+)*\.release", ptx), "no release for the dQ ordering"
+    # Diagonal first reverses the launch order (key block = grid - 1 - blockIdx.x).
+    diagonal_first = (CASES[name].get("tuning", {}).get("diagonal_first", False)
+                      and CASES[name]["config"].get("deterministic", False))
+    assert ("%nctaid.x" in ptx) == diagonal_first
     assert ".local" not in ptx, "local memory in the PTX"
     ptxas = shutil.which("ptxas")
     if ptxas is None:
@@ -93,3 +111,17 @@ def test_compiles_to_wgmma_tma_without_spills(name, tmp_path):
     assert report.returncode == 0, report.stderr[-2000:]
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stderr)]
     assert spills and max(spills) == 0, f"{name}: spills\n{report.stderr[-1500:]}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["unordered_dq", "deterministic"])
+def test_inapplicable_tuning_leaves_the_ptx_unchanged(deterministic, tmp_path):
+    """diagonal_first orders deterministic turns only, the stagger is the non-deterministic walk's
+    only: each setting outside its mode must give the default kernel, byte for byte."""
+    config = dict(scale=256 ** -0.5, causal=True, deterministic=deterministic)
+    spec = dict(config=config, shape=[2, 300, 333, 8, 2, 256])
+    inapplicable = dict(stagger=False) if deterministic else dict(diagonal_first=True)
+    (tmp_path / "default").mkdir()
+    (tmp_path / "tuned").mkdir()
+    _, default = _compile_ptx("default", spec, tmp_path / "default")
+    _, tuned = _compile_ptx("inapplicable", dict(spec, tuning=inapplicable), tmp_path / "tuned")
+    assert tuned == default

@@ -4,6 +4,9 @@
 Same harness as tests/test_sm90_backward.py (its Case, problem builder, oracle and NaN poisoning):
 the kernel gets the oracle's out and LSE rounded to the kernel's types, so the forward kernel is not
 involved, and the tolerance is the same 4 roundings of the inputs' type relative to max |expected|.
+Every case runs with the default kernel and with each `Tuning` candidate in the mode it applies to
+(VARIANTS); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than
+the GPU holds at once (a turn order that waited for a CTA launched later would hang there).
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ import pytest
 
 import numpy_reference
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import sm90_backward_large_heads
+from fa4_jax.kernels import reference, sm90_backward_large_heads
 from test_sm90_backward import ROUNDING, Case, _make_problem, _oracle, _poison_device_memory
+
+VARIANTS = {   # name -> (Tuning, deterministic)
+    "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
+    "no_stagger": (sm90_backward_large_heads.Tuning(stagger=False), False),
+    "diagonal_first": (sm90_backward_large_heads.Tuning(diagonal_first=True), True),
+}
 
 CASES = [
     Case("plain-d256", head_dim=256),
@@ -43,9 +52,12 @@ CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_backward_matches_oracle(case: Case, inputs):
+def test_backward_matches_oracle(case: Case, variant, inputs):
     query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
+    tuning, deterministic = VARIANTS[variant]
+    config = config.replace(deterministic=deterministic)
     assert sm90_backward_large_heads.unsupported_reason(
         config, query.shape, key.shape, value.shape, query.dtype) is None
     out64, lse64, expected = _oracle(query, key, value, d_out, d_lse, options)
@@ -53,8 +65,8 @@ def test_backward_matches_oracle(case: Case, inputs):
     lse = jnp.asarray(lse64, jnp.float32)
 
     _poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
-    grads = jax.jit(lambda *a: sm90_backward_large_heads.attention_backward(*a, optional, config))(
-        query, key, value, out, lse, d_out, d_lse)
+    grads = jax.jit(lambda *a: sm90_backward_large_heads.backward_with_options(
+        *a, optional, config, tuning))(query, key, value, out, lse, d_out, d_lse)
 
     tolerance = 4 * ROUNDING[case.dtype]
     for name, actual in zip(("dq", "dk", "dv", "dsinks"), grads):
@@ -66,22 +78,31 @@ def test_backward_matches_oracle(case: Case, inputs):
         numpy_reference.assert_close(actual, expected[name], tolerance, f"{case.name} {name}")
 
 
+DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()
+                         if deterministic}
+DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.DEFAULT_TUNING
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("tuning", list(DETERMINISTIC_TUNINGS))
+@pytest.mark.parametrize("shape", [
+    (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),
+    # 4 x 4 KV heads x 32 key blocks = 512 CTAs, about four waves on an H200 (one CTA per SM).
+    (4, 2048, 8, 4, 256),
+], ids=lambda shape: "x".join(map(str, shape)))
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_is_bitwise_reproducible(causal, head_dim, inputs):
-    """deterministic=True: five runs give identical bits (16 key blocks add into each dQ tile)."""
-    batch, length, heads = 1, 1024, 4
-    query, key, value, d_out = (inputs.normal((batch, length, heads, head_dim), jnp.bfloat16)
-                                for _ in range(4))
+def test_deterministic_is_bitwise_reproducible(causal, shape, tuning, inputs):
+    """deterministic=True: five runs give identical bits (16 or 32 key blocks add into each dQ
+    tile), close to the unordered sums. Out and LSE from the reference forward (on the GPU)."""
+    batch, length, heads, kv_heads, head_dim = shape
+    query, d_out = (inputs.normal((batch, length, heads, head_dim), jnp.bfloat16) for _ in range(2))
+    key, value = (inputs.normal((batch, length, kv_heads, head_dim), jnp.bfloat16) for _ in range(2))
     config = AttentionConfig(scale=head_dim ** -0.5, causal=causal, deterministic=True)
-    as64 = numpy_reference.to_float64
-    out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
-    out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
+    out, lse = jax.jit(lambda *a: reference.reference_forward(*a, {}, config))(query, key, value)
 
     def backward(config):
-        return jax.jit(lambda *a: sm90_backward_large_heads.attention_backward(
-            *a, None, {}, config)[:3])
+        return jax.jit(lambda *a: sm90_backward_large_heads.backward_with_options(
+            *a, None, {}, config, DETERMINISTIC_TUNINGS[tuning])[:3])
 
     first = [np.asarray(g.astype(jnp.float32))
              for g in backward(config)(query, key, value, out, lse, d_out)]

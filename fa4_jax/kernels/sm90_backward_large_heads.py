@@ -33,10 +33,34 @@ each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the 
 
 Preprocess (dPsum, the LSE in the exp2 domain) and postprocess (dQ scale and cast, the sinks
 gradient) are sm90_backward's.
+
+Next measurement: the `Tuning` candidates, both off by default (the default PTX is byte-identical
+to rev b5f0ca6's for D 192 / 256, causal and full, deterministic or not). H200 at rev 50d127d, D =
+256, ratio cuDNN ms / ours, S 1k / 4k / 16k: default 1.14 / 1.07 / 1.17 full, 1.05 / 1.06 / 1.15
+causal; deterministic 0.77 / 0.73 / 0.89 full, 0.49 / 0.44 / 0.59 causal. Prediction:
+- `diagonal_first` (variant deterministic_diagonal_first): causal -> 0.85-1.0, 5-15 % behind the
+  default. With 64 x 64 tiles key block n + 1 reaches every tile one step before key block n, and a
+  step (3-5 us at D = 256: 0.64 ms / 132 steps per SM at 1k) is longer than one turn of the
+  writer's wait-add-complete-release chain (1.5-2 us on sm90_backward), so nobody waits; what stays
+  is that the writer holds the one dQ staging buffer until each add completes, and the tail of each
+  head's longest CTA launching last. Full rows unchanged within 3 % (every key block reaches a tile
+  at the same step in either order).
+- `stagger=False` (variant no_stagger): 0 to +5 % on the six non-deterministic rows
+  (sm90_backward measured 0-7 % and deleted its stagger).
+If they land, make both the only behaviour (delete the fields), as sm90_backward did.
+
+The device command (one H200, <= 240 s, carry [".dev/cute"]; commit first and replace REV by
+`git rev-parse --short HEAD`): the candidates' 48 GPU tests (oracle over the 18 cases each, bitwise
+reproducibility incl. 512 CTAs at once, the shipped lowest-first order too) while 6 CPU processes
+compile the 30 timed kernels; then D = 256 x S 1k / 4k / 16k x causal or not, 4 variants and
+cuDNN, timing only candidates whose tests all passed:
+
+    source .dev/cute/setup.sh && export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels PYTHONUNBUFFERED=1; JAX_PLATFORMS=cpu timeout 100 python3 benchmarks/sm90_backward_large_heads.py --precompile-only --precompile-workers 6 > $OUT/precompile.log 2>&1 & PRE=$!; XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 105 python3 -m pytest -v -rfE -n 8 -p no:cacheprovider --timeout 60 --timeout-method thread tests/test_sm90_backward_large_heads.py -k "no_stagger or diagonal_first or lowest_first" > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log; wait $PRE; tail -1 $OUT/precompile.log; timeout 120 python3 benchmarks/sm90_backward_large_heads.py --out $OUT/large_heads_h200.json --seq-lens 1024 4096 16384 --iterations 10 --variants-passing $OUT/gpu_tests.log > $OUT/bench.log 2>&1; echo "bench rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -8; tail -8 $OUT/bench.log
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -65,6 +89,29 @@ KERNEL_VERSION = 2              # bump when the generated code changes (part of 
 SHARED_MEMORY_BYTES = sm90_backward.SHARED_MEMORY_BYTES
 PDS_READY_BARRIER = 1           # both groups' halves of P and dS are in shared memory
 PDS_BUFFERS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Choices that change the speed, not the function computed (deterministic dQ keeps one fixed
+    fp32 summation order in either turn order). DEFAULT_TUNING is the code measured on the H200 at
+    rev 50d127d; the other settings are candidates waiting for their measurement (prediction and
+    device command at the end of the module docstring).
+
+    diagonal_first: deterministic mode takes the dQ turns of a tile highest key block first, and the
+      key blocks of a head launch highest first (sm90_backward's order). Under a causal mask key
+      block n + 1 reaches every tile one step before key block n, so the turn order is the arrival
+      order; lowest first, key block n waits ~n steps at its first tile. A CTA still waits only for
+      CTAs launched before it.
+    stagger: key block n starts its walk n query blocks in, so the CTAs running together add into
+      different dQ tiles (ignored in deterministic mode, which walks in plain order). sm90_backward
+      measured its stagger 0-7 % slower and deleted it.
+    """
+    diagonal_first: bool = False
+    stagger: bool = True
+
+
+DEFAULT_TUNING = Tuning()
 
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
@@ -103,7 +150,7 @@ class Sm90LargeHeadBackwardKernel:
 
     def __init__(self, dtype_name, head_dim, group, scale, causal, window_left, window_right,
                  softcap, has_segment_ids, has_q_seq_lengths, has_kv_seq_lengths, q_total,
-                 deterministic):
+                 deterministic, tuning: Tuning = DEFAULT_TUNING):
         self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
         self.head_dim = head_dim
         self.half_dim = head_dim // 2
@@ -115,9 +162,9 @@ class Sm90LargeHeadBackwardKernel:
         self.has_kv_seq_lengths = has_kv_seq_lengths
         self.q_total = q_total
         self.deterministic = deterministic
-        # Key block n starts its walk n query blocks in, so the CTAs running together add into
-        # different dQ tiles; deterministic mode needs the plain order (the turns would wait).
-        self.stagger = not deterministic
+        # Deterministic mode needs the plain walk (with a stagger the turns would wait).
+        self.stagger = tuning.stagger and not deterministic
+        self.diagonal_first = deterministic and tuning.diagonal_first
         self.tile_m = TILE_M
         self.tile_n = TILE_N
         self.stages = query_stages(head_dim)
@@ -246,6 +293,8 @@ class Sm90LargeHeadBackwardKernel:
                mSem, q_len_static, q_layout, k_layout, v_layout, pds_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
+        if const_expr(self.diagonal_first):
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block      # launched in dQ turn order
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group = cute.arch.make_warp_uniform(tidx // WARP_GROUP)
 
@@ -313,7 +362,7 @@ class Sm90LargeHeadBackwardKernel:
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
         """(query head, query block) of iteration `it`: the group's heads in turn, each over the
-        query blocks this key block sees (staggered by n_block unless deterministic)."""
+        query blocks this key block sees (staggered by n_block when `self.stagger`)."""
         step = it % m_count
         if const_expr(self.stagger):
             step = (step + n_block) % m_count
@@ -507,12 +556,17 @@ class Sm90LargeHeadBackwardKernel:
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
-                first, _ = masking.key_block_range(self.mask, m_block * self.tile_m, self.tile_m,
-                                                   self.tile_n, kv_len, offset)
+                # The tile's visitors are exactly key blocks [first, end)
+                # (tests/test_backward_block_ranges.py), taking turns from one end.
+                first, end = masking.key_block_range(self.mask, m_block * self.tile_m, self.tile_m,
+                                                     self.tile_n, kv_len, offset)
+                turn = n_block - first
+                if const_expr(self.diagonal_first):
+                    turn = end - 1 - n_block
                 flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
                 if lane == 0:
                     seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                    while seen != n_block - first:
+                    while seen != turn:
                         seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
             if lane == 0:
@@ -538,19 +592,20 @@ class Sm90LargeHeadBackwardKernel:
 # ----------------------------------------------------------------------------------------------------
 
 
-def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int):
+def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int,
+                tuning: Tuning = DEFAULT_TUNING):
     """The configured kernel object (its `__call__` is the cute.jit launcher)."""
     return Sm90LargeHeadBackwardKernel(
         dtype_name, head_dim, group, config.scale, config.causal, config.window_left,
         config.window_right, config.softcap, config.has_segment_ids, config.has_q_seq_lengths,
-        config.has_kv_seq_lengths, config.q_total, config.deterministic)
+        config.has_kv_seq_lengths, config.q_total, config.deterministic, tuning)
 
 
-def _compile_key(config: AttentionConfig, dtype_name, head_dim, group):
+def _compile_key(config: AttentionConfig, dtype_name, head_dim, group, tuning: Tuning):
     return ("fa4_jax.sm90_backward_large_heads", KERNEL_VERSION, dtype_name, head_dim, group,
             config.scale, config.causal, config.window_left, config.window_right, config.softcap,
             config.has_segment_ids, config.has_q_seq_lengths, config.has_kv_seq_lengths,
-            config.q_total, config.deterministic)
+            config.q_total, config.deterministic, tuning)
 
 
 def kernel_arguments(query, key, value, d_out, lse_log2, dpsum, optional, dq_accum, semaphores):
@@ -607,6 +662,12 @@ def dq_from_accumulator(dq_accum, q_len: int):
 
 def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
+    return backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config)
+
+
+def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig,
+                          tuning: Tuning = DEFAULT_TUNING):
+    """`attention_backward` with the kernel's `Tuning` exposed (tests and benchmarks)."""
     reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
     if reason is not None:
         raise NotImplementedError(reason)
@@ -620,7 +681,7 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
     semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32)
                   if config.deterministic else None)
 
-    kernel = make_kernel(config, dtype_name, head_dim, group)
+    kernel = make_kernel(config, dtype_name, head_dim, group, tuning)
     inputs = kernel_arguments(query, key, value, d_out, lse_log2, dpsum, optional, dq_accum,
                               semaphores)
     dq_index = len(inputs) - 2
@@ -634,7 +695,7 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
     def launch(stream, *arrays):
         return kernel(stream, *arrays)
 
-    compile_key = _compile_key(config, dtype_name, head_dim, group)
+    compile_key = _compile_key(config, dtype_name, head_dim, group, tuning)
     compile_cache.prepare(launch, inputs, tuple(outputs), compile_key, aliases)
     results = cutlass_jax.cutlass_call(
         launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
