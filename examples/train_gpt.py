@@ -199,8 +199,9 @@ def custom_call_targets(hlo_text: str) -> dict:
     return counts
 
 
-def build_training(args, mesh: Mesh):
-    """(compiled train step, params, optimizer state, data function, parameter count, HLO text)."""
+def build_training(args, mesh: Mesh, donate: bool = True):
+    """(compiled train step, params, optimizer state, data function, parameter count, HLO text).
+    donate=False keeps the step's inputs alive, so one state can be stepped repeatedly (profiling)."""
     model = GPT(args, mesh, nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     parameter_count = sum(leaf.size for leaf in jax.tree.leaves(params))
@@ -226,7 +227,8 @@ def build_training(args, mesh: Mesh):
 
     replicated = NamedSharding(mesh, P())
     step_fn = jax.jit(train_step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
-                      out_shardings=(param_shardings, opt_shardings, replicated), donate_argnums=(0, 1))
+                      out_shardings=(param_shardings, opt_shardings, replicated),
+                      donate_argnums=(0, 1) if donate else ())
     data_fn = jax.jit(
         lambda step: synthetic_batch(args.seed, step, args.batch, args.seq_len, args.vocab),
         out_shardings=batch_sharding)
