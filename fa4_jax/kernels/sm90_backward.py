@@ -831,6 +831,29 @@ def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: 
                               config.deterministic, tuning)
 
 
+def launch(kernel, compile_key, inputs, key, value, dtype):
+    """Run a backward kernel through `cutlass_call`: (fp32 dQ accumulator, dK, dV in `dtype`).
+
+    `inputs` ends with the dQ accumulator and the deterministic mode's semaphores (None otherwise);
+    the kernel updates both in place (input-output aliases). Shared by sm90_backward_large_heads."""
+    dq_accum, semaphores = inputs[-2], inputs[-1]
+    dq_index = len(inputs) - 2
+    aliases = {dq_index: 0} if semaphores is None else {dq_index: 0, dq_index + 1: 1}
+    outputs = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32)]
+    if semaphores is not None:
+        outputs.append(jax.ShapeDtypeStruct(semaphores.shape, jnp.int32))
+    outputs += [jax.ShapeDtypeStruct(key.shape, dtype), jax.ShapeDtypeStruct(value.shape, dtype)]
+
+    def run(stream, *arrays):
+        return kernel(stream, *arrays)
+
+    compile_cache.prepare(run, inputs, tuple(outputs), compile_key, aliases)
+    results = cutlass_jax.cutlass_call(
+        run, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
+        compile_key=compile_key)(*inputs)
+    return results[0], results[-2], results[-1]
+
+
 def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
     return backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config)
@@ -863,22 +886,8 @@ def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, c
               optional.get("q_segment_ids"), optional.get("kv_segment_ids"),
               optional.get("q_seq_lengths"), optional.get("kv_seq_lengths"),
               optional.get("q_start"), dq_accum, semaphores)
-    aliases = {11: 0} if semaphores is None else {11: 0, 12: 1}
-    outputs = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32)]
-    if semaphores is not None:
-        outputs.append(jax.ShapeDtypeStruct(semaphores.shape, jnp.int32))
-    outputs += [jax.ShapeDtypeStruct(key.shape, query.dtype),
-                jax.ShapeDtypeStruct(value.shape, query.dtype)]
-
-    def launch(stream, *arrays):
-        return kernel(stream, *arrays)
-
-    compile_key = _compile_key(config, dtype_name, head_dim, group, tuning)
-    compile_cache.prepare(launch, inputs, tuple(outputs), compile_key, aliases)
-    results = cutlass_jax.cutlass_call(
-        launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
-        compile_key=compile_key)(*inputs)
-    dq_accum, d_key, d_value = results[0], results[-2], results[-1]
+    dq_accum, d_key, d_value = launch(kernel, _compile_key(config, dtype_name, head_dim, group, tuning),
+                                      inputs, key, value, query.dtype)
     d_query = (dq_accum[:, :q_len] * config.scale).astype(query.dtype)
     d_sinks = None
     if config.has_sinks:

@@ -63,12 +63,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.jax as cutlass_jax
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
@@ -77,7 +75,7 @@ from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import compile_cache, masking, sm90_backward
+from fa4_jax.kernels import masking, sm90_backward
 from fa4_jax.kernels.sm90_backward import (K_MAJOR, LOG2_E, MN_MAJOR, WARP_GROUP, gemm,
                                            k_major_layout, swizzle_columns, transpose_view)
 from fa4_jax.kernels.sm90_forward import _accumulator_mn
@@ -684,23 +682,8 @@ def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, c
     kernel = make_kernel(config, dtype_name, head_dim, group, tuning)
     inputs = kernel_arguments(query, key, value, d_out, lse_log2, dpsum, optional, dq_accum,
                               semaphores)
-    dq_index = len(inputs) - 2
-    aliases = {dq_index: 0} if semaphores is None else {dq_index: 0, dq_index + 1: 1}
-    outputs = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32)]
-    if semaphores is not None:
-        outputs.append(jax.ShapeDtypeStruct(semaphores.shape, jnp.int32))
-    outputs += [jax.ShapeDtypeStruct(key.shape, query.dtype),
-                jax.ShapeDtypeStruct(value.shape, query.dtype)]
-
-    def launch(stream, *arrays):
-        return kernel(stream, *arrays)
-
-    compile_key = _compile_key(config, dtype_name, head_dim, group, tuning)
-    compile_cache.prepare(launch, inputs, tuple(outputs), compile_key, aliases)
-    results = cutlass_jax.cutlass_call(
-        launch, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
-        compile_key=compile_key)(*inputs)
-    dq_accum, d_key, d_value = results[0], results[-2], results[-1]
+    dq_accum, d_key, d_value = sm90_backward.launch(
+        kernel, _compile_key(config, dtype_name, head_dim, group, tuning), inputs, key, value, query.dtype)
     d_query = (dq_from_accumulator(dq_accum, q_len) * config.scale).astype(query.dtype)
     d_sinks = None
     if config.has_sinks:
