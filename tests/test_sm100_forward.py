@@ -16,6 +16,7 @@ import pytest
 
 import numpy_reference
 import test_sm90_forward as sm90_grid
+from kernel_cases import poison_device_memory
 from fa4_jax.kernels import sm100_forward
 
 
@@ -50,7 +51,7 @@ def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
     value = inputs.normal((batch, length, heads, dim), jnp.bfloat16)
     config = AttentionConfig(scale=dim ** -0.5, causal=True)
     expected_out, expected_lse = sm90_grid._oracle(query, key, value, dict(scale=config.scale, causal=True))
-    sm90_grid._poison_device_memory(4 * expected_out.size)
+    poison_device_memory(4 * expected_out.size)
     out, lse = jax.jit(lambda q, k, v: sm100_forward.forward_with_options(
         q, k, v, {}, config, rescale_threshold=threshold, poly_exp2_every=poly_every))(query, key, value)
     assert not np.any(np.isnan(np.asarray(out.astype(jnp.float32))))

@@ -15,7 +15,6 @@ the reference: 3e-3 to 6e-3 for bf16.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,34 +23,11 @@ import pytest
 
 import fa4_jax
 import numpy_reference
+from kernel_cases import ROUNDING, Case, poison_device_memory
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import sm90_backward
 
 pytestmark = pytest.mark.gpu
-
-ROUNDING = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    head_dim: int = 128
-    dtype: object = jnp.bfloat16
-    batch: int = 2
-    q_len: int = 197
-    kv_len: int = 333
-    q_heads: int = 4
-    kv_heads: int = 4
-    causal: bool = False
-    window: Optional[tuple] = None
-    softcap: Optional[float] = None
-    sinks: bool = False
-    segments: bool = False
-    q_lengths: bool = False
-    kv_lengths: bool = False
-    d_lse: bool = False
-    scale: Optional[float] = None
-
 
 CASES = [
     Case("plain-aligned", q_len=256, kv_len=256),
@@ -88,12 +64,6 @@ TUNINGS = {
 DETERMINISTIC_CASES = ["plain-d64", "causal-d128", "causal-cross", "causal-more-queries", "window",
                        "window-causal-left", "gqa", "segments", "lengths-causal", "causal-gqa-d96",
                        "gqa-long"]
-
-
-def _poison_device_memory(nbytes: int):
-    poison = jnp.full((nbytes // 4 + 1024,), jnp.nan, dtype=jnp.float32)
-    poison.block_until_ready()
-    del poison
 
 
 def _make_problem(case: Case, inputs):
@@ -152,15 +122,18 @@ def test_deterministic_matches_oracle(case: Case, tuning, inputs):
     _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=True)
 
 
-def _check_against_oracle(case: Case, tuning, inputs, deterministic=False):
+def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):
+    """`kernel.backward_with_options` (this module's kernel or its large-head twin) with `tuning` on
+    the oracle's out and LSE, against the oracle's gradients."""
     query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
     config = config.replace(deterministic=deterministic)
+    assert kernel.unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype) is None
     out64, lse64, expected = _oracle(query, key, value, d_out, d_lse, options)
     out = jnp.asarray(out64, jnp.float32).astype(case.dtype)
     lse = jnp.asarray(lse64, jnp.float32)
 
-    _poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
-    grads = jax.jit(lambda *a: sm90_backward.backward_with_options(
+    poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
+    grads = jax.jit(lambda *a: kernel.backward_with_options(
         *a, optional, config, tuning))(query, key, value, out, lse, d_out, d_lse)
 
     tolerance = 4 * ROUNDING[case.dtype]

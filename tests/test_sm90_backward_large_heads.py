@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import numpy_reference
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import reference, sm90_backward_large_heads
-from test_sm90_backward import ROUNDING, Case, _make_problem, _oracle, _poison_device_memory
+from kernel_cases import Case
+from test_sm90_backward import _check_against_oracle
 
 VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
@@ -55,27 +55,8 @@ CASES = [
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_backward_matches_oracle(case: Case, variant, inputs):
-    query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
     tuning, deterministic = VARIANTS[variant]
-    config = config.replace(deterministic=deterministic)
-    assert sm90_backward_large_heads.unsupported_reason(
-        config, query.shape, key.shape, value.shape, query.dtype) is None
-    out64, lse64, expected = _oracle(query, key, value, d_out, d_lse, options)
-    out = jnp.asarray(out64, jnp.float32).astype(case.dtype)
-    lse = jnp.asarray(lse64, jnp.float32)
-
-    _poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
-    grads = jax.jit(lambda *a: sm90_backward_large_heads.backward_with_options(
-        *a, optional, config, tuning))(query, key, value, out, lse, d_out, d_lse)
-
-    tolerance = 4 * ROUNDING[case.dtype]
-    for name, actual in zip(("dq", "dk", "dv", "dsinks"), grads):
-        if expected[name] is None:
-            assert actual is None
-            continue
-        actual = np.asarray(jnp.asarray(actual, jnp.float32))
-        assert not np.any(np.isnan(actual)), f"{case.name} {name}: NaN"
-        numpy_reference.assert_close(actual, expected[name], tolerance, f"{case.name} {name}")
+    _check_against_oracle(case, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
 DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()

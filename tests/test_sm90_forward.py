@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,31 +27,9 @@ import pytest
 
 import fa4_jax
 import numpy_reference
+from kernel_cases import ROUNDING, Case, poison_device_memory
 
 gpu = pytest.mark.gpu
-
-ROUNDING = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    head_dim: int = 128
-    dtype: object = jnp.bfloat16
-    batch: int = 2
-    q_len: int = 197
-    kv_len: int = 333
-    q_heads: int = 4
-    kv_heads: int = 4
-    causal: bool = False
-    window: Optional[tuple] = None
-    softcap: Optional[float] = None
-    sinks: bool = False
-    segments: bool = False
-    q_lengths: bool = False
-    kv_lengths: bool = False
-    scale: Optional[float] = None
-
 
 CASES = [
     *[Case(f"plain-d{d}", head_dim=d) for d in (64, 96, 128, 192, 256)],
@@ -86,13 +63,6 @@ CASES = [
     Case("softcap-segments-causal-d64-long", head_dim=64, causal=True, q_len=1555, kv_len=1555, softcap=20.0,
          segments=True),
 ]
-
-
-def _poison_device_memory(nbytes: int):
-    """Fill and free a NaN buffer so the kernel's fresh output buffers start out as NaN."""
-    poison = jnp.full((nbytes // 4 + 1024,), jnp.nan, dtype=jnp.float32)
-    poison.block_until_ready()
-    del poison
 
 
 def _error(actual, expected) -> float:
@@ -162,7 +132,7 @@ def test_forward_matches_oracle(case: Case, inputs):
 
     reference_out, reference_lse = fa4_jax.attention(
         query, key, value, return_lse=True, implementation="reference", **options)
-    _poison_device_memory(4 * expected_out.size + 4 * expected_lse.size)
+    poison_device_memory(4 * expected_out.size + 4 * expected_lse.size)
     out, lse = jax.jit(lambda q, k, v: fa4_jax.attention(
         q, k, v, return_lse=True, implementation="cute", **options))(query, key, value)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
@@ -205,7 +175,7 @@ def test_variant_matches_oracle(overrides, case: Case, inputs):
     reference_out, reference_lse = fa4_jax.attention(
         query, key, value, return_lse=True, implementation="reference", **options)
     optional, config = _kernel_config(case, options)
-    _poison_device_memory(4 * expected_out.size + 4 * expected_lse.size)
+    poison_device_memory(4 * expected_out.size + 4 * expected_lse.size)
     out, lse = jax.jit(lambda q, k, v, optional: sm90_forward.forward_with_options(
         q, k, v, optional, config, **overrides))(query, key, value, optional)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
@@ -232,7 +202,7 @@ def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
     value = inputs.normal((batch, length, heads, dim), jnp.bfloat16)
     config = AttentionConfig(scale=dim ** -0.5, causal=True)
     expected_out, expected_lse = _oracle(query, key, value, dict(scale=config.scale, causal=True))
-    _poison_device_memory(4 * expected_out.size)
+    poison_device_memory(4 * expected_out.size)
     out, lse = jax.jit(lambda q, k, v: sm90_forward.forward_with_options(
         q, k, v, {}, config, rescale_threshold=threshold, poly_exp2_every=poly_every))(query, key, value)
     numpy_reference.assert_close(out.astype(jnp.float32), expected_out, 2 * 2.0 ** -8, "out")
