@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+from ptx_checks import assert_no_spills, compile_environment
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (AttentionConfig fields, [B, Sq, Sk, Hq, Hkv, D], dtype, KernelOptions overrides)
@@ -117,9 +119,8 @@ print("SM90_PTX " + json.dumps(result))
 def compiled(tmp_path_factory):
     """{config name: PTX path}, all compiled in one subprocess for sm_90a."""
     directory = tmp_path_factory.mktemp("sm90_ptx")
-    environment = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(directory),
-                       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS)], env=environment,
+    process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS)],
+                             env=compile_environment(directory),
                              capture_output=True, text=True, timeout=900)
     assert process.returncode == 0, process.stderr[-4000:]
     line = next(line for line in process.stdout.splitlines() if line.startswith("SM90_PTX "))
@@ -269,10 +270,4 @@ def test_tma_store_epilogue_layout(tmp_path):
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_no_register_spills(compiled, name):
-    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", compiled[name]["ptx"], "-o", os.devnull],
-                            capture_output=True, text=True, timeout=300)
-    assert report.returncode == 0, report.stderr[-2000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report.stderr)
-    assert spills and all(stores == "0" and loads == "0" for stores, loads in spills), report.stderr
-    stack = re.findall(r"(\d+) bytes stack frame", report.stderr)
-    assert all(size == "0" for size in stack), report.stderr
+    assert_no_spills("ptxas", compiled[name]["ptx"], name)

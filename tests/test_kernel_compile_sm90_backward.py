@@ -10,22 +10,18 @@ Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
+
+from ptx_checks import assert_no_spills, compile_ptx
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import sm90_backward
 
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _COMPILE = r"""
 import json, sys
@@ -105,20 +101,6 @@ def _kernel(spec):
                                      sm90_backward.Tuning(**spec.get("tuning", {})))
 
 
-def _compile_ptx(name, spec, directory):
-    spec = {"dtype": "bfloat16", **spec}
-    environment = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-                       CUTE_DSL_DUMP_DIR=str(directory),
-                       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], env=environment,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{name}: compile failed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    files = glob.glob(os.path.join(str(directory), "*.ptx"))
-    assert len(files) == 1, f"{name}: expected one PTX file, found {files}"
-    with open(files[0]) as handle:
-        return files[0], handle.read()
-
-
 def _query_release_counts(ptx):
     """The arrival counts the query ring's two empty mbarriers are initialised with: they sit at bytes
     16 and 24 of the barrier block (after the two full barriers); the count is an immediate or the
@@ -136,7 +118,7 @@ def _query_release_counts(ptx):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
-    path, ptx = _compile_ptx(name, CASES[name], tmp_path)
+    path, ptx = compile_ptx(name, _COMPILE, {"dtype": "bfloat16", **CASES[name]}, tmp_path)
     kernel = _kernel(CASES[name])
     # Who releases a query stage: every consumer thread, or one lane per consumer warp.
     releasers = kernel.consumer_threads
@@ -162,9 +144,4 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         return
-    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                            capture_output=True, text=True, timeout=600)
-    assert report.returncode == 0, report.stderr[-2000:]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stderr)]
-    assert spills
-    assert max(spills) == 0, f"{name}: spills\n{report.stderr[-1500:]}"
+    assert_no_spills(ptxas, path, name)

@@ -10,19 +10,15 @@ Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from ptx_checks import assert_no_spills, compile_ptx
+
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _COMPILE = r"""
 import json, sys
@@ -71,23 +67,9 @@ CASES = {
 }
 
 
-def _compile_ptx(name, spec, directory):
-    spec = {"dtype": "bfloat16", **spec}
-    environment = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-                       CUTE_DSL_DUMP_DIR=str(directory),
-                       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], env=environment,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{name}: compile failed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    files = glob.glob(os.path.join(str(directory), "*.ptx"))
-    assert len(files) == 1, f"{name}: expected one PTX file, found {files}"
-    with open(files[0]) as handle:
-        return files[0], handle.read()
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiles_to_wgmma_tma_without_spills(name, tmp_path):
-    path, ptx = _compile_ptx(name, CASES[name], tmp_path)
+    path, ptx = compile_ptx(name, _COMPILE, {"dtype": "bfloat16", **CASES[name]}, tmp_path)
     head_dim = CASES[name]["shape"][-1]
     assert ".target sm_90a" in ptx
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * head_dim // 16 + 12
@@ -106,11 +88,7 @@ def test_compiles_to_wgmma_tma_without_spills(name, tmp_path):
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         return
-    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                            capture_output=True, text=True, timeout=600)
-    assert report.returncode == 0, report.stderr[-2000:]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stderr)]
-    assert spills and max(spills) == 0, f"{name}: spills\n{report.stderr[-1500:]}"
+    assert_no_spills(ptxas, path, name)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["unordered_dq", "deterministic"])
@@ -122,6 +100,6 @@ def test_inapplicable_tuning_leaves_the_ptx_unchanged(deterministic, tmp_path):
     inapplicable = dict(stagger=False) if deterministic else dict(diagonal_first=True)
     (tmp_path / "default").mkdir()
     (tmp_path / "tuned").mkdir()
-    _, default = _compile_ptx("default", spec, tmp_path / "default")
-    _, tuned = _compile_ptx("inapplicable", dict(spec, tuning=inapplicable), tmp_path / "tuned")
+    _, default = compile_ptx("default", _COMPILE, {"dtype": "bfloat16", **spec}, tmp_path / "default")
+    _, tuned = compile_ptx("inapplicable", _COMPILE, {"dtype": "bfloat16", **spec, "tuning": inapplicable}, tmp_path / "tuned")
     assert tuned == default
