@@ -471,7 +471,7 @@ class Sm90BackwardKernel:
         query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                    self.stages)
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, m_lo, m_count)
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
             gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
@@ -549,7 +549,7 @@ class Sm90BackwardKernel:
                                            num_threads=self.consumer_threads)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, m_lo, m_count)
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             row_base = m_block * self.tile_m
             stage = query_state.index
             ds_stage = it % 2
@@ -666,9 +666,10 @@ class Sm90BackwardKernel:
             self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
 
     @cute.jit
-    def _query_block(self, it, kv_head, m_lo, m_count):
+    def _query_block(self, it, kv_head, n_block, m_lo, m_count):
         """(query head, query block) of iteration `it`: the group's heads in turn, each over the query
-        blocks this key block sees, lowest first."""
+        blocks this key block sees, lowest first. (`n_block` is unused here; the large-head kernel,
+        which shares `_produce`, staggers its walk by it.)"""
         step = it % m_count
         return kv_head * self.group + it // m_count, m_lo + step
 
@@ -702,7 +703,7 @@ class Sm90BackwardKernel:
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, m_lo, m_count)
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
                                   (self.tile_m, self.head_dim // 2), (m_block, None))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(

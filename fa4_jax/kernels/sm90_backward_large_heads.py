@@ -190,9 +190,13 @@ class Sm90LargeHeadBackwardKernel:
             offset = _ceil_div(offset, 1024) * 1024 + size
         return _ceil_div(offset, 1024) * 1024
 
-    # Shared with the 64 / 96 / 128 kernel: they only read the attributes set above.
+    # Shared with the 64 / 96 / 128 kernel: they only read the attributes set above. The producer
+    # (K and V once, then Q and dO of every query block into the ring) runs without the row
+    # statistics' staging: this kernel reads LSE and dPsum from global memory.
+    staged_row_stats = False
     _softcap_slope = sm90_backward.Sm90BackwardKernel._softcap_slope
     _store_dkv_tma = sm90_backward.Sm90BackwardKernel._store_dkv_tma
+    _produce = sm90_backward.Sm90BackwardKernel._produce
 
     # -------------------------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -345,8 +349,8 @@ class Sm90LargeHeadBackwardKernel:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
-                              query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
-                              iterations)
+                              None, None, None, None, query_pipe, key_pipe, n_block, kv_head, batch,
+                              m_lo, m_count, iterations)
             if warp_idx == 1:
                 self._write_dq(dq_pipe, sdQ, mdQacc, mSem, n_block, kv_head, batch, m_lo, m_count,
                                iterations, kv_len, offset)
@@ -365,42 +369,6 @@ class Sm90LargeHeadBackwardKernel:
         if const_expr(self.stagger):
             step = (step + n_block) % m_count
         return kv_head * self.group + it // m_count, m_lo + step
-
-    @cute.jit
-    def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, query_pipe,
-                 key_pipe, n_block, kv_head, batch, m_lo, m_count, iterations):
-        """Warp 0: K and V once, then Q and dO of every query block into the ring."""
-        tile_q = (self.tile_m, self.head_dim)
-        tile_k = (self.tile_n, self.head_dim)
-        gK = cute.local_tile(mK[None, None, kv_head, batch], tile_k, (n_block, 0))
-        gV = cute.local_tile(mV[None, None, kv_head, batch], tile_k, (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
-                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
-                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        key_pipe.producer_acquire(key_state)
-        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
-        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
-
-        query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
-            gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
-            gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
-                                               cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1),
-                                                 cute.group_modes(sdO, 0, 2),
-                                                 cute.group_modes(gdO, 0, 2))
-            query_pipe.producer_acquire(query_state)
-            barrier = query_pipe.producer_get_barrier(query_state)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, query_state.index],
-                      tma_bar_ptr=barrier)
-            cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, query_state.index],
-                      tma_bar_ptr=barrier)
-            query_state.advance()
 
     @cute.jit
     def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
