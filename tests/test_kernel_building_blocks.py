@@ -55,6 +55,16 @@ def test_block_range_and_partial_blocks_match_oracle(causal, window, q_lengths, 
                 assert block.shape[1] == TILE_N and block.all(), (m_block, n)
 
 
+def test_batch_extents_clip_lengths_and_align_bottom_right():
+    # Static 300 x 500; batch 1 has 120 valid query rows and 400 valid keys.
+    q_lengths, kv_lengths = [300, 120], [500, 400]
+    assert masking.batch_extents(1, 300, 500) == (300, 500, 200)
+    assert masking.batch_extents(1, 300, 500, q_lengths, kv_lengths) == (120, 400, 280)
+    assert masking.batch_extents(0, 300, 500, q_lengths, None) == (300, 500, 200)
+    # A query sharded on sequence aligns by its global length, not the shard's.
+    assert masking.batch_extents(1, 300, 500, None, kv_lengths, q_total=1000) == (300, 400, -600)
+
+
 def test_right_reach_combines_causal_and_window():
     assert masking.MaskShape(causal=True).right_reach == 0
     assert masking.MaskShape(causal=True, window_right=5).right_reach == 0

@@ -75,6 +75,18 @@ class MaskShape:
         return self.window_right
 
 
+def batch_extents(batch, q_len, kv_len, q_lengths=None, kv_lengths=None, q_total=None):
+    """(q_len, kv_len, offset) of batch element `batch`, for every kernel: the static lengths clipped
+    by the per-batch length tensors where given, and offset = kv_len - q_len, with the query's global
+    length `q_total` in place of q_len when the query is sharded on sequence."""
+    if q_lengths is not None:
+        q_len = _minimum(q_lengths[batch], q_len)
+    if kv_lengths is not None:
+        kv_len = _minimum(kv_lengths[batch], kv_len)
+    aligned_q_len = q_len if q_total is None else q_total
+    return q_len, kv_len, kv_len - aligned_q_len
+
+
 def key_block_range(shape: MaskShape, row_start, num_rows, tile_n, kv_len, offset):
     """Key blocks [first, end) that hold any visible key for query rows [row_start, row_start+num_rows).
 

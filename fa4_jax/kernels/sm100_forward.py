@@ -426,16 +426,9 @@ class Sm100ForwardKernel:
         """
         seqlen_q, seqlen_k = problem[0], problem[1]
         mQSeqLengths, mKVSeqLengths, mQStart = optional[3], optional[4], optional[5]
-        q_len = seqlen_q
-        kv_len = seqlen_k
-        if const_expr(self.mask.has_q_lengths):
-            q_len = cutlass.min(mQSeqLengths[batch_index], seqlen_q)
-        if const_expr(self.options.has_kv_lengths):
-            kv_len = cutlass.min(mKVSeqLengths[batch_index], seqlen_k)
-        aligned_q_len = q_len
-        if const_expr(self.options.q_total is not None):
-            aligned_q_len = self.options.q_total
-        offset = kv_len - aligned_q_len
+        q_len, kv_len, offset = masking.batch_extents(
+            batch_index, seqlen_q, seqlen_k, mQSeqLengths if self.mask.has_q_lengths else None,
+            mKVSeqLengths if self.options.has_kv_lengths else None, self.options.q_total)
         local_row_start = m_block * self.cta_rows
         row_start = local_row_start
         if const_expr(self.options.has_q_start):

@@ -415,16 +415,8 @@ class Sm90BackwardKernel:
 
         # Per-batch geometry in the forward kernel's terms: global row = local row + q_start, and
         # global row i sits at key position i + offset.
-        kv_len = cute.size(mK, mode=[0])
-        if const_expr(self.has_kv_seq_lengths):
-            kv_len = cutlass.min(mKVLen[batch], kv_len)
-        q_len = q_len_static
-        if const_expr(self.has_q_seq_lengths):
-            q_len = cutlass.min(mQLen[batch], q_len_static)
-        aligned_q_len = q_len
-        if const_expr(self.q_total is not None):
-            aligned_q_len = Int32(self.q_total)
-        offset = kv_len - aligned_q_len
+        q_len, kv_len, offset = masking.batch_extents(batch, q_len_static, cute.size(mK, mode=[0]), mQLen,
+                                                      mKVLen, self.q_total)
         q_start = Int32(0)
         if const_expr(self.has_q_start):
             q_start = mQStart[0]

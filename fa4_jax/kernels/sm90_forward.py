@@ -433,16 +433,8 @@ class Sm90ForwardKernel:
                     q_seq_lengths: Optional[cute.Tensor], kv_seq_lengths: Optional[cute.Tensor],
                     q_start: Optional[cute.Tensor]):
         """(row_start, q_len, kv_len, offset, first key block, end key block) of one tile."""
-        q_len = q_len_static
-        kv_len = kv_len_static
-        if cutlass.const_expr(q_seq_lengths is not None):
-            q_len = cutlass.min(q_seq_lengths[batch_index], q_len_static)
-        if cutlass.const_expr(kv_seq_lengths is not None):
-            kv_len = cutlass.min(kv_seq_lengths[batch_index], kv_len_static)
-        aligned_q_len = q_len
-        if cutlass.const_expr(self.options.q_total is not None):
-            aligned_q_len = self.options.q_total
-        offset = kv_len - aligned_q_len
+        q_len, kv_len, offset = masking.batch_extents(batch_index, q_len_static, kv_len_static, q_seq_lengths,
+                                                      kv_seq_lengths, self.options.q_total)
         local_row_start = m_block * self.tile_m
         row_start = local_row_start
         if cutlass.const_expr(q_start is not None):
