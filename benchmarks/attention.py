@@ -260,12 +260,14 @@ def _versions():
     return versions
 
 
-def _git_revision():
-    revision = os.environ.get("FA4_GIT_REVISION")
-    if revision:
-        return revision
+def git_revision() -> str:
+    """$FA4_GIT_REVISION when set (the device copy has no .git), else `git rev-parse HEAD`. Every
+    benchmark's reports use this."""
+    if os.environ.get("FA4_GIT_REVISION"):
+        return os.environ["FA4_GIT_REVISION"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -281,7 +283,7 @@ def run(args):
         return None
     device = jax.devices()[0]
     report = dict(device=device.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                  versions=_versions(), git_revision=_git_revision(),
+                  versions=_versions(), git_revision=git_revision(),
                   timing="CUPTI kernel time, median of iterations (jax.experimental.mosaic.gpu.profiler.measure)",
                   flops="forward 4*B*H*Sq*Sk*D, halved when causal", dtype="bfloat16", rows=[])
     key = jax.random.key(0)

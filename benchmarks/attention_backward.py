@@ -34,7 +34,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -86,17 +85,6 @@ def variants_passing(test_log: str):
 
 def backward_flops(shape) -> float:
     return 2.5 * attention.forward_flops(shape)
-
-
-def git_revision() -> str:
-    """$FA4_GIT_REVISION when set (the device copy has no .git), else `git rev-parse HEAD`."""
-    if os.environ.get("FA4_GIT_REVISION"):
-        return os.environ["FA4_GIT_REVISION"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _config(shape, deterministic=False):
@@ -266,7 +254,7 @@ def run(args):
         return precompile(shapes, names, args.precompile_workers or os.cpu_count())
     report = dict(device=jax.devices()[0].device_kind,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                  versions=attention._versions(), git_revision=git_revision(),
+                  versions=attention._versions(), git_revision=attention.git_revision(),
                   timing="CUPTI kernel time, median of iterations (jax.experimental.mosaic.gpu.profiler.measure)",
                   flops="backward = 2.5 x forward 4*B*H*Sq*Sk*D, halved when causal", dtype="bfloat16",
                   variants={name: dict(dataclasses.asdict(tuning), deterministic=deterministic)

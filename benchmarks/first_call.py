@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from attention import git_revision  # benchmarks/attention.py
+
 
 def child(implementation: str, head_dim: int, causal: bool) -> dict:
     started = time.perf_counter()
@@ -88,7 +90,7 @@ def main():
         "what": "wall time of the first and second jitted call in a new process (B=2, S=1024, H=8, bf16)",
         "implementation": arguments.implementation, "head_dim": arguments.head_dim, "causal": arguments.causal,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_revision": os.environ.get("FA4_GIT_REVISION") or _git_revision(),
+        "git_revision": git_revision(),
         **runs,
     }
     with open(arguments.out, "w") as handle:
@@ -98,14 +100,6 @@ def main():
         print(f"{mode:9s} forward first {run['forward_first_call_s']:6.2f} s second "
               f"{run['forward_second_call_s'] * 1e3:7.2f} ms | fwd+grad first {run['forward_and_grad_first_call_s']:6.2f} s "
               f"second {run['forward_and_grad_second_call_s'] * 1e3:7.2f} ms")
-
-
-def _git_revision():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def main(argv=None):
     if args.precompile_only:
         precompile(shapes, names, args.precompile_workers or os.cpu_count())
         return
-    report = dict(git_revision=attention_backward.git_revision(), dtype="bfloat16",
+    report = dict(git_revision=attention.git_revision(), dtype="bfloat16",
                   timing="CUPTI kernel time, median of iterations",
                   ratio="<variant>_vs_cudnn = cudnn_ms / <variant>_ms (above 1: faster than cuDNN)",
                   variants={name: dict(dataclasses.asdict(variants()[name][0]),

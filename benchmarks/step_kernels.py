@@ -24,6 +24,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from attention import git_revision  # noqa: E402  (benchmarks/attention.py)
 
 CATEGORIES = ("fa4_jax attention", "cudnn attention", "matmul", "nccl", "other")
 
@@ -79,7 +82,7 @@ def profile(attention: str, train_flags: list, repeats: int) -> dict:
         "kernels_per_step": statistics.median(len(kernels) for kernels in per_step),
         "top_kernels_ms": [{"kernel": name, "ms": ms} for ms, name in top],
         "collectives": train_gpt.collective_counts(hlo_text),
-        "git_revision": os.environ.get("FA4_GIT_REVISION") or train_gpt.git_revision(),
+        "git_revision": git_revision(),
         "versions": train_gpt.versions(),
     }
 
