@@ -1,23 +1,29 @@
-"""Backward benchmark: the sm90 backward kernel's variants vs cuDNN's backward, one process, same inputs.
+"""Backward benchmark: the sm90 backward kernels' variants vs cuDNN's backward, one process, same inputs.
 
 One command sweeps every variant over the grid (by default the whole one: D 128, 64, 256 x S 1k-16k x
 causal or not, B*S = 16k tokens) and writes one JSON (rewritten after every row, so a run cut short
 by a time limit still leaves its rows). Per shape it times, with CUPTI (all kernels of the call,
 median of iterations):
-- each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`sm90_backward.backward_with_options`)
-  with one `Tuning`, deterministic or not, given the forward's out and LSE;
+- each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`backward_with_options` of its kernel
+  module, fa4_jax/kernels/sm90_backward.py or sm90_backward_large_heads.py) with one `Tuning`,
+  deterministic or not, given the forward's out and LSE. `default` and `deterministic` are what
+  fa4_jax runs at every head dim (sm90_backward's entry hands D 192 / 256 to the large-head kernel);
+  a candidate runs at its own kernel's head dims only, and a row of another head dim records
+  `<variant>_skipped` with the reason;
 - cudnn: the VJP of jax.nn.dot_product_attention(implementation="cudnn"), residuals precomputed, so
   only its backward kernels are timed;
 - the first variant again, last (`<variant>_repeat_ms`): the spread of its two timings is the noise.
 Every variant's dq/dk/dv are compared with cuDNN's (max |difference|), so a wrong variant shows.
 TFLOP/s counts backward FLOPs = 2.5x forward (forward = 4*B*H*Sq*Sk*D, halved when causal).
-A shape the kernel does not take (e.g. D = 256) gets `fa4_jax_backward: "reference fallback: <why>"`
-and only cuDNN is timed: fa4_jax would run the reference there, which is not ours to time.
+A shape neither kernel takes gets `fa4_jax_backward: "reference fallback: <why>"` and only cuDNN is
+timed: fa4_jax would run the reference there, which is not ours to time.
 
 Compiling every variant x 20 shapes one after another would take most of a device call, so
 --precompile-workers N first lowers every (shape, variant) kernel for CUDA in N CPU-platform
 processes at once into the on-disk kernel cache (fa4_jax.kernels.compile_cache); the timing process
-then loads them. CUTE_DSL_ARCH is set to sm_90a in both (the cache key includes it).
+then loads them. CUTE_DSL_ARCH is set to sm_90a in both (the cache key includes it). With
+--variants-passing LOG a candidate is timed only if its GPU tests passed in that pytest log (a turn
+order that deadlocks or a wrong result is not timed; `variants_passing` says what counts).
 
 Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
        [--variants default deterministic ...] [--head-dims 128 64 256] [--seq-lens 1024 4096] [--quick]
@@ -34,8 +40,11 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import sys
 import time
+import types
+from typing import Any, Optional
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,43 +53,64 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attention  # noqa: E402  (the shared benchmark driver: shapes, FLOPs, CUPTI timing)
 
 
-def _variants():
-    """name -> (Tuning, deterministic): what fa4_jax runs. A candidate under measurement is added
-    here as one more row (docs/sm90_backward_tuning.md has the past ones)."""
-    from fa4_jax.kernels import sm90_backward as bwd
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to run the backward: `kernel.backward_with_options(..., tuning)`, deterministic or not."""
+    kernel: types.ModuleType     # fa4_jax.kernels.sm90_backward or .sm90_backward_large_heads
+    tuning: Any                  # that module's `Tuning`
+    deterministic: bool
+    head_dims: tuple             # where it runs; rows of other head dims skip it
+    tested_by: Optional[tuple] = None   # (test file, pytest id) of its GPU tests; None: shipped code
 
+    def skip_reason(self, shape) -> Optional[str]:
+        if shape["head_dim"] in self.head_dims:
+            return None
+        return f"{self.kernel.__name__.rsplit('.', 1)[-1]} variant, head dims {self.head_dims} only"
+
+
+def _variants():
+    """name -> Variant, timed in this order. A candidate under measurement is added here as one more
+    row, with the head dims of the kernel whose `Tuning` it sets and the id of its GPU tests
+    (docs/sm90_backward_tuning.md and the large-head module docstring have the past ones)."""
+    from fa4_jax.kernels import sm90_backward as small_heads
+    from fa4_jax.kernels import sm90_backward_large_heads as large_heads
+
+    every_head_dim = small_heads.SUPPORTED_HEAD_DIMS + small_heads.LARGE_HEAD_DIMS
     return {
-        "default": (bwd.DEFAULT_TUNING, False),
-        "deterministic": (bwd.DEFAULT_TUNING, True),
-        "per_thread_release": (dataclasses.replace(bwd.DEFAULT_TUNING, per_thread_query_release=True),
-                               False),
+        "default": Variant(small_heads, small_heads.DEFAULT_TUNING, False, every_head_dim),
+        "deterministic": Variant(small_heads, small_heads.DEFAULT_TUNING, True, every_head_dim),
+        "per_thread_release": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, per_thread_query_release=True),
+            False, small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "per_thread_release")),
+        "no_stagger": Variant(large_heads, large_heads.Tuning(stagger=False), False,
+                              large_heads.SUPPORTED_HEAD_DIMS,
+                              ("test_sm90_backward_large_heads.py", "no_stagger")),
+        "deterministic_diagonal_first": Variant(
+            large_heads, large_heads.Tuning(diagonal_first=True), True, large_heads.SUPPORTED_HEAD_DIMS,
+            ("test_sm90_backward_large_heads.py", "diagonal_first")),
     }
 
 
-# The GPU test tuning (tests/test_sm90_backward.py) each variant's code path is checked by.
-TESTED_BY = {"default": "default", "deterministic": "default",
-             "per_thread_release": "per_thread_release"}
-
-
 def variants_passing(test_log: str):
-    """The variants whose test tuning passed in a `pytest -rA` log of tests/test_sm90_backward.py: the
-    run finished (its summary line is there), no test of that tuning failed, at least one passed.
-    A run cut short (a hang, a time limit) leaves only the variants tested by "default"."""
-    import re
-
+    """The variants to time after the GPU tests in `test_log` (pytest -rA or -v, -q or not, with
+    xdist or not): the shipped ones, and each candidate with at least one test of its id in its
+    test file passed and none failed or errored, in a run that reached its summary line. A run cut
+    short (a hang, a time limit) leaves only the shipped ones."""
     with open(test_log) as handle:
-        text = handle.read()
+        lines = handle.read().splitlines()
     # pytest's last line, "=== 60 passed, 3 failed in 99.0s ===" (bare under -q).
-    finished = re.search(r"^\W*\d+ (passed|failed)\b.* in [\d.]+s", text, re.MULTILINE) is not None
+    finished = any(re.match(r"\W*\d+ (passed|failed)\b.* in [\d.]+s", line) for line in lines)
 
-    def verified(tuning):
-        if tuning == "default":
-            return True
-        marker = rf"[\[-]{re.escape(tuning)}[\]-]"
-        return (finished and re.search(rf"^PASSED .*{marker}", text, re.MULTILINE) is not None
-                and re.search(rf"^(FAILED|ERROR) .*{marker}", text, re.MULTILINE) is None)
+    def outcomes(test_file, test_id):
+        found = set()
+        for line in lines:
+            test = re.search(rf"\b{re.escape(test_file)}::\w+\[([^\]]*)\]", line)
+            if test and test_id in test.group(1).split("-"):
+                found.update(re.findall(r"\b(PASSED|FAILED|ERROR)\b", line))
+        return found
 
-    return [name for name in _variants() if verified(TESTED_BY[name])]
+    return [name for name, variant in _variants().items()
+            if variant.tested_by is None or (finished and outcomes(*variant.tested_by) == {"PASSED"})]
 
 
 def backward_flops(shape) -> float:
@@ -93,11 +123,11 @@ def _config(shape, deterministic=False):
                            deterministic=deterministic)
 
 
-def _backward(config, tuning):
+def _backward(shape, variant):
     import jax
-    from fa4_jax.kernels import sm90_backward
-    return jax.jit(lambda q, k, v, o, l, g: sm90_backward.backward_with_options(
-        q, k, v, o, l, g, None, {}, config, tuning)[:3])
+    config = _config(shape, variant.deterministic)
+    return jax.jit(lambda q, k, v, o, l, g: variant.kernel.backward_with_options(
+        q, k, v, o, l, g, None, {}, config, variant.tuning)[:3])
 
 
 def _forward(config):
@@ -147,9 +177,8 @@ def _lower_for_cuda(job):
         if variant == "forward":
             _forward(_config(shape)).trace(tensor, tensor, tensor).lower(lowering_platforms=("cuda",))
         else:
-            tuning, deterministic = _variants()[variant]
             lse = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
-            _backward(_config(shape, deterministic), tuning).trace(
+            _backward(shape, _variants()[variant]).trace(
                 tensor, tensor, tensor, tensor, lse, tensor).lower(lowering_platforms=("cuda",))
         return variant, time.perf_counter() - start, None
     except Exception as error:  # the timing process compiles it itself then
@@ -161,9 +190,12 @@ def _worker_initializer():
 
 
 def precompile(shapes, variant_names, workers):
-    """Fill the on-disk cache for every (shape, variant) in `workers` CPU-platform processes."""
+    """Fill the on-disk cache for every (shape, variant that runs there) in `workers` CPU-platform
+    processes."""
+    variants = _variants()
     jobs = [(shape, name) for shape in shapes if _fallback_reason(shape) is None
-            for name in ["forward", *variant_names]]
+            for name in ["forward", *variant_names]
+            if name == "forward" or variants[name].skip_reason(shape) is None]
     start = time.perf_counter()
     failures = []
     context = __import__("multiprocessing").get_context("spawn")
@@ -196,9 +228,11 @@ def backward_section(shape, arguments, args):
         out, lse, row["residuals"] = _forward_residuals(query, key, value, config)
         variants = _variants()
         for name in getattr(args, "variants", None) or list(variants):
-            tuning, deterministic = variants[name]
-            candidates[name] = (_backward(_config(shape, deterministic), tuning),
-                                (query, key, value, out, lse, d_out))
+            skip_reason = variants[name].skip_reason(shape)
+            if skip_reason is not None:
+                row[f"{name}_skipped"] = skip_reason
+                continue
+            candidates[name] = (_backward(shape, variants[name]), (query, key, value, out, lse, d_out))
     try:
         _, cudnn_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=shape["causal"], implementation="cudnn"), query, key, value)
@@ -257,8 +291,10 @@ def run(args):
                   versions=attention._versions(), git_revision=attention.git_revision(),
                   timing="CUPTI kernel time, median of iterations (jax.experimental.mosaic.gpu.profiler.measure)",
                   flops="backward = 2.5 x forward 4*B*H*Sq*Sk*D, halved when causal", dtype="bfloat16",
-                  variants={name: dict(dataclasses.asdict(tuning), deterministic=deterministic)
-                            for name, (tuning, deterministic) in _variants().items() if name in names},
+                  variants={name: dict(dataclasses.asdict(variant.tuning),
+                                       deterministic=variant.deterministic,
+                                       kernel=variant.kernel.__name__, head_dims=variant.head_dims)
+                            for name, variant in _variants().items() if name in names},
                   ratio="<variant>_vs_cudnn = cudnn_ms / <variant>_ms (above 1: faster than cuDNN)",
                   rows=[])
     if args.precompile_workers:
@@ -295,7 +331,7 @@ def main(argv=None):
     parser.add_argument("--precompile-workers", type=int, default=0,
                         help="lower every kernel in this many CPU processes first (on-disk cache)")
     parser.add_argument("--variants-passing", metavar="PYTEST_LOG",
-                        help="keep only the variants whose tuning passed in this `pytest -rA` log")
+                        help="time a candidate only if its GPU tests passed in this pytest log")
     parser.add_argument("--precompile-only", action="store_true",
                         help="only fill the on-disk cache (e.g. in the background while tests run)")
     args = parser.parse_args(argv)
@@ -303,9 +339,10 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {sorted(_variants())}")
     if args.variants_passing:
-        args.variants = [name for name in variants_passing(args.variants_passing)
-                         if name in (args.variants or _variants())]
-        print(f"variants whose GPU tests passed ({args.variants_passing}): {' '.join(args.variants)}")
+        passing = variants_passing(args.variants_passing)
+        args.variants = [name for name in args.variants or _variants() if name in passing]
+        print(f"variants to time (shipped, or GPU tests passed in {args.variants_passing}): "
+              f"{' '.join(args.variants)}")
     run(args)
 
 

@@ -52,10 +52,10 @@ If they land, make both the only behaviour (delete the fields), as sm90_backward
 The device command (one H200, <= 240 s, carry [".dev/cute"]; commit first and replace REV by
 `git rev-parse --short HEAD`): the candidates' 48 GPU tests (oracle over the 18 cases each, bitwise
 reproducibility incl. 512 CTAs at once, the shipped lowest-first order too) while 6 CPU processes
-compile the 30 timed kernels; then D = 256 x S 1k / 4k / 16k x causal or not, 4 variants and
-cuDNN, timing only candidates whose tests all passed:
+compile the 30 timed kernels; then benchmarks/attention_backward.py times D = 256 x S 1k / 4k /
+16k x causal or not, 4 variants and cuDNN, only candidates whose tests all passed:
 
-    source .dev/cute/setup.sh && export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels PYTHONUNBUFFERED=1; JAX_PLATFORMS=cpu timeout 100 python3 benchmarks/sm90_backward_large_heads.py --precompile-only --precompile-workers 6 > $OUT/precompile.log 2>&1 & PRE=$!; XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 105 python3 -m pytest -v -rfE -n 8 -p no:cacheprovider --timeout 60 --timeout-method thread tests/test_sm90_backward_large_heads.py -k "no_stagger or diagonal_first or lowest_first" > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log; wait $PRE; tail -1 $OUT/precompile.log; timeout 120 python3 benchmarks/sm90_backward_large_heads.py --out $OUT/large_heads_h200.json --seq-lens 1024 4096 16384 --iterations 10 --variants-passing $OUT/gpu_tests.log > $OUT/bench.log 2>&1; echo "bench rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -8; tail -8 $OUT/bench.log
+    source .dev/cute/setup.sh && export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels PYTHONUNBUFFERED=1; G="--variants default no_stagger deterministic deterministic_diagonal_first --head-dims 256 --seq-lens 1024 4096 16384"; JAX_PLATFORMS=cpu timeout 100 python3 benchmarks/attention_backward.py --precompile-only --precompile-workers 6 $G > $OUT/precompile.log 2>&1 & PRE=$!; XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 105 python3 -m pytest -v -rfE -n 8 -p no:cacheprovider --timeout 60 --timeout-method thread tests/test_sm90_backward_large_heads.py -k "no_stagger or diagonal_first or lowest_first" > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log; wait $PRE; tail -1 $OUT/precompile.log; timeout 120 python3 benchmarks/attention_backward.py --out $OUT/large_heads_h200.json $G --iterations 10 --variants-passing $OUT/gpu_tests.log > $OUT/bench.log 2>&1; echo "bench rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -8; tail -9 $OUT/bench.log
 """
 
 from __future__ import annotations

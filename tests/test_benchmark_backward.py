@@ -1,0 +1,91 @@
+"""benchmarks/attention_backward.py on the CPU: which variants a pytest log lets it time, and which
+head dims each variant runs at. A candidate whose GPU tests failed, or did not finish, must not be
+timed: a turn order that deadlocks would hang the device call, a wrong one would be measured."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_backward.py"
+SHIPPED = ["default", "deterministic"]
+
+
+@pytest.fixture(scope="module")
+def benchmark():
+    # The script puts benchmarks/ on sys.path and defaults CUTE_DSL_ARCH at import; both are put
+    # back afterwards for the rest of the session (benchmarks/attention.py is imported by then).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "path", list(sys.path))
+        patch.delenv("CUTE_DSL_ARCH", raising=False)
+        spec = importlib.util.spec_from_file_location("attention_backward", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        patch.setitem(sys.modules, spec.name, module)   # @dataclass looks its module up there
+        spec.loader.exec_module(module)
+    return module
+
+
+def _kept(benchmark, tmp_path, log):
+    path = tmp_path / "gpu_tests.log"
+    path.write_text(log)
+    return benchmark.variants_passing(str(path))
+
+
+SMALL = "tests/test_sm90_backward.py::test_backward_matches_oracle"
+LARGE = "tests/test_sm90_backward_large_heads.py::test_backward_matches_oracle"
+
+
+def test_finished_rA_log_keeps_candidates_whose_tests_all_passed(benchmark, tmp_path):
+    log = f"""....F.
+=========================== short test summary info ============================
+PASSED {SMALL}[per_thread_release-plain]
+PASSED {SMALL}[default-plain]
+PASSED {LARGE}[no_stagger-plain-d256]
+PASSED {LARGE}[no_stagger-causal-cross-d192]
+PASSED {LARGE}[diagonal_first-plain-d256]
+FAILED {LARGE}[diagonal_first-causal-d256] - AssertionError: dq off
+1 failed, 5 passed in 12.34s
+"""
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "per_thread_release", "no_stagger"]
+
+
+def test_verbose_xdist_log(benchmark, tmp_path):
+    log = f"""[gw0] [ 33%] PASSED {LARGE}[diagonal_first-plain-d256]
+[gw1] [ 66%] PASSED {LARGE}[no_stagger-plain-d256]
+[gw0] [100%] ERROR {LARGE}[no_stagger-gqa-long-d256]
+=================== 2 passed, 1 error in 30.10s (0:00:30) ====================
+pytest rc=1
+"""
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "deterministic_diagonal_first"]
+
+
+def test_run_cut_short_keeps_only_the_shipped_variants(benchmark, tmp_path):
+    log = f"""PASSED {SMALL}[per_thread_release-plain]
+[gw0] [ 50%] PASSED {LARGE}[no_stagger-plain-d256]
+pytest rc=124
+"""
+    assert _kept(benchmark, tmp_path, log) == SHIPPED
+
+
+def test_an_id_counts_only_in_its_own_test_file(benchmark, tmp_path):
+    log = f"""PASSED {SMALL}[no_stagger-plain]
+PASSED {LARGE}[per_thread_release-plain-d256]
+2 passed in 1.00s
+"""
+    assert _kept(benchmark, tmp_path, log) == SHIPPED
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
+    shape = dict(batch=1, seq_len=1024, heads=8, head_dim=head_dim, causal=False)
+    runs = [name for name, variant in benchmark._variants().items() if variant.skip_reason(shape) is None]
+    if head_dim in (64, 96, 128):
+        assert runs == [*SHIPPED, "per_thread_release"]
+    else:
+        assert runs == [*SHIPPED, "no_stagger", "deterministic_diagonal_first"]
+    assert all(benchmark._variants()[name].kernel.unsupported_reason(
+        benchmark._config(shape), (1, 1024, 8, head_dim), (1, 1024, 8, head_dim),
+        (1, 1024, 8, head_dim), "bfloat16") is None for name in runs)
