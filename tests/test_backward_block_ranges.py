@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fa4_jax.kernels import masking
+from fa4_jax.kernels import masking, ordered_reduction
 
 SHAPES = [
     masking.MaskShape(),
@@ -76,3 +76,23 @@ def test_causal_arrival_order_is_diagonal_first(shape):
             visitors = [n for n, (first, end) in enumerate(ranges) if first <= m_block < end]
             steps = [m_block - ranges[n][0] for n in visitors]
             assert steps == sorted(steps, reverse=True), (kv_len, row_offset, m_block, visitors, steps)
+
+
+@pytest.mark.parametrize("highest_first", [False, True], ids=["lowest_first", "highest_first"])
+@pytest.mark.parametrize("shape", SHAPES, ids=repr)
+def test_key_block_turns_are_the_visitors_in_order(shape, highest_first):
+    """`ordered_reduction.key_block_turn` hands the key blocks that visit a query block (found by the
+    backward's walk, `query_block_range`) the turns 0, 1, ... once each, lowest or highest key block
+    first: a turn given twice or skipped would hang the deterministic dQ writers."""
+    tile_m, tile_n, num_m_blocks = 64, 128, 12
+    for kv_len, row_offset in itertools.product((1, 130, 700, 1000), (0, 300, -200, 37)):
+        num_n_blocks = -(-kv_len // tile_n)
+        ranges = [masking.query_block_range(shape, n, tile_m, tile_n, kv_len, row_offset, num_m_blocks)
+                  for n in range(num_n_blocks)]
+        for m_block in range(num_m_blocks):
+            visitors = [n for n, (first, end) in enumerate(ranges) if first <= m_block < end]
+            turns = [ordered_reduction.key_block_turn(shape, n, m_block * tile_m, tile_m, tile_n, kv_len,
+                                                      row_offset, highest_first) for n in visitors]
+            expected = list(range(len(visitors)))
+            assert turns == (expected[::-1] if highest_first else expected), (
+                kv_len, row_offset, m_block, visitors, turns)

@@ -23,10 +23,11 @@ fastest (docs/sm90_backward_tuning.md has the measurements and the predictions b
 
 deterministic=True orders the dQ additions: a per (batch, query head, query block) counter in global
 memory lets key block n add only after every higher key block of the tile has added, so the fp32
-sums happen in one fixed order and the result is bitwise reproducible. Highest first ("diagonal
-first") because under a causal mask key block n starts at query block ~2n, so key block n + 1
-reaches every tile two steps before key block n: the turn order is the arrival order and nobody
-waits (lowest first, key block n would wait ~2n steps at its first tile). The key blocks of a head
+sums happen in one fixed order and the result is bitwise reproducible (the turns are
+ordered_reduction.py's, shared with sm90_backward_large_heads). Highest first ("diagonal first")
+because under a causal mask key block n starts at query block ~2n, so key block n + 1 reaches every
+tile two steps before key block n: the turn order is the arrival order and nobody waits (lowest
+first, key block n would wait ~2n steps at its first tile). The key blocks of a head
 launch highest first too, so a CTA only ever waits for CTAs launched before it (no deadlock).
 """
 
@@ -50,7 +51,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import compile_cache, masking
+from fa4_jax.kernels import compile_cache, masking, ordered_reduction
 
 LOG2_E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -690,8 +691,8 @@ class Sm90BackwardKernel:
                   iterations, kv_len, offset, q_start):
         """The dQ writer warp: per query block, wait for the consumers' staged dQ, add it into the
         fp32 accumulator with two bulk tensor reduces (one per half of D), free the buffer once the
-        copy engine has read it. Deterministic: wait for the tile's turn first, and pass it on
-        once the additions are complete in global memory."""
+        copy engine has read it. Deterministic: in the tile's turn, highest key block first
+        (`ordered_reduction`)."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
@@ -705,29 +706,14 @@ class Sm90BackwardKernel:
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
-                # The tile's visitors: exactly key blocks [first, end) (test_backward_block_ranges.py),
-                # taking turns from the highest down.
-                _, end = masking.key_block_range(self.mask, q_start + m_block * self.tile_m,
-                                                 self.tile_m, self.tile_n, kv_len, offset)
-                turn = end - 1 - n_block
-                flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
-                if lane == 0:
-                    seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                    while seen != turn:
-                        seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                cute.arch.sync_warp()
+                turn = ordered_reduction.key_block_turn(
+                    self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n,
+                    kv_len, offset, highest_first=True)
+                flag = ordered_reduction.wait_for_turn(mSem, (batch, q_head, m_block), turn, lane)
             for half in cutlass.range_constexpr(2):
                 cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
             cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0)           # added, not just read
-                cute.arch.sync_warp()
-                if lane == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-            else:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
+            ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
             dq_state.advance()
 

@@ -17,7 +17,8 @@ layout FA3 uses for large heads:
 - dQ (a [64, D/2] fp32 tile per group) is staged in shared memory in the threads' register order,
   one 16-byte store per 4 values and one address per thread, and added into the fp32 accumulator by
   one bulk reduce-add (`cp.reduce.async.bulk`, 64 x D x 4 contiguous bytes) that a writer warp of the
-  producer warp group issues (deterministic: in key block order, waited for by the writer alone).
+  producer warp group issues (deterministic: in key block order, waited for by the writer alone;
+  the turns are ordered_reduction.py's, as in sm90_backward).
   The accumulator is therefore kept in that order, [B, Hq, query block, 64 x D], and the
   postprocess (`dq_from_accumulator`) puts rows and columns back while it scales and casts. A
   swizzled [64, D/2] staging tile for a TMA tensor reduce would need 16 swizzled addresses per
@@ -75,7 +76,7 @@ from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import masking, sm90_backward
+from fa4_jax.kernels import masking, ordered_reduction, sm90_backward
 from fa4_jax.kernels.sm90_backward import (K_MAJOR, LOG2_E, MN_MAJOR, WARP_GROUP, gemm,
                                            k_major_layout, swizzle_columns, transpose_view)
 from fa4_jax.kernels.sm90_forward import _accumulator_mn
@@ -504,7 +505,8 @@ class Sm90LargeHeadBackwardKernel:
                   iterations, kv_len, offset):
         """The dQ writer warp: per query block, wait for the staged dQ, add it into the fp32
         accumulator with one bulk reduce, free the buffer once the copy engine has read it.
-        Deterministic: wait for the tile's turn first, pass it on once the sums are in memory."""
+        Deterministic: in the tile's turn (`ordered_reduction`), lowest key block first, or highest
+        with `diagonal_first`."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         tile_bytes = self.tile_m * self.head_dim * 4
@@ -514,33 +516,16 @@ class Sm90LargeHeadBackwardKernel:
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
-                # The tile's visitors are exactly key blocks [first, end)
-                # (tests/test_backward_block_ranges.py), taking turns from one end.
-                first, end = masking.key_block_range(self.mask, m_block * self.tile_m, self.tile_m,
-                                                     self.tile_n, kv_len, offset)
-                turn = n_block - first
-                if const_expr(self.diagonal_first):
-                    turn = end - 1 - n_block
-                flag = mSem.iterator + cute.crd2idx((batch, q_head, m_block), mSem.layout)
-                if lane == 0:
-                    seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                    while seen != turn:
-                        seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                cute.arch.sync_warp()
+                turn = ordered_reduction.key_block_turn(
+                    self.mask, n_block, m_block * self.tile_m, self.tile_m, self.tile_n, kv_len,
+                    offset, highest_first=self.diagonal_first)
+                flag = ordered_reduction.wait_for_turn(mSem, (batch, q_head, m_block), turn, lane)
             if lane == 0:
                 primitives.cp_reduce_async_bulk_global_shared_cta(
                     destination, sdQ.iterator, tile_bytes, op=primitives.CpReduceOp.ADD,
                     type=primitives.CpReduceType.F32)
             cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0)           # added, not just read
-                cute.arch.sync_warp()
-                if lane == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-            else:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
+            ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
             dq_state.advance()
 

@@ -1,0 +1,67 @@
+"""Deterministic dQ: the key blocks that visit a query tile add into its fp32 accumulator one at a
+time, in a fixed order, so the sums round the same way on every run and dQ is bitwise reproducible.
+
+Each (batch, query head, query block) tile has an int32 counter in global memory, zero at launch. A
+key block's dQ writer warp waits until the counter equals its turn (`wait_for_turn`), issues its bulk
+adds, and once they are complete in global memory passes the turn on (`finish_bulk_adds`). Without
+ordering the same writer only waits until the copy engine has read its staging buffer.
+
+The turn order must be one in which a key block never waits for a CTA that cannot start before it:
+the kernels launch the key blocks of a head in turn order.
+
+`key_block_turn` is plain integer arithmetic, like masking's block-grain functions: it runs on Python
+ints in the unit tests and on `cutlass.Int32` inside the kernels.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+from fa4_jax.kernels import masking
+
+
+def key_block_turn(shape: masking.MaskShape, n_block, row_start, tile_m, tile_n, kv_len, offset,
+                   highest_first: bool):
+    """Key block n_block's turn (0, 1, ...) at the query tile of rows [row_start, row_start + tile_m).
+
+    The tile's visitors are exactly the key blocks [first, end) of `masking.key_block_range`
+    (tests/test_backward_block_ranges.py), so their turns are 0 .. end - first - 1, taken from the
+    highest key block down or from the lowest up. Highest first is the arrival order under a causal
+    mask, where key block n + 1 reaches every tile before key block n.
+    """
+    first, end = masking.key_block_range(shape, row_start, tile_m, tile_n, kv_len, offset)
+    if highest_first:
+        return end - 1 - n_block
+    return n_block - first
+
+
+@cute.jit
+def wait_for_turn(counters: cute.Tensor, tile, turn, lane):
+    """Hold the writer warp until the counter of `tile` (batch, query head, query block) in
+    `counters` shows `turn`: every earlier visitor's adds are then complete in global memory (the
+    acquire pairs with their `finish_bulk_adds`). One lane polls. Returns the counter's address."""
+    flag = counters.iterator + cute.crd2idx(tile, counters.layout)
+    if lane == 0:
+        seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+        while seen != turn:
+            seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+    cute.arch.sync_warp()
+    return flag
+
+
+@cute.jit
+def finish_bulk_adds(flag, lane):
+    """After the writer warp commits its bulk adds: with `flag` (from `wait_for_turn`), wait until
+    they are complete in global memory, not just read, and pass the tile's turn to the next visitor;
+    with `flag` None (no ordering), wait only until the copy engine has read the staging buffer, so
+    it can be refilled while the adds land."""
+    if const_expr(flag is None):
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+    else:
+        cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
