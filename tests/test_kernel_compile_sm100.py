@@ -168,6 +168,8 @@ class _Dtype:
     (((1, 0, 4, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "bfloat16", {}, "non-empty"),
     (((1, 128, 4, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "bfloat16",
      dict(has_q_start=True, q_total=256, has_segment_ids=True), "q_start"),
+    (((1, 128, 4, 128), (1, 256, 4, 128), (1, 256, 4, 128)), "bfloat16",
+     dict(causal=True, has_q_start=True, q_total=256), "q_start) is not yet verified"),
 ])
 def test_unsupported_reason_names_the_problem(shapes, dtype, config, fragment):
     reason = sm100_forward.unsupported_reason(
