@@ -76,8 +76,27 @@ def test_compute_capability_selects_the_kernel(monkeypatch, capability, module):
 
 def test_gpu_without_kernel_names_its_capability(fake_gpu, monkeypatch):
     monkeypatch.setattr(cuda, "compute_capability", lambda: (8, 0))
-    with pytest.raises(NotImplementedError, match="compute capability 8.0"):
+    with pytest.raises(NotImplementedError, match=r"compute capability 8\.0 \(forward kernels exist for "
+                                                  r"compute capability 9\.x only\)"):
         _choose("cute", jnp.bfloat16)
+
+
+def test_backward_on_blackwell_names_the_capabilities_it_has(monkeypatch):
+    """The real backward table has no 10.x entry: the message says which capabilities it does cover."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
+    config = AttentionConfig(scale=0.125, implementation="cute")
+    with pytest.raises(NotImplementedError, match=r"no CuTe backward kernel for compute capability 10\.0 "
+                                                  r"\(backward kernels exist for compute capability 9\.x only\)"):
+        cuda._kernel_for("backward", cuda.BACKWARD_KERNELS, config, *_avals(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_sequence_sharded_query_takes_the_reference(monkeypatch, capability):
+    """Neither forward kernel's q_start path has run on a GPU, so both refuse it (the real table)."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
+    config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute")
+    with pytest.raises(NotImplementedError, match=r"q_start\) is not yet verified on a GPU"):
+        cuda._kernel_for("forward", cuda.FORWARD_KERNELS, config, *_avals(jnp.bfloat16))
 
 
 def test_missing_kernel_module_is_reported(fake_gpu, monkeypatch):

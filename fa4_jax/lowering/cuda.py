@@ -46,7 +46,9 @@ def _kernel_for(kind: str, table: dict, config: AttentionConfig, query, key, val
     if capability is None:
         reason = "no GPU is visible while lowering for CUDA, so no kernel can be compiled for it"
     elif name is None:
-        reason = f"there is no CuTe {kind} kernel for compute capability {major}.{minor} (sm_90 and sm_100 only)"
+        covered = ", ".join(f"{table_major}.x" for table_major in sorted(table))
+        reason = (f"there is no CuTe {kind} kernel for compute capability {major}.{minor} ({kind} kernels exist "
+                  f"for compute capability {covered} only)")
     else:
         try:
             module = importlib.import_module(name)
