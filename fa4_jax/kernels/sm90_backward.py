@@ -840,11 +840,14 @@ def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
 
 def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig,
                           tuning: Tuning = DEFAULT_TUNING):
-    """`attention_backward` with the kernel's `Tuning` exposed (tests and benchmarks). Large head
-    dims go to their own kernel, which has no tuning choices: only the default is accepted there."""
+    """`attention_backward` with this kernel's `Tuning` exposed (tests and benchmarks). Large head
+    dims go to sm90_backward_large_heads, whose own `Tuning` is passed to its `backward_with_options`;
+    this module's `Tuning` does not apply there, so only its default is accepted for them."""
     if query.shape[-1] in LARGE_HEAD_DIMS:
         if tuning != DEFAULT_TUNING:
-            raise NotImplementedError(f"Tuning variants apply to head dims {SUPPORTED_HEAD_DIMS} only")
+            raise NotImplementedError(
+                f"this Tuning applies to head dims {SUPPORTED_HEAD_DIMS} only; head dims {LARGE_HEAD_DIMS} "
+                "go to sm90_backward_large_heads, whose own Tuning is passed to its backward_with_options")
         return _large_heads().attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config)
     reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
     if reason is not None:
