@@ -1,8 +1,8 @@
 """Which keys a query row may see, at two grains: whole key blocks and single scores.
 
-Shared by the sm90 and sm100 forward kernels. Positions follow the contract: query row i (global) sits
-at key position i + offset (offset = Sk - Sq, or kv_len[b] - q_len[b] with sequence lengths), and key j
-is visible iff
+Shared by the sm90 and sm100 forward kernels and both sm90 backward kernels. Positions follow the
+contract: query row i (global) sits at key position i + offset (offset = Sk - Sq, or kv_len[b] -
+q_len[b] with sequence lengths), and key j is visible iff
 
     j < kv_len                                   (always; kv_len = Sk without lengths)
     j <= i + offset                              (causal)

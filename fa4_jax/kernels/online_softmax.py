@@ -11,9 +11,11 @@ units) the running maximum is kept, so the rescale factor is exactly 1 and the O
 p_j may then reach 2^threshold, which float32 sums and bf16/fp16 P values hold without loss. The
 result is exact either way: l and O always share one maximum. threshold = 0 gives the classic update.
 
-Rows are split over the 4 threads of a quad (Hopper wgmma and the sm100 TMEM load layouts both give
-each thread a slice of the columns of its rows), so maxima are reduced over `threads_per_row` lanes
-each block, and sums only once, in `finalize`.
+How a row is spread over threads depends on the kernel: sm90 splits each row over the 4 threads of a
+quad (`threads_per_row=4`, the wgmma accumulator layout gives each thread a slice of its rows'
+columns); sm100 keeps a whole row in one thread (`threads_per_row=1`, its TMEM load layout), so no
+lane exchanges happen there. Maxima are reduced over `threads_per_row` lanes each block, sums only
+once, in `finalize`.
 """
 
 from __future__ import annotations
