@@ -3,8 +3,8 @@
 # command its document gives, run as written): the forward `warpgroup_key_range` candidate
 # (docs/sm90_forward_tuning.md), the backward `per_thread_query_release` racecheck and timing
 # (docs/sm90_backward_tuning.md), the large-head backward's `diagonal_first` / `stagger=False` options
-# (fa4_jax/kernels/sm90_backward_large_heads.py docstring; both backward sweeps time through
-# benchmarks/attention_backward.py). With two GPUs: forward then large-head on GPU 0, backward on
+# (docs/sm90_backward_tuning.md, "Large head dims: the prepared candidates"; both backward sweeps time
+# through benchmarks/attention_backward.py). With two GPUs: forward then large-head on GPU 0, backward on
 # GPU 1; with one, one after the other. Outputs in $OUT/next_sweeps.tgz (the device tool returns few files).
 # Usage (device machine, repo root, bundle sourced): bash benchmarks/device/next_sweeps.sh REV
 # (no `set -u`: the documents' commands expand variables the bundle may leave unset)

@@ -35,28 +35,11 @@ each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the 
 Preprocess (dPsum, the LSE in the exp2 domain) and postprocess (dQ scale and cast, the sinks
 gradient) are sm90_backward's.
 
-Next measurement: the `Tuning` candidates, both off by default (the default PTX is byte-identical
-to rev b5f0ca6's for D 192 / 256, causal and full, deterministic or not). H200 at rev 50d127d, D =
-256, ratio cuDNN ms / ours, S 1k / 4k / 16k: default 1.14 / 1.07 / 1.17 full, 1.05 / 1.06 / 1.15
-causal; deterministic 0.77 / 0.73 / 0.89 full, 0.49 / 0.44 / 0.59 causal. Prediction:
-- `diagonal_first` (variant deterministic_diagonal_first): causal -> 0.85-1.0, 5-15 % behind the
-  default. With 64 x 64 tiles key block n + 1 reaches every tile one step before key block n, and a
-  step (3-5 us at D = 256: 0.64 ms / 132 steps per SM at 1k) is longer than one turn of the
-  writer's wait-add-complete-release chain (1.5-2 us on sm90_backward), so nobody waits; what stays
-  is that the writer holds the one dQ staging buffer until each add completes, and the tail of each
-  head's longest CTA launching last. Full rows unchanged within 3 % (every key block reaches a tile
-  at the same step in either order).
-- `stagger=False` (variant no_stagger): 0 to +5 % on the six non-deterministic rows
-  (sm90_backward measured 0-7 % and deleted its stagger).
-If they land, make both the only behaviour (delete the fields), as sm90_backward did.
-
-The device command (one H200, <= 240 s, carry [".dev/cute"]; commit first and replace REV by
-`git rev-parse --short HEAD`): the candidates' 48 GPU tests (oracle over the 18 cases each, bitwise
-reproducibility incl. 512 CTAs at once, the shipped lowest-first order too) while 6 CPU processes
-compile the 30 timed kernels; then benchmarks/attention_backward.py times D = 256 x S 1k / 4k /
-16k x causal or not, 4 variants and cuDNN, only candidates whose tests all passed:
-
-    source .dev/cute/setup.sh && export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels PYTHONUNBUFFERED=1; G="--variants default no_stagger deterministic deterministic_diagonal_first --head-dims 256 --seq-lens 1024 4096 16384"; JAX_PLATFORMS=cpu timeout 100 python3 benchmarks/attention_backward.py --precompile-only --precompile-workers 6 $G > $OUT/precompile.log 2>&1 & PRE=$!; XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 105 python3 -m pytest -v -rfE -n 8 -p no:cacheprovider --timeout 60 --timeout-method thread tests/test_sm90_backward_large_heads.py -k "no_stagger or diagonal_first or lowest_first" > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log; wait $PRE; tail -1 $OUT/precompile.log; timeout 120 python3 benchmarks/attention_backward.py --out $OUT/large_heads_h200.json $G --iterations 10 --variants-passing $OUT/gpu_tests.log > $OUT/bench.log 2>&1; echo "bench rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -8; tail -9 $OUT/bench.log
+`Tuning` holds two candidates, both off by default so that what ships is what was measured:
+`diagonal_first` (sm90_backward's deterministic turn order; here deterministic dQ turns still go
+lowest key block first) and `stagger=False` (sm90_backward measured its stagger slower and deleted
+it). Their predictions and the device command that measures them are in
+docs/sm90_backward_tuning.md, section "Large head dims: the prepared candidates".
 """
 
 from __future__ import annotations
@@ -95,7 +78,7 @@ class Tuning:
     """Choices that change the speed, not the function computed (deterministic dQ keeps one fixed
     fp32 summation order in either turn order). DEFAULT_TUNING is the code measured on the H200 at
     rev 50d127d; the other settings are candidates waiting for their measurement (prediction and
-    device command at the end of the module docstring).
+    device command in docs/sm90_backward_tuning.md, "Large head dims: the prepared candidates").
 
     diagonal_first: deterministic mode takes the dQ turns of a tile highest key block first, and the
       key blocks of a head launch highest first (sm90_backward's order). Under a causal mask key
