@@ -8,8 +8,9 @@ installed, its report must show no spills.
 
 The configurations are what `sm90_forward.kernel_options` picks (the tuned defaults: three consumer
 warpgroups with every pipeline option at D = 64, Q double buffer + TMA-store epilogue at D = 96 / 128
-with the split key loop when causal, ping-pong at D = 256 causal), plus overrides where an option is
-only reachable that way; each is checked for the instructions its effective options add.
+with the split key loop and zigzag tile order when causal, `LARGE_HEAD_CAUSAL` at D = 256 causal:
+ping-pong, TMA store in two chunks, early Q release, zigzag), plus overrides where an option is only
+reachable that way; each is checked for the instructions its effective options add.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ of one bf16/fp16 rounding of the output), with -inf LSE and zero outputs on rows
 
 The grid covers every configuration `sm90_forward.kernel_options` picks: D = 64 causal both below and
 above the three-warpgroup query-length cut, D = 96 / 128 with the Q double buffer and TMA store (split
-key loop when causal), D = 256 causal with ping-pong.
+key loop and zigzag tile order when causal), D = 256 causal with `LARGE_HEAD_CAUSAL` (ping-pong, TMA
+store in two chunks, early Q release, zigzag tile order).
 
 The kernel's tuning candidates (sm90_forward.TUNING_CANDIDATES, docs/sm90_forward_tuning.md) run a
 smaller grid of the same cases through `sm90_forward.forward_with_options`, so one GPU run checks every
