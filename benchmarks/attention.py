@@ -13,8 +13,9 @@ Usage:
     JAX_PLATFORMS=cpu python benchmarks/attention.py --compile-only --compile-workers 8   (its kernels)
     python benchmarks/attention.py --plot results.json --png results.png   (no GPU needed)
 
-Sections are functions in SECTIONS: name -> callable(shape, inputs, args) -> list of row dicts. A
-backward section is added by writing one more such function and registering it.
+Sections are functions in SECTIONS: name -> callable(shape, inputs, args) -> list of row dicts. The
+backward is not a section: benchmarks/attention_backward.py is its benchmark (its own variant table,
+precompile and test gating).
 
 --variants: the Hopper forward kernel's tuning options (sm90_forward_variants()) on the rows that were
 below the bar (VARIANT_ROWS), each next to cuDNN on the same inputs in the same process; the default

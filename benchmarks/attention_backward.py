@@ -15,8 +15,11 @@ median of iterations):
 - the first variant again, last (`<variant>_repeat_ms`): the spread of its two timings is the noise.
 Every variant's dq/dk/dv are compared with cuDNN's (max |difference|), so a wrong variant shows.
 TFLOP/s counts backward FLOPs = 2.5x forward (forward = 4*B*H*Sq*Sk*D, halved when causal).
-A shape neither kernel takes gets `fa4_jax_backward: "reference fallback: <why>"` and only cuDNN is
-timed: fa4_jax would run the reference there, which is not ours to time.
+Each row's `fa4_jax_backward` names the kernel module that ran it (sm90_backward, or
+sm90_backward_large_heads at D 192 / 256); a shape neither kernel takes gets `"reference fallback:
+<why>"` there and only cuDNN is timed: fa4_jax would run the reference there, which is not ours to
+time. The report's `variants` gives, per variant, each kernel module it reaches with that module's
+`Tuning` fields.
 
 Compiling every variant x 20 shapes one after another would take most of a device call, so
 --precompile-workers N first lowers every (shape, variant) kernel for CUDA in N CPU-platform
@@ -28,7 +31,6 @@ order that deadlocks or a wrong result is not timed; `variants_passing` says wha
 Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
        [--variants default deterministic ...] [--head-dims 128 64 256] [--seq-lens 1024 4096] [--quick]
        [--iterations N] [--precompile-only] [--variants-passing PYTEST_LOG]
-Also a section of benchmarks/attention.py ("backward", registered when this module is imported).
 The git revision comes from $FA4_GIT_REVISION when set (the device copy has no .git), else `git`.
 """
 
@@ -65,13 +67,34 @@ class Variant:
     def skip_reason(self, shape) -> Optional[str]:
         if shape["head_dim"] in self.head_dims:
             return None
-        return f"{self.kernel.__name__.rsplit('.', 1)[-1]} variant, head dims {self.head_dims} only"
+        return f"{_module_name(self.kernel)} variant, head dims {self.head_dims} only"
+
+    def kernel_at(self, head_dim):
+        """(kernel module, its Tuning) that runs at `head_dim`: sm90_backward's entry hands its large
+        head dims to sm90_backward_large_heads, which then runs with its own default Tuning."""
+        from fa4_jax.kernels import sm90_backward, sm90_backward_large_heads
+        if self.kernel is sm90_backward and head_dim in sm90_backward.LARGE_HEAD_DIMS:
+            return sm90_backward_large_heads, sm90_backward_large_heads.DEFAULT_TUNING
+        return self.kernel, self.tuning
+
+    def kernels(self) -> dict:
+        """Kernel module name -> the head dims it runs for this variant and its Tuning fields there."""
+        reached = {}
+        for head_dim in self.head_dims:
+            module, tuning = self.kernel_at(head_dim)
+            entry = reached.setdefault(_module_name(module), dict(head_dims=[], **dataclasses.asdict(tuning)))
+            entry["head_dims"].append(head_dim)
+        return reached
+
+
+def _module_name(module) -> str:
+    return module.__name__.rsplit(".", 1)[-1]
 
 
 def _variants():
     """name -> Variant, timed in this order. A candidate under measurement is added here as one more
     row, with the head dims of the kernel whose `Tuning` it sets and the id of its GPU tests
-    (docs/sm90_backward_tuning.md and the large-head module docstring have the past ones)."""
+    (docs/sm90_backward_tuning.md has the past ones)."""
     from fa4_jax.kernels import sm90_backward as small_heads
     from fa4_jax.kernels import sm90_backward_large_heads as large_heads
 
@@ -210,8 +233,8 @@ def precompile(shapes, variant_names, workers):
     return dict(jobs=len(jobs), seconds=elapsed, failures=failures)
 
 
-def backward_section(shape, arguments, args):
-    """Rows for one shape: every variant in args.variants (default: all) and cuDNN."""
+def backward_row(shape, arguments, args):
+    """The row of one shape: every variant in args.variants (default: all) and cuDNN."""
     import jax
     import jax.numpy as jnp
 
@@ -224,10 +247,10 @@ def backward_section(shape, arguments, args):
     if reason is not None:
         row["fa4_jax_backward"] = f"reference fallback: {reason}"
     else:
-        row["fa4_jax_backward"] = "sm90_backward"
-        out, lse, row["residuals"] = _forward_residuals(query, key, value, config)
         variants = _variants()
-        for name in getattr(args, "variants", None) or list(variants):
+        row["fa4_jax_backward"] = _module_name(variants["default"].kernel_at(shape["head_dim"])[0])
+        out, lse, row["residuals"] = _forward_residuals(query, key, value, config)
+        for name in args.variants or list(variants):
             skip_reason = variants[name].skip_reason(shape)
             if skip_reason is not None:
                 row[f"{name}_skipped"] = skip_reason
@@ -261,10 +284,7 @@ def backward_section(shape, arguments, args):
         for label, ours, theirs in zip(("dq", "dk", "dv"), outputs[name], outputs["cudnn"]):
             difference = jnp.abs(ours.astype(jnp.float32) - theirs.astype(jnp.float32))
             row[f"{name}_max_abs_diff_{label}"] = float(jnp.max(difference))
-    return [row]
-
-
-attention.SECTIONS["backward"] = backward_section
+    return row
 
 
 def _summary(row, names):
@@ -272,7 +292,7 @@ def _summary(row, names):
     for name in names:
         ratio = row.get(f"{name}_vs_cudnn")
         cells.append(f"{ratio:5.2f}" if ratio is not None else "  -  ")
-    fallback = "" if row["fa4_jax_backward"] == "sm90_backward" else " (reference fallback, not timed)"
+    fallback = " (reference fallback, not timed)" if row["fa4_jax_backward"].startswith("reference") else ""
     return (f"D={row['head_dim']:3d} causal={int(row['causal'])} S={row['seq_len']:5d} "
             f"cudnn {row.get('cudnn_ms', float('nan')):7.3f} ms | " + " ".join(cells) + fallback)
 
@@ -291,9 +311,7 @@ def run(args):
                   versions=attention._versions(), git_revision=attention.git_revision(),
                   timing="CUPTI kernel time, median of iterations (jax.experimental.mosaic.gpu.profiler.measure)",
                   flops="backward = 2.5 x forward 4*B*H*Sq*Sk*D, halved when causal", dtype="bfloat16",
-                  variants={name: dict(dataclasses.asdict(variant.tuning),
-                                       deterministic=variant.deterministic,
-                                       kernel=variant.kernel.__name__, head_dims=variant.head_dims)
+                  variants={name: dict(deterministic=variant.deterministic, kernels=variant.kernels())
                             for name, variant in _variants().items() if name in names},
                   ratio="<variant>_vs_cudnn = cudnn_ms / <variant>_ms (above 1: faster than cuDNN)",
                   rows=[])
@@ -310,10 +328,10 @@ def run(args):
     for shape in shapes:
         key, *subkeys = jax.random.split(key, 4)
         arguments = [jax.random.normal(k, _dims(shape), "float32").astype("bfloat16") for k in subkeys]
-        for row in backward_section(shape, arguments, args):
-            report["rows"].append(row)
-            write()
-            print(_summary(row, names), flush=True)
+        row = backward_row(shape, arguments, args)
+        report["rows"].append(row)
+        write()
+        print(_summary(row, names), flush=True)
         del arguments
     print(f"wrote {args.out}")
     return report

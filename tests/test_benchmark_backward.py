@@ -1,10 +1,13 @@
-"""benchmarks/attention_backward.py on the CPU: which variants a pytest log lets it time, and which
-head dims each variant runs at. A candidate whose GPU tests failed, or did not finish, must not be
-timed: a turn order that deadlocks would hang the device call, a wrong one would be measured."""
+"""benchmarks/attention_backward.py on the CPU: which variants a pytest log lets it time, which head
+dims each variant runs at, and which kernel module (with which Tuning) a row and the report name. A
+candidate whose GPU tests failed, or did not finish, must not be timed: a turn order that deadlocks
+would hang the device call, a wrong one would be measured."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -89,3 +92,28 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
     assert all(benchmark._variants()[name].kernel.unsupported_reason(
         benchmark._config(shape), (1, 1024, 8, head_dim), (1, 1024, 8, head_dim),
         (1, 1024, 8, head_dim), "bfloat16") is None for name in runs)
+
+
+def test_shipped_variants_name_the_kernel_that_runs_at_each_head_dim(benchmark):
+    """sm90_backward's entry hands D 192 / 256 to the large-head kernel with that kernel's default
+    Tuning: the rows and the report's `variants` must say so, not label them sm90_backward."""
+    from fa4_jax.kernels import sm90_backward, sm90_backward_large_heads
+
+    for name in SHIPPED:
+        variant = benchmark._variants()[name]
+        assert {head_dim: variant.kernel_at(head_dim) for head_dim in (64, 96, 128, 192, 256)} == {
+            **{head_dim: (sm90_backward, sm90_backward.DEFAULT_TUNING) for head_dim in (64, 96, 128)},
+            **{head_dim: (sm90_backward_large_heads, sm90_backward_large_heads.DEFAULT_TUNING)
+               for head_dim in (192, 256)}}
+        assert json.loads(json.dumps(variant.kernels())) == {
+            "sm90_backward": dict(head_dims=[64, 96, 128], **dataclasses.asdict(sm90_backward.DEFAULT_TUNING)),
+            "sm90_backward_large_heads": dict(head_dims=[192, 256],
+                                              **dataclasses.asdict(sm90_backward_large_heads.DEFAULT_TUNING))}
+
+
+def test_a_candidate_reaches_only_its_own_kernel(benchmark):
+    variants = benchmark._variants()
+    assert list(variants["per_thread_release"].kernels()) == ["sm90_backward"]
+    assert variants["per_thread_release"].kernels()["sm90_backward"]["per_thread_query_release"]
+    assert list(variants["deterministic_diagonal_first"].kernels()) == ["sm90_backward_large_heads"]
+    assert variants["deterministic_diagonal_first"].kernels()["sm90_backward_large_heads"]["diagonal_first"]
