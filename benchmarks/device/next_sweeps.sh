@@ -6,7 +6,7 @@
 # (docs/sm90_backward_tuning.md, "Large head dims: the prepared candidates"; both backward sweeps time
 # through benchmarks/attention_backward.py). With two GPUs: forward then large-head on GPU 0, backward on
 # GPU 1; with one, one after the other. Outputs in $OUT/next_sweeps.tgz (the device tool returns few files).
-# Usage (device machine, repo root, bundle sourced): bash benchmarks/device/next_sweeps.sh REV
+# Usage (device machine, repo root, bundle sourced; docs/device.md): bash benchmarks/device/next_sweeps.sh REV
 # (no `set -u`: the documents' commands expand variables the bundle may leave unset)
 REV=$1
 ROOT=$PWD

@@ -2,7 +2,7 @@
 # Issue 7's open question in one device call on two H200s: where the data=1,model=2 GPT step spends
 # the ~0.8 ms it loses against cuDNN (and data=2 for contrast). benchmarks/step_kernels.py per mesh and
 # attention backend, then the category tables side by side. Outputs in $OUT/step_profile.tgz.
-# Usage (device machine, repo root, bundle sourced): bash benchmarks/device/step_profile.sh REV
+# Usage (device machine, repo root, bundle sourced; docs/device.md): bash benchmarks/device/step_profile.sh REV
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$1 PYTHONUNBUFFERED=1 \
   FA4_JAX_CACHE_DIR=/tmp/fa4_step_profile_cache
 OUT=${OUT:-/tmp/out}

@@ -2,7 +2,7 @@
 # The forward and backward tuning sweeps of docs/sm90_{forward,backward}_tuning.md in one device call.
 # With two GPUs they run side by side, one per GPU (each sweep is one process on one GPU timing fa4_jax
 # against cuDNN on the same inputs, so the ratios stay same-run ratios); with one GPU, one after the other.
-# Usage (device machine, repo root, bundle sourced): bash benchmarks/device/tuning_sweeps.sh REV
+# Usage (device machine, repo root, bundle sourced; docs/device.md): bash benchmarks/device/tuning_sweeps.sh REV
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

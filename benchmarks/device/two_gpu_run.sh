@@ -7,7 +7,7 @@
 #     cuDNN, then fa4_jax attention, on a data=2 mesh and on a data=1,model=2 mesh: same seed, data, steps.
 # Writes logs, each run's JSON, the summary train_gpt_2xh200.json and (where matplotlib is) its PNG to
 # $OUT; prints the table last.
-# Usage (device machine, repo root, bundle sourced): bash benchmarks/device/two_gpu_run.sh REV
+# Usage (device machine, repo root, bundle sourced; docs/device.md): bash benchmarks/device/two_gpu_run.sh REV
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$1 PYTHONUNBUFFERED=1 \
   FA4_JAX_CACHE_DIR=/tmp/fa4_two_gpu_cache

@@ -4,7 +4,7 @@
 # GPT comparison. With two GPUs the forward side (GPU 0) and the backward side (GPU 1) run at once;
 # each benchmark is one process on one GPU against cuDNN on the same inputs.
 # Everything lands in $OUT/verify.tgz (the device tool returns only a few files).
-# Usage (device machine, repo root, bundle sourced): bash benchmarks/device/verify.sh REV
+# Usage (device machine, repo root, bundle sourced; docs/device.md): bash benchmarks/device/verify.sh REV
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
