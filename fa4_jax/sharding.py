@@ -6,7 +6,8 @@ What each shard needs, whatever the operands arrive with:
   shard's query heads find their own KV group.
 - query rows may be split on sequence: each shard then needs every key, and the mask needs each row's
   global position, which the shard computes from its index (`q_start`). The backward sums the partial
-  dK / dV (and the sink gradient) over those shards, and over head shards that share one KV head.
+  dK / dV (and the sink gradient) over those shards, and over head shards that share one KV head. An
+  uneven split is not kept (XLA gathers the rows): its shards' padding rows would enter those sums.
 - key/value are always whole along sequence on each shard; a split there is gathered by XLA because
   `partition` asks for it. (Ring attention, which avoids the gather, is future work.)
 """
@@ -53,6 +54,9 @@ class _Plan:
         else:
             self.heads = self.kv_heads = ()
         self.q_len = query_info.shape[1]
+        # An uneven split pads shards with rows of unspecified content, which reach dK/dV/dsinks: keep rows whole.
+        if self.q_len % self.size(self.seq):
+            self.seq = ()
 
     def size(self, axes) -> int:
         return math.prod(self.mesh.shape[a] for a in axes)

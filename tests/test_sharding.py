@@ -215,6 +215,52 @@ def test_query_sequence_sharding_equals_unsharded(inputs, pass_name, shape, feat
     _check_equal_to_unsharded(pass_name, results, operands, options)
 
 
+# (q_len, kv_len, row shards): Sq not divisible by the shards, so XLA would pad the last shards.
+UNEVEN_SHAPES = {"q10-k10-over-4": (10, 10, 4), "q7-k12-over-2": (7, 12, 2), "q10-k6-over-4": (10, 6, 4)}
+UNEVEN_QUERY_SEQUENCE_CASES = {
+    f"{shape_name}-{name}": (UNEVEN_SHAPES[shape_name], SEQUENCE_FEATURES[name])
+    for shape_name, names in [
+        ("q10-k10-over-4", ("plain", "causal", "window", "causal-window-sinks", "causal-segments-lengths")),
+        ("q7-k12-over-2", ("causal", "causal-segments-lengths")),
+        ("q10-k6-over-4", ("causal-window-sinks",)),
+    ]
+    for name in names
+}
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+@pytest.mark.parametrize("shape,features", UNEVEN_QUERY_SEQUENCE_CASES.values(),
+                         ids=UNEVEN_QUERY_SEQUENCE_CASES.keys())
+def test_uneven_query_sequence_sharding_equals_unsharded(inputs, pass_name, shape, features):
+    """Query rows split over shards that do not divide Sq. Arrays cannot be placed unevenly, so the
+    split is a sharding constraint inside jit; the cotangents are computed there from it too (cos of
+    the drawn ones), so the padding rows of an uneven shard would hold non-zero values (cos 0 = 1)."""
+    q_len, kv_len, ways = shape
+    mesh = _mesh((ways,), ("seq",))
+    operands, options = _problem(inputs, batch=2, q_len=q_len, kv_len=kv_len, q_heads=4, kv_heads=2,
+                                 features=features)
+    specs = {"query": PartitionSpec(None, "seq"), "d_out": PartitionSpec(None, "seq"),
+             "d_lse": PartitionSpec(None, None, "seq"), "q_segment_ids": PartitionSpec(None, "seq")}
+
+    def run(sharded):
+        def function(operands):
+            if sharded:
+                operands = {name: jax.lax.with_sharding_constraint(array, NamedSharding(mesh, specs[name]))
+                            if name in specs else array for name, array in operands.items()}
+            operands = dict(operands, d_out=jnp.cos(operands["d_out"]), d_lse=jnp.cos(operands["d_lse"]))
+            return PASSES[pass_name](operands, options)
+        return jax.jit(function)(operands)
+
+    results, expected = run(sharded=True), run(sharded=False)
+    if pass_name == "forward":
+        _check_against_oracle(operands, options, *results)
+    for index, (actual, reference) in enumerate(zip(results, expected)):
+        if reference is None:
+            assert actual is None
+            continue
+        oracle.assert_close(actual, np.asarray(reference), TOLERANCE, f"{pass_name} result {index}", floor=1.0)
+
+
 @pytest.mark.parametrize("pass_name", PASSES)
 @pytest.mark.parametrize("features", [SEQUENCE_FEATURES["plain"], SEQUENCE_FEATURES["causal-segments-lengths"],
                                       SEQUENCE_FEATURES["causal-window-sinks"]],
