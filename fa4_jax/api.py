@@ -85,8 +85,9 @@ def attention(
       sinks: [q_heads] one learnable logit per head added to the softmax denominator only.
       segment_ids: [batch, seq] int (self-attention) or a pair ([batch, q_len], [batch, kv_len]): a query
         sees only keys with the same id (packed sequences).
-      q_seq_lengths, kv_seq_lengths: [batch] int valid prefix lengths (padding at the end). With lengths,
-        off = kv_seq_lengths[b] - q_seq_lengths[b] for each batch element.
+      q_seq_lengths, kv_seq_lengths: [batch] int valid prefix lengths (padding at the end), clipped to
+        [0, q_len] / [0, kv_len]. With lengths, off = kv_seq_lengths[b] - q_seq_lengths[b] for each batch
+        element (after clipping).
       return_lse: also return lse [batch, q_heads, q_len] float32, the natural log of the softmax
         denominator (sink included); gradients flow through it.
       deterministic: make the backward pass bitwise reproducible from run to run.
@@ -122,10 +123,12 @@ def attention(
     if segment_ids is not None:
         optional["q_segment_ids"], optional["kv_segment_ids"] = _segment_operands(
             segment_ids, query.shape[1], key.shape[1])
+    # Lengths are clipped to [0, axis] here, once, so that the alignment offset is the same on every
+    # path (reference, kernels, shards): a length past the axis means the whole axis, below 0 nothing.
     if q_seq_lengths is not None:
-        optional["q_seq_lengths"] = _integer_operand("q_seq_lengths", q_seq_lengths)
+        optional["q_seq_lengths"] = jnp.clip(_integer_operand("q_seq_lengths", q_seq_lengths), 0, query.shape[1])
     if kv_seq_lengths is not None:
-        optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths)
+        optional["kv_seq_lengths"] = jnp.clip(_integer_operand("kv_seq_lengths", kv_seq_lengths), 0, key.shape[1])
 
     config = AttentionConfig(
         scale=float(scale), causal=bool(causal), window_left=window_left, window_right=window_right,

@@ -9,7 +9,7 @@ Semantics (see the README's table):
   h // (Hq // Hkv).
 - logits = scale * q.k (scale defaults to 1/sqrt(D)), then softcap c: c * tanh(logits / c).
 - Bottom-right alignment: query row i sits at key position i + kv_len[b] - q_len[b], where the lengths
-  default to Sk and Sq. causal: key j visible iff j <= i + off. window (left, right), None unbounded:
+  default to Sk and Sq and given lengths are clipped to [0, Sq] / [0, Sk]. causal: key j visible iff j <= i + off. window (left, right), None unbounded:
   visible iff i + off - left <= j <= i + off + right. Keys j >= kv_len and rows i >= q_len see nothing.
   Segment ids: visible iff the query's and the key's ids are equal.
 - sinks [Hq]: one extra logit per head that enters the softmax denominator only.
@@ -60,11 +60,11 @@ def visible_keys(batch, q_len, kv_len, masking: Masking) -> np.ndarray:
     if masking.q_seq_lengths is None:
         q_valid = np.full((batch,), q_len, dtype=np.int64)
     else:
-        q_valid = np.asarray(masking.q_seq_lengths, dtype=np.int64)
+        q_valid = np.clip(np.asarray(masking.q_seq_lengths, dtype=np.int64), 0, q_len)
     if masking.kv_seq_lengths is None:
         kv_valid = np.full((batch,), kv_len, dtype=np.int64)
     else:
-        kv_valid = np.asarray(masking.kv_seq_lengths, dtype=np.int64)
+        kv_valid = np.clip(np.asarray(masking.kv_seq_lengths, dtype=np.int64), 0, kv_len)
 
     rows = np.arange(q_len)[None, :, None]
     cols = np.arange(kv_len)[None, None, :]

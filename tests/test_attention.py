@@ -42,7 +42,10 @@ class Case:
 
     segments: None, "shared" (one [B, S] array, needs Sq == Sk), "pair" (independent query and key
       packings) or "disjoint" (a pair where one query segment has no key: fully masked rows).
-    lengths: None, "q", "kv", "both" (random valid prefixes) or "empty" (the last batch has no key).
+    lengths: None, "q", "kv", "both" (random valid prefixes), "empty" (the last batch has no key),
+      "past-end" (both, with lengths beyond the axes, up to the int32 maximum) or "negative" (both,
+      with a negative query length for batch 1 and a negative key length for the last batch); the
+      contract clips lengths to [0, axis].
     dtype None means the backend's `default_dtype`. logit_scale: the standard deviation of the
     logits (query values are scaled by it); large values stress the online softmax's rescaling.
     """
@@ -67,6 +70,14 @@ class Case:
     @property
     def v_dim(self) -> int:
         return self.head_dim if self.value_dim is None else self.value_dim
+
+    @property
+    def has_q_lengths(self) -> bool:
+        return self.lengths in ("q", "both", "past-end", "negative")
+
+    @property
+    def has_kv_lengths(self) -> bool:
+        return self.lengths in ("kv", "both", "empty", "past-end", "negative")
 
     @property
     def name(self) -> str:
@@ -167,6 +178,9 @@ SINGLE_FEATURE_CASES = [
     Case(lengths="q"),
     Case(lengths="kv"),
     Case(lengths="both", q_len=50, kv_len=131),
+    Case(lengths="past-end"),
+    Case(lengths="past-end", causal=True, window=(24, 8), q_len=50, kv_len=131),
+    Case(lengths="past-end", causal=True, sinks=True, q_len=131, kv_len=50, batch=3),
     Case(scale=0.37),
     # Decoding one token against a padded cache, and a chunk of a prefill against a longer cache.
     Case(q_len=1, kv_len=200, causal=True, lengths="kv", sinks=True),
@@ -206,6 +220,8 @@ FULLY_MASKED_CASES = [
     Case(lengths="empty"),
     Case(lengths="empty", sinks=True, softcap=2.0),
     Case(lengths="empty", causal=True, q_len=131, kv_len=50, dtype="bfloat16"),
+    Case(lengths="negative", batch=3, causal=True, sinks=True),
+    Case(lengths="negative", batch=3, window=(16, 4), q_len=50, kv_len=131),
     Case(segments="disjoint", sinks=True, dtype="float16"),
 ]
 
@@ -282,6 +298,21 @@ def build_arguments(case: Case, inputs) -> Arguments:
         options["kv_seq_lengths"] = inputs.lengths(case.batch, case.kv_len)
     if case.lengths == "empty":
         options["kv_seq_lengths"] = jnp.asarray([case.kv_len] * (case.batch - 1) + [0], jnp.int32)
+    if case.lengths == "past-end":
+        # Batch 0 asks for a few more rows and keys than there are, the last batch for all int32 keys;
+        # a batch in between (batch >= 3) keeps a shorter draw.
+        q_lengths = np.array(inputs.lengths(case.batch, case.q_len))
+        kv_lengths = np.array(inputs.lengths(case.batch, case.kv_len))
+        q_lengths[0] += inputs.generator.integers(1, case.q_len + 1)
+        kv_lengths[0] += inputs.generator.integers(1, case.kv_len + 1)
+        kv_lengths[-1] = np.iinfo(np.int32).max
+        options["q_seq_lengths"], options["kv_seq_lengths"] = jnp.asarray(q_lengths), jnp.asarray(kv_lengths)
+    if case.lengths == "negative":
+        q_lengths = np.array(inputs.lengths(case.batch, case.q_len))
+        kv_lengths = np.array(inputs.lengths(case.batch, case.kv_len))
+        q_lengths[1] = -inputs.generator.integers(1, case.q_len + 1)
+        kv_lengths[-1] = np.iinfo(np.int32).min
+        options["q_seq_lengths"], options["kv_seq_lengths"] = jnp.asarray(q_lengths), jnp.asarray(kv_lengths)
     return Arguments(query, key, value, sinks, options)
 
 

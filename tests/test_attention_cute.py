@@ -32,8 +32,7 @@ def _kernel_takes(table: dict, case: Case) -> bool:
         scale=case.scale or case.head_dim ** -0.5, causal=case.causal,
         window_left=case.window[0] if case.window else None, window_right=case.window[1] if case.window else None,
         softcap=case.softcap, has_sinks=case.sinks, has_segment_ids=case.segments is not None,
-        has_q_seq_lengths=case.lengths in ("q", "both"),
-        has_kv_seq_lengths=case.lengths in ("kv", "both", "empty"), implementation="cute")
+        has_q_seq_lengths=case.has_q_lengths, has_kv_seq_lengths=case.has_kv_lengths, implementation="cute")
     shapes = ((case.batch, case.q_len, case.q_heads, case.head_dim),
               (case.batch, case.kv_len, case.kv_heads, case.head_dim),
               (case.batch, case.kv_len, case.kv_heads, case.v_dim))

@@ -21,11 +21,11 @@ def _inputs(generator, batch=2, q_len=5, kv_len=7, q_heads=4, kv_heads=2, head_d
 
 
 def _literal_visible(batch, q_len, kv_len, causal, window, q_ids, kv_ids, q_lengths, kv_lengths):
-    """The contract's visibility rule, one (b, i, j) at a time."""
+    """The contract's visibility rule, one (b, i, j) at a time; lengths are clipped to [0, axis]."""
     visible = np.zeros((batch, q_len, kv_len), dtype=bool)
     for b in range(batch):
-        q_valid = q_len if q_lengths is None else q_lengths[b]
-        kv_valid = kv_len if kv_lengths is None else kv_lengths[b]
+        q_valid = q_len if q_lengths is None else min(max(q_lengths[b], 0), q_len)
+        kv_valid = kv_len if kv_lengths is None else min(max(kv_lengths[b], 0), kv_len)
         offset = kv_valid - q_valid
         for i in range(q_len):
             for j in range(kv_len):
@@ -109,8 +109,9 @@ def test_mask_matches_literal_rule(rng, causal, window, segments, lengths, q_len
     if segments:
         q_ids = rng.integers(0, 3, size=(batch, q_len))
         kv_ids = rng.integers(0, 3, size=(batch, kv_len))
-    q_lengths = rng.integers(0, q_len + 1, size=batch) if lengths in ("q", "both") else None
-    kv_lengths = rng.integers(0, kv_len + 1, size=batch) if lengths in ("kv", "both") else None
+    # Lengths from below 0 to past the axis, which the contract clips.
+    q_lengths = rng.integers(-2, q_len + 3, size=batch) if lengths in ("q", "both") else None
+    kv_lengths = rng.integers(-2, kv_len + 3, size=batch) if lengths in ("kv", "both") else None
     masking = oracle.Masking(causal, window, None if q_ids is None else (q_ids, kv_ids),
                              q_lengths, kv_lengths)
     expected = _literal_visible(batch, q_len, kv_len, causal, window, q_ids, kv_ids, q_lengths, kv_lengths)
