@@ -20,7 +20,10 @@ How Flax's masking maps onto our options:
 - Decoding with the cache (`decode=True`): the new queries sit at the end of the cached prefix, which is
   our bottom-right alignment, so the cache becomes `kv_seq_lengths = index + new_tokens` and no mask is
   built. Several tokens may be decoded at once (Flax takes one); with `is_causal=True` they are causal
-  among themselves.
+  among themselves. Decoding past the end of the cache is not detected (the cache index is a traced
+  value): the write is clamped to the cache's end and the lengths are clipped to the cache size, so the
+  new tokens replace the cache's last slots and attend to the whole cache (Flax's layer does the same
+  for one token), and `cache_index` keeps counting.
 
 Not supported, with an error that says so: attention dropout while not deterministic, `bias`, sowing
 the attention weights (`sow_weights=True` / `module`; the weights never exist in memory), custom

@@ -208,6 +208,26 @@ def test_decode_under_jit_and_in_chunks(inputs):
     assert int(ours.cache_index[...]) == length
 
 
+def test_decode_past_the_end_of_the_cache_overwrites_its_last_slots(inputs):
+    """Overflow cannot be detected while tracing (the cache index is a traced value), so it is defined:
+    the write is clamped to the cache's end and the lengths are clipped to the cache size, so the new
+    tokens replace the last slots and attend to the whole cache, as Flax's layer does for one token."""
+    theirs, ours = make_pair(num_kv_heads=2)
+    batch, length = 2, 4
+    x = inputs.normal((batch, length + 3, FEATURES))
+    for layer in (ours, theirs):
+        layer.init_cache((batch, length, FEATURES))
+        for position in range(length):
+            layer(x[:, position:position + 1], decode=True)
+    token = x[:, length:length + 1]
+    assert_same(ours(token, decode=True), theirs(token, decode=True))
+    # The cache now holds x0, x1, x2, x4; two more tokens, causal among themselves, replace x2 and x4.
+    chunk = x[:, length + 1:]
+    expected = ours(jnp.concatenate([x[:, :length - 2], chunk], axis=1), is_causal=True)[:, -2:]
+    assert_same(ours(chunk, decode=True, is_causal=True), expected)
+    assert int(ours.cache_index[...]) == length + 3
+
+
 def test_linen_decode_with_adapter(inputs):
     batch, length = 2, 6
     x = inputs.normal((batch, length, FEATURES))
