@@ -9,7 +9,6 @@ from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fa4_jax.config import IMPLEMENTATIONS, AttentionConfig
 from fa4_jax.primitive import attention_vjp
@@ -17,7 +16,14 @@ from fa4_jax.primitive import attention_vjp
 Array = jax.Array
 
 
-def _window(window) -> tuple[Optional[int], Optional[int]]:
+def _window(window, q_len: int, kv_len: int) -> tuple[Optional[int], Optional[int]]:
+    """(left, right), each a non-negative int or None; a side >= q_len + kv_len becomes None.
+
+    That is the same mask. With lengths clipped to the axes, a visible row i (0 <= i < q_valid) sits at
+    key position i + off, off = kv_valid - q_valid, so i + off lies in [-q_len, kv_len - 1], and keys j
+    in [0, kv_len - 1]: (i + off) - j <= kv_len - 1 and j - (i + off) <= q_len + kv_len - 1, so no side
+    that large hides a key. It also keeps huge sides out of int32 arithmetic and out of the compile key.
+    """
     if window is None:
         return None, None
     if not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2:
@@ -27,7 +33,7 @@ def _window(window) -> tuple[Optional[int], Optional[int]]:
     for side in window:
         if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0):
             raise ValueError(f"window sides must be non-negative ints or None (unbounded); got {window!r}.")
-        sides.append(None if side is None else int(side))
+        sides.append(None if side is None or side >= q_len + kv_len else int(side))
     return tuple(sides)
 
 
@@ -112,7 +118,7 @@ def attention(
         raise ValueError(f"scale must be a finite Python number; got {scale!r}.")
     if softcap is not None and (not isinstance(softcap, numbers.Real) or not softcap > 0 or not math.isfinite(softcap)):
         raise ValueError(f"softcap must be a positive finite number or None (no capping); got {softcap!r}.")
-    window_left, window_right = _window(window)
+    window_left, window_right = _window(window, query.shape[1], key.shape[1])
 
     optional = {}
     if sinks is not None:

@@ -28,6 +28,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import fa4_jax
 import numpy_reference as oracle
@@ -519,6 +520,47 @@ def test_default_implementation_is_the_reference_on_cpu(inputs):
         outputs[implementation] = function(arguments.query, arguments.key, arguments.value, arguments.sinks)
     for default, reference in zip(outputs[None], outputs["reference"]):
         np.testing.assert_array_equal(np.asarray(default), np.asarray(reference))
+
+
+# A window side >= Sq + Sk hides no key (the bound is proved in fa4_jax/api.py `_window`).
+HUGE_WINDOWS = {
+    "left-2**31": ((2**31, 0), (None, 0)),
+    "right-int32-max": ((None, 2**31 - 1), (None, None)),
+    "left-2**40": ((2**40, 5), (None, 5)),
+}
+
+
+@pytest.mark.parametrize("window,unbounded", HUGE_WINDOWS.values(), ids=HUGE_WINDOWS.keys())
+def test_huge_window_sides_are_unbounded(inputs, window, unbounded):
+    """They are traced as None: the same primitive parameters (so the same config and compiled kernel)
+    and the same numbers, where they used to overflow int32 (wrong mask) or fail to lower."""
+    case = Case(q_len=50, kv_len=131, dtype="float32", causal=True, sinks=True, lengths="both")
+    arguments = build_arguments(case, inputs)
+    traced, results = {}, {}
+    for name, sides in (("huge", window), ("unbounded", unbounded)):
+        options = dict(arguments.options, window=sides)
+
+        def gradient(q, k, v, sinks):
+            return jax.grad(lambda *operands: fa4_jax.attention(
+                *operands[:3], sinks=operands[3], implementation="reference", **options).sum(),
+                argnums=(0, 1, 2, 3))(q, k, v, sinks)
+        operands = (arguments.query, arguments.key, arguments.value, arguments.sinks)
+        traced[name] = str(jax.make_jaxpr(gradient)(*operands))
+        results[name] = jax.jit(gradient)(*operands)
+    for huge, unbounded in zip(results["huge"], results["unbounded"]):
+        np.testing.assert_array_equal(np.asarray(huge), np.asarray(unbounded))
+    assert traced["huge"] == traced["unbounded"]
+
+
+def test_window_sides_just_below_the_bound_hide_no_key(inputs):
+    """Sides of Sq + Sk - 1 stay ints (a separate config) and, as the bound says, mask nothing."""
+    case = Case(q_len=50, kv_len=131, dtype="float32", lengths="both")
+    arguments = build_arguments(case, inputs)
+    side = case.q_len + case.kv_len - 1
+    outputs = [fa4_jax.attention(arguments.query, arguments.key, arguments.value, implementation="reference",
+                                 **dict(arguments.options, window=sides))
+               for sides in ((side, side), (None, None))]
+    np.testing.assert_allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=1e-6, atol=1e-6)
 
 
 def test_reference_memory_grows_linearly_with_sequence():
