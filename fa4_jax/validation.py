@@ -36,8 +36,8 @@ def validate_operands(config: AttentionConfig, query, key, value, optional: dict
         raise ValueError(
             f"query and key must have the same head_dim (axis 3); got {head_dim} and {k_head_dim}.")
     if min(q_len, kv_len, q_heads, kv_heads, head_dim, v_head_dim) < 1:
-        raise ValueError(f"empty attention: every axis must be >= 1; got query {query.shape}, key {key.shape}, "
-                         f"value {value.shape}.")
+        raise ValueError(f"empty attention: q_len, kv_len, q_heads, kv_heads, head_dim and v_head_dim must be >= 1 "
+                         f"(batch may be 0); got query {query.shape}, key {key.shape}, value {value.shape}.")
     if q_heads % kv_heads:
         raise ValueError(
             f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads}) for grouped-query attention; "

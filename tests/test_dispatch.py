@@ -105,6 +105,30 @@ def test_missing_kernel_module_is_reported(fake_gpu, monkeypatch):
         _choose("cute", jnp.bfloat16)
 
 
+ZERO_BATCH_KERNELS = {
+    "sm90-forward": ("forward", (9, 0), 128),
+    "sm100-forward": ("forward", (10, 0), 128),
+    "sm90-backward": ("backward", (9, 0), 128),
+    "sm90-backward-large-heads": ("backward", (9, 0), 256),
+}
+
+
+@pytest.mark.parametrize("kind, capability, head_dim", ZERO_BATCH_KERNELS.values(), ids=ZERO_BATCH_KERNELS.keys())
+def test_zero_batch_falls_back_in_both_passes(monkeypatch, kind, capability, head_dim):
+    """Batch 0 passes validation (the result is empty) but no kernel launches an empty grid: every
+    kernel's unsupported_reason shares forward_launch.shape_unsupported_reason, the backward's too."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
+    monkeypatch.setattr(cuda, "_warned", set())
+    table = cuda.FORWARD_KERNELS if kind == "forward" else cuda.BACKWARD_KERNELS
+    config = AttentionConfig(scale=0.125, causal=True)
+
+    def avals(batch):
+        return [jax.ShapeDtypeStruct((batch, 8, 2, head_dim), jnp.bfloat16) for _ in range(3)]
+    assert cuda._kernel_for(kind, table, config, *avals(1)) is not None  # the same call with one batch runs
+    with pytest.warns(UserWarning, match="kernel needs non-empty batch and sequence axes"):
+        assert cuda._kernel_for(kind, table, config, *avals(0)) is None
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="needs a host without a GPU")
 def test_export_for_cuda_without_a_gpu_uses_the_reference(monkeypatch):
     """Exporting for CUDA on a CPU host cannot compile a kernel: None falls back, "cute" says why."""

@@ -51,7 +51,8 @@ BAD_INPUTS = [
      {}, ValueError, r"head_dim 320.*maximum 256.*split the heads"),
     ("value-head-dim-above-256", _arrays(value=_spec((BATCH, KV_LEN, KV_HEADS, 288))), {}, ValueError,
      r"v_head_dim 288.*maximum 256"),
-    ("empty-sequence", _arrays(query=_spec((BATCH, 0, Q_HEADS, HEAD_DIM))), {}, ValueError, r">= 1"),
+    ("empty-sequence", _arrays(query=_spec((BATCH, 0, Q_HEADS, HEAD_DIM))), {}, ValueError,
+     r"q_len, kv_len, q_heads, kv_heads, head_dim and v_head_dim must be >= 1 \(batch may be 0\)"),
     ("int-inputs", _arrays(query=_spec((BATCH, Q_LEN, Q_HEADS, HEAD_DIM), jnp.int32),
                            key=_spec((BATCH, KV_LEN, KV_HEADS, HEAD_DIM), jnp.int32),
                            value=_spec((BATCH, KV_LEN, KV_HEADS, HEAD_DIM), jnp.int32)),
@@ -103,6 +104,20 @@ def test_cute_without_a_gpu_names_the_alternatives(inputs):
     key = inputs.normal((1, 8, 2, 16), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match=r"needs an NVIDIA GPU.*implementation=None.*'reference'"):
         jax.block_until_ready(fa4_jax.attention(query, key, key, implementation="cute"))
+
+
+def test_zero_batch_is_valid_and_empty(inputs):
+    """Batch is the one axis that may be 0: out, lse and the gradients are empty, the sink gradient 0."""
+    query, key = inputs.normal((0, Q_LEN, Q_HEADS, HEAD_DIM)), inputs.normal((0, KV_LEN, KV_HEADS, HEAD_DIM))
+    sinks = inputs.normal((Q_HEADS,))
+
+    def loss(query, key, value, sinks):
+        out, lse = fa4_jax.attention(query, key, value, sinks=sinks, causal=True, return_lse=True)
+        assert out.shape == (0, Q_LEN, Q_HEADS, HEAD_DIM) and lse.shape == (0, Q_HEADS, Q_LEN)
+        return out.sum() + lse.sum()
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(query, key, key, sinks)
+    assert [g.shape for g in grads[:3]] == [query.shape, key.shape, key.shape]
+    assert not grads[3].any()
 
 
 def test_valid_call_passes_the_checks():

@@ -1,5 +1,6 @@
-"""Host side shared by the forward kernels (sm90, sm100): the checks every kernel makes, the GPU's SM
-count, and the `cutlass_call` launch with its compile key and on-disk cache."""
+"""Host side shared by the forward kernels (sm90, sm100): the dtype and shape checks every kernel
+makes (the backward kernels' too), the GPU's SM count, and the `cutlass_call` launch with its compile
+key and on-disk cache."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ FORWARD_DTYPES = ("bfloat16", "float16")
 
 def shape_unsupported_reason(kernel_name: str, query_shape, key_shape, value_shape, dtype,
                              head_dims) -> Optional[str]:
-    """What a forward kernel cannot take about dtypes and shapes, or None."""
+    """What a kernel (forward or backward, with its own head dims) cannot take about dtypes and shapes,
+    or None: the one shape check behind every kernel's `unsupported_reason`."""
     dtype_name = getattr(dtype, "name", str(dtype))
     if dtype_name not in FORWARD_DTYPES:
         return f"the {kernel_name} kernel takes bfloat16 or float16 inputs, not {dtype_name}"

@@ -51,7 +51,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import compile_cache, masking, ordered_reduction
+from fa4_jax.kernels import compile_cache, forward_launch, masking, ordered_reduction
 
 LOG2_E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -100,18 +100,10 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
     """Why this kernel cannot take the call, or None when it can."""
     if query_shape[-1] in LARGE_HEAD_DIMS:
         return _large_heads().unsupported_reason(config, query_shape, key_shape, value_shape, dtype)
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"sm90 backward takes bfloat16 or float16, got {dtype}"
-    head_dim = query_shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"sm90 backward supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}"
-    if value_shape[-1] != head_dim:
-        return f"sm90 backward needs value head dim == query head dim ({value_shape[-1]} != {head_dim})"
-    if query_shape[2] % key_shape[2] != 0:
-        return f"query heads {query_shape[2]} not a multiple of key heads {key_shape[2]}"
-    if query_shape[1] == 0 or key_shape[1] == 0:
-        return "sm90 backward needs at least one query row and one key"
+    reason = forward_launch.shape_unsupported_reason("sm90 backward", query_shape, key_shape, value_shape,
+                                                     jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
+    if reason is not None:
+        return reason
     if config.has_q_start:
         # Like the forward kernel: the sequence-sharded path has not yet run on a GPU.
         return "sm90 backward does not yet take a sequence-sharded query (q_start)"

@@ -59,7 +59,7 @@ from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import masking, ordered_reduction, sm90_backward
+from fa4_jax.kernels import forward_launch, masking, ordered_reduction, sm90_backward
 from fa4_jax.kernels.sm90_backward import (K_MAJOR, LOG2_E, MN_MAJOR, WARP_GROUP, gemm,
                                            k_major_layout, swizzle_columns, transpose_view)
 from fa4_jax.kernels.sm90_forward import _accumulator_mn
@@ -99,19 +99,10 @@ DEFAULT_TUNING = Tuning()
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
                        dtype) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"sm90 large-head backward takes bfloat16 or float16, got {dtype}"
-    head_dim = query_shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"sm90 large-head backward supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}"
-    if value_shape[-1] != head_dim:
-        return (f"sm90 large-head backward needs value head dim == query head dim "
-                f"({value_shape[-1]} != {head_dim})")
-    if query_shape[2] % key_shape[2] != 0:
-        return f"query heads {query_shape[2]} not a multiple of key heads {key_shape[2]}"
-    if query_shape[1] == 0 or key_shape[1] == 0:
-        return "sm90 large-head backward needs at least one query row and one key"
+    reason = forward_launch.shape_unsupported_reason("sm90 large-head backward", query_shape, key_shape,
+                                                     value_shape, jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
+    if reason is not None:
+        return reason
     if config.has_q_start:
         return "sm90 large-head backward does not yet take a sequence-sharded query (q_start)"
     return None
