@@ -9,7 +9,8 @@ import itertools
 import numpy as np
 import pytest
 
-from fa4_jax.kernels import masking, ordered_reduction
+pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
+from fa4_jax.kernels import masking, ordered_reduction  # noqa: E402
 
 SHAPES = [
     masking.MaskShape(),

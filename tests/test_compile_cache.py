@@ -12,6 +12,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _LOWER = r"""

@@ -27,6 +27,8 @@ import pytest
 
 from ptx_checks import assert_no_spills, compile_environment
 
+pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (AttentionConfig fields, [B, Sq, Sk, Hq, Hkv, D], dtype, KernelOptions overrides)

@@ -17,6 +17,8 @@ import pytest
 
 from ptx_checks import assert_no_spills, compile_ptx
 
+pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
+
 pytestmark = pytest.mark.slow
 
 

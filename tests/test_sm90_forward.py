@@ -29,6 +29,7 @@ import pytest
 import fa4_jax
 import numpy_reference
 from kernel_cases import ROUNDING, Case, poison_device_memory
+pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 
 gpu = pytest.mark.gpu
 
