@@ -1,4 +1,5 @@
-"""The on-disk kernel cache: a second process lowers the sm90 kernels from disk, not by compiling.
+"""The on-disk kernel cache: a second process lowers the sm90 kernels from disk, not by compiling, and
+a file is named after the kernel sources and the target architecture.
 
 Lowering for the CUDA platform works on a CPU-only machine (the kernel compiles for sm_90a with the
 DSL's own tools), so this runs in CI. Each process lowers one jitted call and prints the time and a
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -79,3 +82,37 @@ def test_aliased_outputs_load_from_disk(tmp_path):
     assert sorted(os.listdir(tmp_path)) == files, "the warm process compiled again"
     assert warm["hlo"] == cold["hlo"], "the cached kernel differs from the compiled one"
     assert warm["seconds"] < cold["seconds"]
+
+
+def _name_with_sources(monkeypatch, directory):
+    from fa4_jax.kernels import compile_cache
+
+    spec = types.SimpleNamespace(in_args=("query",), out_args=("out",), input_tree="(*,)", output_tree="(*,)",
+                                 input_output_aliases={})
+    monkeypatch.setattr(compile_cache, "KERNEL_SOURCES", str(directory))
+    return compile_cache._file_name(("fa4_jax.sm90_forward", "options"), spec)
+
+
+def test_file_name_follows_the_kernel_sources(tmp_path, monkeypatch):
+    """The same sources (another copy) give the same file; an edit to any of them, such as a shared
+    building block, gives a new one."""
+    from fa4_jax.kernels import compile_cache
+
+    copy, edited = tmp_path / "copy", tmp_path / "edited"
+    for directory in (copy, edited):
+        shutil.copytree(compile_cache.KERNEL_SOURCES, directory, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(edited / "masking.py", "a") as handle:
+        handle.write("# an edit\n")
+    installed = _name_with_sources(monkeypatch, compile_cache.KERNEL_SOURCES)
+    assert _name_with_sources(monkeypatch, copy) == installed
+    assert _name_with_sources(monkeypatch, edited) != installed
+
+
+def test_file_name_follows_the_target_arch(monkeypatch):
+    from fa4_jax.kernels import compile_cache
+
+    names = set()
+    for arch in ("sm_90a", "sm_100a"):
+        monkeypatch.setattr(compile_cache, "_target_arch", lambda: arch)
+        names.add(_name_with_sources(monkeypatch, compile_cache.KERNEL_SOURCES))
+    assert len(names) == 2

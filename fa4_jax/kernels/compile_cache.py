@@ -4,8 +4,10 @@ does not trace and compile the kernel again.
 `cutlass_call` keeps compiled kernels in a per-process dictionary keyed by (compile key, argument
 spec, environment). `prepare` fills that dictionary before JAX lowers the call: from a file when one
 exists, else by compiling now and writing the object code to a file. The file name hashes the
-compile key, the argument spec, the cutlass-dsl version and the CUTE_DSL_* variables (the ones that
-change code generation), so a stale kernel is never served.
+compile key, the argument spec, the source of every module in fa4_jax/kernels/ (a kernel or one of
+the building blocks it is generated from), the GPU architecture compiled for, the cutlass-dsl version
+and the CUTE_DSL_* variables (the ones that change code generation), so a stale kernel is never
+served and no version number has to be bumped by hand.
 
 Directory: $FA4_JAX_CACHE_DIR, else $XDG_CACHE_HOME/fa4_jax/kernels, else ~/.cache/fa4_jax/kernels.
 FA4_JAX_CACHE_DIR="" turns the disk cache off. Anything unexpected (an unwritable directory, a
@@ -14,15 +16,17 @@ changed cutlass-dsl internal) only skips the cache, with one warning: compilatio
 Input-output aliases (the backward's fp32 dQ accumulator and deterministic counters are updated in
 place) are part of the spec and of the file name: pass the same mapping `cutlass_call` gets.
 
-This leans on cutlass.jax internals (`build_function_spec`, `_normalize_input_output_aliases`,
-`_CUTLASS_COMPILE_CACHE`), pinned by the project's nvidia-cutlass-dsl version.
+This leans on cutlass internals (`build_function_spec`, `_normalize_input_output_aliases`,
+`_CUTLASS_COMPILE_CACHE`, the DSL's `envar.arch`), pinned by the project's nvidia-cutlass-dsl version.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import pathlib
 import tempfile
 import warnings
 from typing import Hashable, Optional
@@ -31,6 +35,10 @@ import jax
 
 logger = logging.getLogger(__name__)
 _warned = False
+
+# The .py files under it key the disk cache: the kernels and the building blocks they are generated from
+# (a change to one that generates nothing, such as reference.py, costs one recompile).
+KERNEL_SOURCES = os.path.dirname(os.path.abspath(__file__))
 
 
 def cache_directory() -> Optional[str]:
@@ -48,6 +56,24 @@ def _cutlass_version() -> str:
     except Exception:
         import cutlass
         return str(getattr(cutlass, "__version__", "unknown"))
+
+
+@functools.cache
+def _source_digest(directory: str) -> str:
+    """sha256 over the names and contents of the .py files under `directory` (read once per process)."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(directory).rglob("*.py")):
+        source = path.read_bytes()
+        digest.update(f"{path.relative_to(directory).as_posix()}\0{len(source)}\0".encode())
+        digest.update(source)
+    return digest.hexdigest()
+
+
+def _target_arch() -> str:
+    """The architecture the DSL compiles for: CUTE_DSL_ARCH as read at its import, else the local GPU's
+    compute capability (its sm_100a default when it sees no GPU)."""
+    from cutlass.cutlass_dsl import CuTeDSL
+    return CuTeDSL._get_dsl().envar.arch
 
 
 def _function_spec(arguments, outputs, input_output_aliases):
@@ -70,7 +96,8 @@ def _file_name(compile_key: Hashable, spec) -> str:
     code_generation_environment = sorted(
         (name, value) for name, value in os.environ.items() if name.startswith("CUTE_DSL_"))
     description = repr((compile_key, spec.in_args, spec.out_args, str(spec.input_tree), str(spec.output_tree),
-                        spec.input_output_aliases, _cutlass_version(), code_generation_environment))
+                        spec.input_output_aliases, _source_digest(KERNEL_SOURCES), _target_arch(),
+                        _cutlass_version(), code_generation_environment))
     return hashlib.sha256(description.encode()).hexdigest() + ".o"
 
 

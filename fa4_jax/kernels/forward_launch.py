@@ -49,19 +49,19 @@ def sm_count(default: int) -> int:
         return default
 
 
-def launch(kernel, kernel_name: str, kernel_version, options, query, key, value, optional: dict):
+def launch(kernel, kernel_name: str, options, query, key, value, optional: dict):
     """Run a forward kernel through `cutlass_call`: (out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32).
 
     The kernel's inputs after the stream are (query, key, value, sinks, q_segment_ids, kv_segment_ids,
     q_seq_lengths, kv_seq_lengths, q_start), absent ones None. `options` (hashable) selects the
-    compiled variant, so (kernel_name, kernel_version, options) is the compile key.
+    compiled variant, so (kernel_name, options) is the compile key.
     """
     batch, q_len, q_heads, _ = query.shape
     outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
                jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
     arguments = (query, key, value) + tuple(optional.get(name) for name in (
         "sinks", "q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths", "q_start"))
-    compile_key = (kernel_name, kernel_version, options)
+    compile_key = (kernel_name, options)
     compile_cache.prepare(kernel, arguments, outputs, compile_key)
     out, lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
     return out, lse

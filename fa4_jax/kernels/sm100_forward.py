@@ -54,7 +54,6 @@ TMEM_COLUMNS = 512
 THREADS_PER_WARP = 32
 ROWS_PER_TILE = 128
 DEFAULT_SM_COUNT = 148  # B200; the real count is passed in when a GPU is present.
-KERNEL_VERSION = 1  # bump when the generated code changes, so on-disk caches do not serve stale kernels
 SMEM_TILE_BUDGET = 220 * 1024  # Q, O and K/V tiles; the rest of the 227 KiB holds barriers and stats
 MAX_KV_STAGES = 8
 
@@ -861,5 +860,5 @@ def forward_with_options(query, key, value, optional: dict, config: AttentionCon
     """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
     options = dataclasses.replace(
         kernel_options(config, query.shape, key.shape, value.shape, query.dtype), **overrides)
-    return forward_launch.launch(_kernel(options), "fa4_jax.sm100_forward", KERNEL_VERSION, options,
+    return forward_launch.launch(_kernel(options), "fa4_jax.sm100_forward", options,
                                  query, key, value, optional)

@@ -67,7 +67,6 @@ from fa4_jax.kernels.sm90_forward import _accumulator_mn
 SUPPORTED_HEAD_DIMS = (192, 256)
 TILE_M = sm90_backward.TILE_M   # query rows per block (the preprocess pads the row statistics to it)
 TILE_N = 64                     # keys per CTA
-KERNEL_VERSION = 2              # bump when the generated code changes (part of the compile key)
 SHARED_MEMORY_BYTES = sm90_backward.SHARED_MEMORY_BYTES
 PDS_READY_BARRIER = 1           # both groups' halves of P and dS are in shared memory
 PDS_BUFFERS = 2
@@ -519,7 +518,7 @@ def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: 
 
 
 def _compile_key(config: AttentionConfig, dtype_name, head_dim, group, tuning: Tuning):
-    return ("fa4_jax.sm90_backward_large_heads", KERNEL_VERSION, dtype_name, head_dim, group,
+    return ("fa4_jax.sm90_backward_large_heads", dtype_name, head_dim, group,
             config.scale, config.causal, config.window_left, config.window_right, config.softcap,
             config.has_segment_ids, config.has_q_seq_lengths, config.has_kv_seq_lengths,
             config.q_total, config.deterministic, tuning)

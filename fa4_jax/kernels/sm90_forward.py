@@ -69,7 +69,6 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per CTA on sm_90
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; the real count is passed in when a GPU is present.
 SCHEDULER_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup; 0 is __syncthreads)
 EPILOGUE_BARRIER = 4   # named barriers 4..6: one per consumer warpgroup, for the TMA-store epilogue
-KERNEL_VERSION = 3  # bump when the generated code changes, so on-disk caches do not serve stale kernels
 
 # (key tile, pipeline stages) per head dim, sized to fit 227 KiB of shared memory and 240 registers.
 _TILE_N_AND_STAGES = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
@@ -919,5 +918,5 @@ def forward_with_options(query, key, value, optional: dict, config: AttentionCon
     """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
     options = dataclasses.replace(
         kernel_options(config, query.shape, key.shape, value.shape, query.dtype), **overrides)
-    return forward_launch.launch(_kernel(options), "fa4_jax.sm90_forward", KERNEL_VERSION, options,
+    return forward_launch.launch(_kernel(options), "fa4_jax.sm90_forward", options,
                                  query, key, value, optional)
