@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 
@@ -116,3 +117,47 @@ def test_file_name_follows_the_target_arch(monkeypatch):
         monkeypatch.setattr(compile_cache, "_target_arch", lambda: arch)
         names.add(_name_with_sources(monkeypatch, compile_cache.KERNEL_SOURCES))
     assert len(names) == 2
+
+
+@pytest.fixture
+def stub_compile(monkeypatch):
+    """prepare() with the spec and file name stubbed and `get_or_compile_kernel` replaced by the
+    fixture's `compile` attribute, so no kernel is traced."""
+    from cutlass.jax import compile as cutlass_compile
+    from fa4_jax.kernels import compile_cache
+
+    monkeypatch.setattr(compile_cache, "_function_spec", lambda *arguments: "spec")
+    monkeypatch.setattr(compile_cache, "_file_name", lambda compile_key, spec: "kernel.o")
+    monkeypatch.setattr(compile_cache, "_reported", set())
+    stub = types.SimpleNamespace(compile=None)
+    monkeypatch.setattr(cutlass_compile, "get_or_compile_kernel",
+                        lambda function, spec, compile_key: stub.compile())
+    return stub
+
+
+def test_a_kernel_compile_error_is_raised_not_reported_as_a_cache_problem(stub_compile, tmp_path, monkeypatch):
+    from fa4_jax.kernels import compile_cache
+
+    def fail():
+        raise RuntimeError("the kernel does not compile")
+
+    stub_compile.compile = fail
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="does not compile"):
+            compile_cache.prepare(None, (), (), ("test", "compile error"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_unwritable_cache_warns_once_and_says_how_to_turn_it_off(stub_compile, tmp_path, monkeypatch):
+    from fa4_jax.kernels import compile_cache
+
+    stub_compile.compile = lambda: types.SimpleNamespace(module=b"object code")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path / "file" / "kernels"))   # below a file
+    with pytest.warns(UserWarning, match='skipped while saving the kernel.*FA4_JAX_CACHE_DIR="" turns'):
+        compile_cache.prepare(None, (), (), ("test", "unwritable"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the same failure again is not repeated
+        compile_cache.prepare(None, (), (), ("test", "unwritable"))

@@ -11,7 +11,8 @@ served and no version number has to be bumped by hand.
 
 Directory: $FA4_JAX_CACHE_DIR, else $XDG_CACHE_HOME/fa4_jax/kernels, else ~/.cache/fa4_jax/kernels.
 FA4_JAX_CACHE_DIR="" turns the disk cache off. Anything unexpected (an unwritable directory, a
-changed cutlass-dsl internal) only skips the cache, with one warning: compilation then happens as usual.
+changed cutlass-dsl internal) only skips the cache, with a warning: compilation then happens as usual.
+A kernel that fails to compile raises its own error.
 
 Input-output aliases (the backward's fp32 dQ accumulator and deterministic counters are updated in
 place) are part of the spec and of the file name: pass the same mapping `cutlass_call` gets.
@@ -34,7 +35,7 @@ from typing import Hashable, Optional
 import jax
 
 logger = logging.getLogger(__name__)
-_warned = False
+_reported: set = set()  # (step, exception type) already warned about
 
 # The .py files under it key the disk cache: the kernels and the building blocks they are generated from
 # (a change to one that generates nothing, such as reference.py, costs one recompile).
@@ -104,8 +105,10 @@ def _file_name(compile_key: Hashable, spec) -> str:
 def prepare(function, arguments, outputs, compile_key: Hashable, input_output_aliases=None) -> None:
     """Make sure `cutlass_call(function, compile_key=compile_key,
     input_output_aliases=input_output_aliases)` on `arguments` finds its kernel compiled: in this
-    process's cache, else loaded from disk, else compiled now and saved."""
-    global _warned
+    process's cache, else loaded from disk, else compiled now and saved.
+
+    A failure of the cache itself only warns (the call then compiles as usual); a failure to compile
+    the kernel is raised as it is, since `cutlass_call` would only spend the same time failing again."""
     directory = cache_directory()
     if directory is None:
         return
@@ -125,13 +128,24 @@ def prepare(function, arguments, outputs, compile_key: Hashable, input_output_al
                 module=module, fingerprint=hashlib.sha256(module).digest(), spec=spec)
             logger.debug("fa4_jax kernel loaded from %s", path)
             return
-        result = cutlass_compile.get_or_compile_kernel(function, spec, compile_key=compile_key)
+    except Exception as error:  # the cache is an optimisation: never let it break a call
+        _warn_skipped("looking the kernel up", error)
+        return
+    result = cutlass_compile.get_or_compile_kernel(function, spec, compile_key=compile_key)
+    try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, delete=False) as handle:
             handle.write(result.module)
         os.replace(handle.name, path)  # atomic: concurrent processes never read a partial file
-    except Exception as error:  # the cache is an optimisation: never let it break a call
-        if not _warned:
-            _warned = True
-            warnings.warn(f"fa4_jax: on-disk kernel cache skipped ({type(error).__name__}: {error})",
-                          stacklevel=2)
+    except Exception as error:
+        _warn_skipped("saving the kernel", error)
+
+
+def _warn_skipped(step: str, error: Exception) -> None:
+    """Warn once per kind of failure: the first of each is shown, repeats (every later kernel in an
+    unwritable directory) are not."""
+    if (step, type(error)) in _reported:
+        return
+    _reported.add((step, type(error)))
+    warnings.warn(f"fa4_jax: on-disk kernel cache skipped while {step} ({type(error).__name__}: {error}); "
+                  'FA4_JAX_CACHE_DIR="" turns the cache off', stacklevel=3)
