@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -28,6 +27,7 @@ import pytest
 from ptx_checks import assert_no_spills, compile_environment
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
+from fa4_jax.kernels.sm100_inspect import find_ptxas  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -270,7 +270,7 @@ def test_tma_store_epilogue_layout(tmp_path):
     assert int(checked) == 2 * 14 * 2 * 128 and int(mismatched) == 0, examples
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
+@pytest.mark.skipif(find_ptxas() is None, reason="ptxas not installed")
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_no_register_spills(compiled, name):
-    assert_no_spills("ptxas", compiled[name]["ptx"], name)
+    assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)

@@ -11,7 +11,6 @@ Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 
@@ -20,6 +19,7 @@ from ptx_checks import assert_no_spills, compile_ptx
 from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from fa4_jax.kernels import sm90_backward  # noqa: E402
+from fa4_jax.kernels.sm100_inspect import find_ptxas  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,7 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
         # The dQ turn order is highest key block first, launched in that order.
         assert "%nctaid.x" in ptx, "key block not taken from the end of the grid"
     assert ".local" not in ptx, "local memory in the PTX"
-    ptxas = shutil.which("ptxas")
+    ptxas = find_ptxas()
     if ptxas is None:
-        return
+        pytest.skip("ptxas not installed: the PTX was checked, spills were not")
     assert_no_spills(ptxas, path, name)

@@ -11,13 +11,13 @@ Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 
 from ptx_checks import assert_no_spills, compile_ptx
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
+from fa4_jax.kernels.sm100_inspect import find_ptxas  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -87,9 +87,9 @@ def test_compiles_to_wgmma_tma_without_spills(name, tmp_path):
     diagonal_first = CASES[name].get("tuning", {}).get("diagonal_first", False) and deterministic
     assert ("%nctaid.x" in ptx) == diagonal_first
     assert ".local" not in ptx, "local memory in the PTX"
-    ptxas = shutil.which("ptxas")
+    ptxas = find_ptxas()
     if ptxas is None:
-        return
+        pytest.skip("ptxas not installed: the PTX was checked, spills were not")
     assert_no_spills(ptxas, path, name)
 
 

@@ -9,6 +9,7 @@ benchmarks/sm100_report.py.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -126,9 +127,22 @@ def uses_local_memory(ptx: str) -> bool:
     return bool(re.search(r"\.local\b|ld\.local|st\.local", ptx))
 
 
+def find_ptxas() -> Optional[str]:
+    """ptxas from the nvidia-cuda-nvcc wheel (the test extra pins the release the spill checks were set
+    against), else the one on PATH, else None."""
+    try:
+        files = importlib.metadata.distribution("nvidia-cuda-nvcc").files or ()
+    except importlib.metadata.PackageNotFoundError:
+        files = ()
+    for file in files:
+        if file.name == "ptxas" and file.parent.name == "bin":
+            return str(file.locate())
+    return shutil.which("ptxas")
+
+
 def ptxas_resources(ptx_path: str) -> Optional[dict]:
     """Registers, spills and stack from `ptxas -v`, or None where ptxas is not installed."""
-    ptxas = shutil.which("ptxas")
+    ptxas = find_ptxas()
     if ptxas is None:
         return None
     result = subprocess.run([ptxas, f"-arch={TARGET}", "-v", ptx_path, "-o", os.devnull],
