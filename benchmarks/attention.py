@@ -116,14 +116,12 @@ def sm90_forward_variants():
 # aims, plus 4k as a guard row. Ordered by priority, so that a run cut short by --max-seconds still
 # covers the 1k row.
 VARIANT_ROWS = [(256, True, 1024), (256, True, 2048), (256, True, 4096)]
-VARIANT_ONLY = {}  # variant -> the sequence lengths it is sampled at (others: every row it applies to)
 
 
-def variants_for(head_dim: int, causal: bool, seq_len: int, excluded=()):
+def variants_for(head_dim: int, causal: bool, excluded=()):
     """The sm90_forward_variants() names that apply to one row, default first."""
     return [name for name, (_, head_dims, causal_settings) in sm90_forward_variants().items()
-            if head_dim in head_dims and causal in causal_settings
-            and seq_len in VARIANT_ONLY.get(name, {seq_len}) and name not in excluded]
+            if head_dim in head_dims and causal in causal_settings and name not in excluded]
 
 
 def failed_variants(junit_path: str) -> dict:
@@ -187,7 +185,7 @@ def compile_variants_in_parallel(shape_list, excluded, workers: int) -> dict:
     import multiprocessing
 
     tasks = [(name, shape) for shape in shape_list
-             for name in variants_for(shape["head_dim"], shape["causal"], shape["seq_len"], excluded)]
+             for name in variants_for(shape["head_dim"], shape["causal"], excluded)]
     started = time.perf_counter()
     errors = {}
     with multiprocessing.get_context("spawn").Pool(workers, initializer=_cpu_only_worker) as pool:
@@ -208,7 +206,7 @@ def forward_variants_section(shape, arguments, args):
     causal = shape["causal"]
     reference, cudnn_ms = _median_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn")), arguments, args.iterations)
-    names = variants_for(shape["head_dim"], causal, shape["seq_len"], args.excluded_variants)
+    names = variants_for(shape["head_dim"], causal, args.excluded_variants)
     rows = []
     for name in names + ["default"]:
         overrides = sm90_forward_variants()[name][0]

@@ -183,11 +183,12 @@ def test_supported_configs_build_kernel_options():
     config = AttentionConfig(scale=0.1, causal=True, window_left=64, softcap=5.0, has_sinks=True,
                              has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True)
     assert sm100_forward.unsupported_reason(config, *shapes, _Dtype("bfloat16")) is None
-    options = sm100_forward.kernel_options(config, *shapes, _Dtype("bfloat16"), sm_count=148)
+    query_shape, key_shape, _ = shapes
+    options = sm100_forward.kernel_options(config, query_shape, key_shape, _Dtype("bfloat16"), sm_count=148)
     assert options.group == 4 and options.mask.causal and options.mask.has_segments
     kernel = sm100_forward.Sm100ForwardKernel(options)
     assert kernel.tmem_columns_used <= 512 and kernel.q_stage == 2
-    assert hash(options) == hash(sm100_forward.kernel_options(config, *shapes, _Dtype("bfloat16"),
+    assert hash(options) == hash(sm100_forward.kernel_options(config, query_shape, key_shape, _Dtype("bfloat16"),
                                                               sm_count=148))
 
 

@@ -362,8 +362,7 @@ class Sm100ForwardKernel:
                            problem, optional)
         if warp_idx == self.epilogue_warp_id:
             cute.arch.setmaxregister_decrease(self.registers_other)
-            self.epilogue_role(tma_atom_o, tma_o, sO, sLSE, mLSE, epilogue_consumer,
-                               problem, optional)
+            self.epilogue_role(tma_atom_o, tma_o, sO, sLSE, mLSE, epilogue_consumer, problem)
         if warp_idx == self.mma_warp_id:
             cute.arch.setmaxregister_decrease(self.registers_other)
             self.tmem_ready_barrier.arrive_and_wait()
@@ -777,8 +776,7 @@ class Sm100ForwardKernel:
     # Epilogue warp: TMA store of each normalised O tile, LSE rows to global memory
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def epilogue_role(self, tma_atom_o, tma_o, sO, sLSE, mLSE, epilogue_consumer, problem,
-                      optional):
+    def epilogue_role(self, tma_atom_o, tma_o, sO, sLSE, mLSE, epilogue_consumer, problem):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
         lane = cute.arch.lane_idx()
         gO = cute.flat_divide(tma_o, (ROWS_PER_TILE, self.head_dim))
@@ -828,7 +826,7 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
     return None
 
 
-def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape, dtype,
+def kernel_options(config: AttentionConfig, query_shape, key_shape, dtype,
                    sm_count: Optional[int] = None) -> KernelOptions:
     """The static kernel configuration for one call (also what the compile test builds)."""
     return KernelOptions(
@@ -859,6 +857,6 @@ def attention_forward(query, key, value, optional: dict, config: AttentionConfig
 def forward_with_options(query, key, value, optional: dict, config: AttentionConfig, **overrides):
     """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
     options = dataclasses.replace(
-        kernel_options(config, query.shape, key.shape, value.shape, query.dtype), **overrides)
+        kernel_options(config, query.shape, key.shape, query.dtype), **overrides)
     return forward_launch.launch(_kernel(options), "fa4_jax.sm100_forward", options,
                                  query, key, value, optional)

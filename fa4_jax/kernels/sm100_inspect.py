@@ -39,8 +39,8 @@ class Dtype:
 for name, spec in specs.items():
     config = AttentionConfig(**spec["config"])
     B, Sq, Sk, Hq, Hkv, D = spec["shape"]
-    options = sm100_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
-                                           Dtype(spec["dtype"]), sm_count=spec["sm_count"])
+    options = sm100_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), Dtype(spec["dtype"]),
+                                           sm_count=spec["sm_count"])
     kernel = sm100_forward.Sm100ForwardKernel(options)
     arguments = forward_launch.fake_arguments(config, spec["shape"], spec["dtype"])
     start = time.perf_counter()

@@ -93,7 +93,6 @@ class KernelOptions:
     sm_count: int
     rescale_threshold: float = 8.0
     poly_exp2_every: int = 0
-    pingpong: bool = True
     # Tuning options (module docstring); the defaults are the GPU-verified configuration.
     consumer_warpgroups: int = 2
     q_stages: int = 1
@@ -276,7 +275,7 @@ class Sm90ForwardKernel:
         self.threads = THREADS_PER_WARPGROUP * (1 + self.consumer_warpgroups)
         self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
         self.producer_registers, self.consumer_registers = REGISTERS[self.consumer_warpgroups]
-        self.pingpong = options.pingpong and options.head_dim <= options.pingpong_max_head_dim
+        self.pingpong = options.head_dim <= options.pingpong_max_head_dim
         # With segments every block is masked: there is no unmasked middle to split off.
         self.split_masked_loop = options.split_masked_loop and not options.mask.has_segments
         # Only a right reach makes the visible key range end earlier for a tile's first rows.

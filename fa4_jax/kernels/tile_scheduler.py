@@ -1,8 +1,8 @@
 """Persistent tile scheduler: which (query block, head, batch) tile each CTA works on, in which order.
 
-A persistent grid launches min(tiles, CTAs that fit on the GPU) CTAs; CTA c handles tiles c, c + grid,
-c + 2 grid, ... in the order below. The SM count is a parameter (never queried from the driver while
-tracing, so kernels compile on a CPU-only machine).
+A persistent grid launches min(tiles, SM count) CTAs (each kernel's host function sizes it); CTA c
+handles tiles c, c + grid, c + 2 grid, ... in the order below. The SM count is a parameter (never
+queried from the driver while tracing, so kernels compile on a CPU-only machine).
 
 Order:
 - non-causal: query blocks of one (batch, head) are adjacent, so the CTAs running at the same time
@@ -16,25 +16,6 @@ Order:
 """
 
 from __future__ import annotations
-
-import dataclasses
-
-
-@dataclasses.dataclass(frozen=True)
-class TileGrid:
-    """Static shape of the work: tiles = num_m_blocks * num_heads * batch."""
-
-    num_m_blocks: int
-    num_heads: int
-    batch: int
-    longest_first: bool
-
-    @property
-    def num_tiles(self) -> int:
-        return self.num_m_blocks * self.num_heads * self.batch
-
-    def grid_size(self, sm_count: int, ctas_per_sm: int = 1) -> int:
-        return max(1, min(self.num_tiles, sm_count * ctas_per_sm))
 
 
 def tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first: bool):
