@@ -165,3 +165,26 @@ def test_gpu_float32_falls_back_to_reference_or_raises(inputs):
         cuda._warned.update(already_warned)
     expected = fa4_jax.attention(q, k, v, causal=True, implementation="reference")
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-6, rtol=1e-6)
+
+
+BACKWARD_KERNELS_BY_HEAD_DIM = {"sm90-backward": 128, "sm90-backward-large-heads": 256}
+
+
+@pytest.mark.parametrize("head_dim", BACKWARD_KERNELS_BY_HEAD_DIM.values(), ids=BACKWARD_KERNELS_BY_HEAD_DIM.keys())
+@pytest.mark.parametrize("axis, batch, heads", [("z", 65536, 2), ("y", 1, 65536)], ids=["batch", "kv-heads"])
+def test_backward_grid_limit_falls_back(monkeypatch, head_dim, axis, batch, heads):
+    """Both backward kernels launch a (key blocks, KV heads, batch) grid, and CUDA caps gridDim.y and .z at
+    65535: one more KV head or batch element would fail to launch, so the call takes the reference and
+    the warning names the limit. 65535 of each still gets the kernel."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cuda, "_warned", set())
+    config = AttentionConfig(scale=0.125, causal=True)
+
+    def avals(batch, heads):
+        return [jax.ShapeDtypeStruct((batch, 8, heads, head_dim), jnp.bfloat16) for _ in range(3)]
+    fitting = (batch - 1, heads) if axis == "z" else (batch, heads - 1)
+    assert cuda._kernel_for("backward", cuda.BACKWARD_KERNELS, config, *avals(*fitting)) is not None
+    with pytest.warns(UserWarning, match=rf"65536 [a-z/ ]+ exceed CUDA's grid limit of 65535 \(gridDim\.{axis}\)"):
+        assert cuda._kernel_for("backward", cuda.BACKWARD_KERNELS, config, *avals(batch, heads)) is None
+    # The forward kernel's persistent grid is one-dimensional: the same shapes run it.
+    assert cuda._kernel_for("forward", cuda.FORWARD_KERNELS, config, *avals(batch, heads)) is not None

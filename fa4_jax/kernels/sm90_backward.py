@@ -62,6 +62,7 @@ TILE_M = 64      # query rows per block
 TILE_N = 128     # keys per CTA (64 per consumer warp group)
 QUERY_STAGES = 2     # Q / dO ring depth (a third stage measured no faster and leaves no room for dQ)
 SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
+MAX_GRID_Y_Z = 65535           # CUDA's limit on gridDim.y and gridDim.z (gridDim.x allows 2^31 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +100,25 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
     """Why this kernel cannot take the call, or None when it can."""
     if query_shape[-1] in LARGE_HEAD_DIMS:
         return _large_heads().unsupported_reason(config, query_shape, key_shape, value_shape, dtype)
-    reason = forward_launch.shape_unsupported_reason("sm90 backward", query_shape, key_shape, value_shape,
-                                                     jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
+    reason = (forward_launch.shape_unsupported_reason("sm90 backward", query_shape, key_shape, value_shape,
+                                                      jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
+              or grid_unsupported_reason("sm90 backward", key_shape))
     if reason is not None:
         return reason
     if config.has_q_start:
         # Like the forward kernel: the sequence-sharded path has not yet run on a GPU.
         return "sm90 backward does not yet take a sequence-sharded query (q_start)"
+    return None
+
+
+def grid_unsupported_reason(kernel_name: str, key_shape) -> Optional[str]:
+    """What the grid of both backward kernels, (key blocks, key/value heads, batch), cannot take: more
+    than MAX_GRID_Y_Z heads or batch elements fail to launch. None when it fits."""
+    batch, _, kv_heads, _ = key_shape
+    for axis, what, size in (("y", "key/value heads", kv_heads), ("z", "batch elements", batch)):
+        if size > MAX_GRID_Y_Z:
+            return (f"the {kernel_name} kernel launches one CTA per (key block, key/value head, batch element), "
+                    f"and {size} {what} exceed CUDA's grid limit of {MAX_GRID_Y_Z} (gridDim.{axis})")
     return None
 
 

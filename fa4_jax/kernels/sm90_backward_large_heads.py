@@ -98,8 +98,9 @@ DEFAULT_TUNING = Tuning()
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
                        dtype) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    reason = forward_launch.shape_unsupported_reason("sm90 large-head backward", query_shape, key_shape,
-                                                     value_shape, jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
+    reason = (forward_launch.shape_unsupported_reason("sm90 large-head backward", query_shape, key_shape,
+                                                      value_shape, jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
+              or sm90_backward.grid_unsupported_reason("sm90 large-head backward", key_shape))
     if reason is not None:
         return reason
     if config.has_q_start:
