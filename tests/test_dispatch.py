@@ -188,3 +188,20 @@ def test_backward_grid_limit_falls_back(monkeypatch, head_dim, axis, batch, head
         assert cuda._kernel_for("backward", cuda.BACKWARD_KERNELS, config, *avals(batch, heads)) is None
     # The forward kernel's persistent grid is one-dimensional: the same shapes run it.
     assert cuda._kernel_for("forward", cuda.FORWARD_KERNELS, config, *avals(batch, heads)) is not None
+
+
+@pytest.mark.parametrize("kind, capability, head_dim", ZERO_BATCH_KERNELS.values(), ids=ZERO_BATCH_KERNELS.keys())
+@pytest.mark.parametrize("scale", [-0.125, 0.0])
+def test_non_positive_scale_without_softcap_falls_back(monkeypatch, kind, capability, head_dim, scale):
+    """The kernels' online softmax keeps the maximum of the unscaled logits and the backward rescales
+    masked (-inf) logits: with scale < 0 the maximum never leaves -inf (LSE comes out -inf, P unbounded)
+    and masked logits give +inf, with scale 0 they give NaN. So scale <= 0 takes the reference unless a
+    softcap is set, which scales the logits before the softmax (whose scale is then log2 e)."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
+    monkeypatch.setattr(cuda, "_warned", set())
+    table = cuda.FORWARD_KERNELS if kind == "forward" else cuda.BACKWARD_KERNELS
+    avals = [jax.ShapeDtypeStruct((1, 8, 2, head_dim), jnp.bfloat16) for _ in range(3)]
+    with pytest.warns(UserWarning, match=rf"kernel needs a positive scale unless a softcap is set \(got {scale}\)"):
+        assert cuda._kernel_for(kind, table, AttentionConfig(scale=scale, causal=True), *avals) is None
+    softcapped = AttentionConfig(scale=scale, causal=True, softcap=5.0)
+    assert cuda._kernel_for(kind, table, softcapped, *avals) is not None

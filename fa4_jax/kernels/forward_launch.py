@@ -1,5 +1,5 @@
-"""Host side shared by the forward kernels (sm90, sm100): the dtype and shape checks every kernel
-makes (the backward kernels' too), the GPU's SM count, and the `cutlass_call` launch with its compile
+"""Host side shared by the forward kernels (sm90, sm100): the dtype, shape and scale checks every
+kernel makes (the backward kernels' too), the GPU's SM count, and the `cutlass_call` launch with its compile
 key and on-disk cache."""
 
 from __future__ import annotations
@@ -36,6 +36,19 @@ def shape_unsupported_reason(kernel_name: str, query_shape, key_shape, value_sha
         return f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})"
     if batch == 0 or q_len == 0 or kv_len == 0:
         return f"the {kernel_name} kernel needs non-empty batch and sequence axes"
+    return None
+
+
+def scale_unsupported_reason(kernel_name: str, config) -> Optional[str]:
+    """Why a kernel (forward or backward) cannot take `config.scale`, or None.
+
+    Without a softcap the kernels fold the scale into the exp2 of the raw logits: the online softmax
+    keeps the row maximum of the unscaled logits (its rescale test (new - old) * scale_log2 > threshold
+    never passes from -inf when scale < 0, so the maximum stays -inf and LSE comes out -inf), and masked
+    logits (-inf) times the scale give +inf for scale < 0 and NaN for scale 0. A softcap scales the
+    logits before the softmax, whose own scale is then log2 e, so any scale works with one."""
+    if config.softcap is None and not config.scale > 0:
+        return f"the {kernel_name} kernel needs a positive scale unless a softcap is set (got {config.scale})"
     return None
 
 

@@ -102,6 +102,7 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
         return _large_heads().unsupported_reason(config, query_shape, key_shape, value_shape, dtype)
     reason = (forward_launch.shape_unsupported_reason("sm90 backward", query_shape, key_shape, value_shape,
                                                       jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
+              or forward_launch.scale_unsupported_reason("sm90 backward", config)
               or grid_unsupported_reason("sm90 backward", key_shape))
     if reason is not None:
         return reason

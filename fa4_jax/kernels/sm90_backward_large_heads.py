@@ -100,6 +100,7 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
     """Why this kernel cannot take the call, or None when it can."""
     reason = (forward_launch.shape_unsupported_reason("sm90 large-head backward", query_shape, key_shape,
                                                       value_shape, jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
+              or forward_launch.scale_unsupported_reason("sm90 large-head backward", config)
               or sm90_backward.grid_unsupported_reason("sm90 large-head backward", key_shape))
     if reason is not None:
         return reason

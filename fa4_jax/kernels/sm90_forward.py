@@ -852,8 +852,9 @@ class Sm90ForwardKernel:
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    reason = forward_launch.shape_unsupported_reason("sm90", query_shape, key_shape, value_shape, dtype,
-                                                    SUPPORTED_HEAD_DIMS)
+    reason = (forward_launch.shape_unsupported_reason("sm90", query_shape, key_shape, value_shape, dtype,
+                                                     SUPPORTED_HEAD_DIMS)
+              or forward_launch.scale_unsupported_reason("sm90", config))
     if reason is not None:
         return reason
     if config.has_q_start:
