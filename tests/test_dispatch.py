@@ -106,7 +106,8 @@ def test_missing_kernel_module_is_reported(fake_gpu, monkeypatch):
         _choose("cute", jnp.bfloat16)
 
 
-ZERO_BATCH_KERNELS = {
+# Every kernel the dispatch tables reach: (pass, compute capability, a head dim that selects it).
+KERNELS = {
     "sm90-forward": ("forward", (9, 0), 128),
     "sm100-forward": ("forward", (10, 0), 128),
     "sm90-backward": ("backward", (9, 0), 128),
@@ -114,7 +115,7 @@ ZERO_BATCH_KERNELS = {
 }
 
 
-@pytest.mark.parametrize("kind, capability, head_dim", ZERO_BATCH_KERNELS.values(), ids=ZERO_BATCH_KERNELS.keys())
+@pytest.mark.parametrize("kind, capability, head_dim", KERNELS.values(), ids=KERNELS.keys())
 def test_zero_batch_falls_back_in_both_passes(monkeypatch, kind, capability, head_dim):
     """Batch 0 passes validation (the result is empty) but no kernel launches an empty grid: every
     kernel's unsupported_reason shares forward_launch.shape_unsupported_reason, the backward's too."""
@@ -167,10 +168,10 @@ def test_gpu_float32_falls_back_to_reference_or_raises(inputs):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-6, rtol=1e-6)
 
 
-BACKWARD_KERNELS_BY_HEAD_DIM = {"sm90-backward": 128, "sm90-backward-large-heads": 256}
+BACKWARD_HEAD_DIMS = {name: head_dim for name, (kind, _, head_dim) in KERNELS.items() if kind == "backward"}
 
 
-@pytest.mark.parametrize("head_dim", BACKWARD_KERNELS_BY_HEAD_DIM.values(), ids=BACKWARD_KERNELS_BY_HEAD_DIM.keys())
+@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS.values(), ids=BACKWARD_HEAD_DIMS.keys())
 @pytest.mark.parametrize("axis, batch, heads", [("z", 65536, 2), ("y", 1, 65536)], ids=["batch", "kv-heads"])
 def test_backward_grid_limit_falls_back(monkeypatch, head_dim, axis, batch, heads):
     """Both backward kernels launch a (key blocks, KV heads, batch) grid, and CUDA caps gridDim.y and .z at
@@ -190,7 +191,7 @@ def test_backward_grid_limit_falls_back(monkeypatch, head_dim, axis, batch, head
     assert cuda._kernel_for("forward", cuda.FORWARD_KERNELS, config, *avals(batch, heads)) is not None
 
 
-@pytest.mark.parametrize("kind, capability, head_dim", ZERO_BATCH_KERNELS.values(), ids=ZERO_BATCH_KERNELS.keys())
+@pytest.mark.parametrize("kind, capability, head_dim", KERNELS.values(), ids=KERNELS.keys())
 @pytest.mark.parametrize("scale", [-0.125, 0.0])
 def test_non_positive_scale_without_softcap_falls_back(monkeypatch, kind, capability, head_dim, scale):
     """The kernels' online softmax keeps the maximum of the unscaled logits and the backward rescales
