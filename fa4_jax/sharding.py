@@ -1,13 +1,14 @@
 """Sharding of the outer primitives with `custom_partitioning` (a Shardy rule plus the GSPMD callbacks).
 
 What each shard needs, whatever the operands arrive with:
-- batch and heads split freely: every (batch, head) pair is independent, so no communication. Heads
-  are split only when the KV heads split the same way (or there is a single KV head), so that each
-  shard's query heads find their own KV group.
+- batch and heads split freely: every (batch, head) pair is independent, so the forward needs no
+  communication. Heads are split only when the KV heads split the same way (or there is a single KV
+  head), so that each shard's query heads find their own KV group.
 - query rows may be split on sequence: each shard then needs every key, and the mask needs each row's
   global position, which the shard computes from its index (`q_start`). The backward sums the partial
-  dK / dV (and the sink gradient) over those shards, and over head shards that share one KV head. An
-  uneven split is not kept (XLA gathers the rows): its shards' padding rows would enter those sums.
+  dK / dV (and the sink gradient) over those shards, and over head shards that share one KV head.
+- an uneven split of batch, rows or heads is not kept (XLA gathers that axis): its shards' padding
+  would enter those sums.
 - key/value are always whole along sequence on each shard; a split there is gathered by XLA because
   `partition` asks for it. (Ring attention, which avoids the gather, is future work.)
 """
@@ -45,18 +46,24 @@ class _Plan:
         spec = spec + (None,) * (4 - len(spec))
         self.mesh = mesh
         self.batch, self.seq, self.heads = (_mesh_axes(e) for e in spec[:3])
+        batch, self.q_len, q_heads = query_info.shape[:3]
+        # An uneven split pads shards with entries of unspecified content, and the backward sums over
+        # shards (dK/dV over rows and over the heads sharing one KV head, dsinks over batch and rows):
+        # an axis that does not divide stays whole.
+        if batch % self.size(self.batch):
+            self.batch = ()
+        if self.q_len % self.size(self.seq):
+            self.seq = ()
         kv_heads = key_info.shape[2]
         ways = self.size(self.heads)
-        if kv_heads % ways == 0:
+        if q_heads % ways:
+            self.heads = self.kv_heads = ()
+        elif kv_heads % ways == 0:
             self.kv_heads = self.heads
         elif kv_heads == 1:
             self.kv_heads = ()
         else:
             self.heads = self.kv_heads = ()
-        self.q_len = query_info.shape[1]
-        # An uneven split pads shards with rows of unspecified content, which reach dK/dV/dsinks: keep rows whole.
-        if self.q_len % self.size(self.seq):
-            self.seq = ()
 
     def size(self, axes) -> int:
         return math.prod(self.mesh.shape[a] for a in axes)

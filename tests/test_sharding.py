@@ -228,20 +228,10 @@ UNEVEN_QUERY_SEQUENCE_CASES = {
 }
 
 
-@pytest.mark.parametrize("pass_name", PASSES)
-@pytest.mark.parametrize("shape,features", UNEVEN_QUERY_SEQUENCE_CASES.values(),
-                         ids=UNEVEN_QUERY_SEQUENCE_CASES.keys())
-def test_uneven_query_sequence_sharding_equals_unsharded(inputs, pass_name, shape, features):
-    """Query rows split over shards that do not divide Sq. Arrays cannot be placed unevenly, so the
-    split is a sharding constraint inside jit; the cotangents are computed there from it too (cos of
-    the drawn ones), so the padding rows of an uneven shard would hold non-zero values (cos 0 = 1)."""
-    q_len, kv_len, ways = shape
-    mesh = _mesh((ways,), ("seq",))
-    operands, options = _problem(inputs, batch=2, q_len=q_len, kv_len=kv_len, q_heads=4, kv_heads=2,
-                                 features=features)
-    specs = {"query": PartitionSpec(None, "seq"), "d_out": PartitionSpec(None, "seq"),
-             "d_lse": PartitionSpec(None, None, "seq"), "q_segment_ids": PartitionSpec(None, "seq")}
-
+def _check_constrained_equals_unsharded(pass_name, mesh, specs, operands, options):
+    """Arrays cannot be placed unevenly, so an uneven split is a sharding constraint inside jit; the
+    cotangents are computed there from it too (cos of the drawn ones), so the padding of an uneven
+    shard would hold non-zero values (cos 0 = 1) and show in any sum over shards."""
     def run(sharded):
         def function(operands):
             if sharded:
@@ -259,6 +249,40 @@ def test_uneven_query_sequence_sharding_equals_unsharded(inputs, pass_name, shap
             assert actual is None
             continue
         oracle.assert_close(actual, np.asarray(reference), TOLERANCE, f"{pass_name} result {index}", floor=1.0)
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+@pytest.mark.parametrize("shape,features", UNEVEN_QUERY_SEQUENCE_CASES.values(),
+                         ids=UNEVEN_QUERY_SEQUENCE_CASES.keys())
+def test_uneven_query_sequence_sharding_equals_unsharded(inputs, pass_name, shape, features):
+    """Query rows split over shards that do not divide Sq (the backward sums dK/dV over row shards)."""
+    q_len, kv_len, ways = shape
+    mesh = _mesh((ways,), ("seq",))
+    operands, options = _problem(inputs, batch=2, q_len=q_len, kv_len=kv_len, q_heads=4, kv_heads=2,
+                                 features=features)
+    specs = {"query": PartitionSpec(None, "seq"), "d_out": PartitionSpec(None, "seq"),
+             "d_lse": PartitionSpec(None, None, "seq"), "q_segment_ids": PartitionSpec(None, "seq")}
+    _check_constrained_equals_unsharded(pass_name, mesh, specs, operands, options)
+
+
+# name -> (batch, q_heads, kv_heads, query spec): 4 shards that divide neither the batch nor the heads.
+# The backward sums the sink gradient over batch shards and, with one KV head, dK/dV over head shards.
+UNEVEN_BATCH_HEAD_CASES = {
+    "batch3-over-4": (3, 4, 2, PartitionSpec("x")),
+    "mqa-heads6-over-4": (2, 6, 1, PartitionSpec(None, None, "x")),
+}
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+@pytest.mark.parametrize("case", UNEVEN_BATCH_HEAD_CASES.values(), ids=UNEVEN_BATCH_HEAD_CASES.keys())
+def test_uneven_batch_or_head_sharding_equals_unsharded(inputs, pass_name, case):
+    batch, q_heads, kv_heads, query_spec = case
+    mesh = _mesh((4,), ("x",))
+    operands, options = _problem(inputs, batch=batch, q_len=12, kv_len=12, q_heads=q_heads, kv_heads=kv_heads,
+                                 features=dict(causal=True, sinks=True))
+    b, _, h = (tuple(query_spec) + (None,) * 3)[:3]
+    specs = {"query": query_spec, "d_out": query_spec, "d_lse": PartitionSpec(b, h), "sinks": PartitionSpec(h)}
+    _check_constrained_equals_unsharded(pass_name, mesh, specs, operands, options)
 
 
 @pytest.mark.parametrize("pass_name", PASSES)
