@@ -9,7 +9,8 @@ Semantics (see the README's table):
   h // (Hq // Hkv).
 - logits = scale * q.k (scale defaults to 1/sqrt(D)), then softcap c: c * tanh(logits / c).
 - Bottom-right alignment: query row i sits at key position i + kv_len[b] - q_len[b], where the lengths
-  default to Sk and Sq and given lengths are clipped to [0, Sq] / [0, Sk]. causal: key j visible iff j <= i + off. window (left, right), None unbounded:
+  default to Sk and Sq and given lengths are clipped to [0, Sq] / [0, Sk]. causal: key j visible iff
+  j <= i + off. window (left, right), None unbounded:
   visible iff i + off - left <= j <= i + off + right. Keys j >= kv_len and rows i >= q_len see nothing.
   Segment ids: visible iff the query's and the key's ids are equal.
 - sinks [Hq]: one extra logit per head that enters the softmax denominator only.

@@ -32,6 +32,7 @@ import pytest
 
 import fa4_jax
 import numpy_reference as oracle
+from fa4_jax import api
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SHORT_DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -557,10 +558,23 @@ def test_window_sides_just_below_the_bound_hide_no_key(inputs):
     case = Case(q_len=50, kv_len=131, dtype="float32", lengths="both")
     arguments = build_arguments(case, inputs)
     side = case.q_len + case.kv_len - 1
+    assert api._window((side, side), case.q_len, case.kv_len) == (side, side)
+    assert api._window((side + 1, side + 1), case.q_len, case.kv_len) == (None, None)
     outputs = [fa4_jax.attention(arguments.query, arguments.key, arguments.value, implementation="reference",
                                  **dict(arguments.options, window=sides))
                for sides in ((side, side), (None, None))]
     np.testing.assert_allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=1e-6, atol=1e-6)
+
+
+def test_int64_lengths_past_the_int32_range_clip_not_wrap(inputs, enable_x64):
+    """With x64 on, int64 lengths are clipped before the cast to int32: 2**32 + 3 means the whole axis,
+    not 3 (which is what wrapping would give)."""
+    case = Case(q_len=12, kv_len=20, dtype="float32", causal=True)
+    arguments = build_arguments(case, inputs)
+    outputs = [fa4_jax.attention(arguments.query, arguments.key, arguments.value, causal=True,
+                                 implementation="reference", kv_seq_lengths=np.full(case.batch, length, np.int64))
+               for length in (2**32 + 3, case.kv_len)]
+    np.testing.assert_array_equal(np.asarray(outputs[0]), np.asarray(outputs[1]))
 
 
 def test_reference_memory_grows_linearly_with_sequence():

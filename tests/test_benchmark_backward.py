@@ -25,7 +25,8 @@ def benchmark():
     # back afterwards for the rest of the session (benchmarks/attention.py is imported by then).
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "path", list(sys.path))
-        patch.delenv("CUTE_DSL_ARCH", raising=False)
+        patch.setenv("CUTE_DSL_ARCH", "")   # records the variable's state (maybe unset) for the undo
+        patch.delenv("CUTE_DSL_ARCH")
         spec = importlib.util.spec_from_file_location("attention_backward", SCRIPT)
         module = importlib.util.module_from_spec(spec)
         patch.setitem(sys.modules, spec.name, module)   # @dataclass looks its module up there

@@ -47,7 +47,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import forward_launch, masking, online_softmax, tile_scheduler
+from fa4_jax.kernels import forward_launch, masking, online_softmax, support, tile_scheduler
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 TMEM_COLUMNS = 512
@@ -812,9 +812,9 @@ class Sm100ForwardKernel:
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    reason = (forward_launch.shape_unsupported_reason("sm100", query_shape, key_shape, value_shape, dtype,
+    reason = (support.shape_unsupported_reason("sm100", query_shape, key_shape, value_shape, dtype,
                                                      SUPPORTED_HEAD_DIMS)
-              or forward_launch.scale_unsupported_reason("sm100", config))
+              or support.scale_unsupported_reason("sm100", config))
     if reason is not None:
         return reason
     if config.has_q_start and (config.has_q_seq_lengths or config.has_kv_seq_lengths or config.has_segment_ids):

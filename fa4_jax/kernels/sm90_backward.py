@@ -51,7 +51,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import compile_cache, forward_launch, masking, ordered_reduction
+from fa4_jax.kernels import compile_cache, masking, ordered_reduction, support
 
 LOG2_E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -100,9 +100,9 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
     """Why this kernel cannot take the call, or None when it can."""
     if query_shape[-1] in LARGE_HEAD_DIMS:
         return _large_heads().unsupported_reason(config, query_shape, key_shape, value_shape, dtype)
-    reason = (forward_launch.shape_unsupported_reason("sm90 backward", query_shape, key_shape, value_shape,
+    reason = (support.shape_unsupported_reason("sm90 backward", query_shape, key_shape, value_shape,
                                                       jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
-              or forward_launch.scale_unsupported_reason("sm90 backward", config)
+              or support.scale_unsupported_reason("sm90 backward", config)
               or grid_unsupported_reason("sm90 backward", key_shape))
     if reason is not None:
         return reason

@@ -59,7 +59,7 @@ from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import forward_launch, masking, ordered_reduction, sm90_backward
+from fa4_jax.kernels import masking, ordered_reduction, sm90_backward, support
 from fa4_jax.kernels.sm90_backward import (K_MAJOR, LOG2_E, MN_MAJOR, WARP_GROUP, gemm,
                                            k_major_layout, swizzle_columns, transpose_view)
 from fa4_jax.kernels.sm90_forward import _accumulator_mn
@@ -98,9 +98,9 @@ DEFAULT_TUNING = Tuning()
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
                        dtype) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    reason = (forward_launch.shape_unsupported_reason("sm90 large-head backward", query_shape, key_shape,
+    reason = (support.shape_unsupported_reason("sm90 large-head backward", query_shape, key_shape,
                                                       value_shape, jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
-              or forward_launch.scale_unsupported_reason("sm90 large-head backward", config)
+              or support.scale_unsupported_reason("sm90 large-head backward", config)
               or sm90_backward.grid_unsupported_reason("sm90 large-head backward", key_shape))
     if reason is not None:
         return reason

@@ -57,7 +57,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import forward_launch, masking, online_softmax, tile_scheduler
+from fa4_jax.kernels import forward_launch, masking, online_softmax, support, tile_scheduler
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 THREADS_PER_WARPGROUP = 128
@@ -852,9 +852,9 @@ class Sm90ForwardKernel:
 
 def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    reason = (forward_launch.shape_unsupported_reason("sm90", query_shape, key_shape, value_shape, dtype,
+    reason = (support.shape_unsupported_reason("sm90", query_shape, key_shape, value_shape, dtype,
                                                      SUPPORTED_HEAD_DIMS)
-              or forward_launch.scale_unsupported_reason("sm90", config))
+              or support.scale_unsupported_reason("sm90", config))
     if reason is not None:
         return reason
     if config.has_q_start:
