@@ -63,6 +63,21 @@ def _segment_operands(segment_ids, q_len: int, kv_len: int):
     return _integer_operand("q_segment_ids", q_ids), _integer_operand("kv_segment_ids", kv_ids)
 
 
+def _vary_together(arrays: dict) -> dict:
+    """Inside shard_map, cast every operand to vary over the union of the operands' varying mesh axes.
+
+    JAX's own operations do this implicitly. A replicated operand (say the keys, or the sinks) that
+    meets a sharded one (the query) is then one value seen by every device: the output varies over
+    both, and the cast's transpose sums the gradient of the replicated operand over those axes (without
+    it each device returned only its own partial gradient, typed as replicated). Outside shard_map
+    nothing varies and this is the identity.
+    """
+    varying = {name: jax.typeof(x).manual_axis_type.varying for name, x in arrays.items()}
+    union = frozenset().union(*varying.values())
+    cast = lambda x, missing: jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying") if missing else x
+    return {name: cast(x, union - varying[name]) for name, x in arrays.items()}
+
+
 def attention(
     query: Array,
     key: Array,
@@ -140,10 +155,13 @@ def attention(
     if kv_seq_lengths is not None:
         optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths, upper=key.shape[1])
 
+    arrays = _vary_together(dict(optional, query=query, key=key, value=value))
+    query, key, value = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")
+
     config = AttentionConfig(
         scale=float(scale), causal=bool(causal), window_left=window_left, window_right=window_right,
         softcap=None if softcap is None else float(softcap), has_sinks=sinks is not None,
         has_segment_ids=segment_ids is not None, has_q_seq_lengths=q_seq_lengths is not None,
         has_kv_seq_lengths=kv_seq_lengths is not None, deterministic=bool(deterministic),
         implementation=implementation)
-    return attention_vjp(config, bool(return_lse), query, key, value, optional)
+    return attention_vjp(config, bool(return_lse), query, key, value, arrays)

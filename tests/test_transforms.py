@@ -313,7 +313,8 @@ def test_scan_over_layers_equals_unrolled(inputs):
 
 
 def test_shard_map_with_grad(inputs):
-    """Each device runs attention and its backward on its batch shard inside shard_map."""
+    """Each device runs attention and its backward on its batch shard inside shard_map; the sinks are
+    replicated, so their gradient comes back summed over the shards (as for any JAX operation)."""
     devices = np.array(jax.devices()[:4])
     if devices.size < 4:
         pytest.skip("needs 4 devices (tests/conftest.py fakes 8 CPU devices)")
@@ -324,14 +325,66 @@ def test_shard_map_with_grad(inputs):
     loss = functools.partial(_loss, **OPTIONS)
 
     def per_shard(q, k, v, s, d_o, d_l):
-        d_q, d_k, d_v, d_s = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, s, d_o, d_l)
-        return d_q, d_k, d_v, jax.lax.psum(d_s, "data")
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, s, d_o, d_l)
 
     data = PartitionSpec("data")
     function = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(data, data, data, PartitionSpec(), data, data),
                                      out_specs=(data, data, data, PartitionSpec())))
     grads = function(query, key, value, sinks, d_out, d_lse)
     _check_gradients(grads, query, key, value, sinks, d_out, d_lse, **OPTIONS)
+
+
+# Inside shard_map a replicated operand that meets sharded ones must be treated as the same value on
+# every device (as JAX's own operations do): the output varies over the union of the operands' mesh
+# axes, and the gradient of a replicated operand is the sum over those axes, replicated again.
+SHARD_MAP_LAYOUTS = {
+    # MQA with the query heads split: the one KV head is shared by every shard's heads.
+    "heads-split-kv-replicated": dict(query=PartitionSpec(None, None, "x"), key=PartitionSpec(),
+                                      value=PartitionSpec(), sinks=PartitionSpec("x"), lse=PartitionSpec(None, "x")),
+    # Rows split (no option needs row positions): keys, values and sinks are shared by every shard.
+    "rows-split-kv-sinks-replicated": dict(query=PartitionSpec(None, "x"), key=PartitionSpec(),
+                                           value=PartitionSpec(), sinks=PartitionSpec(),
+                                           lse=PartitionSpec(None, None, "x")),
+}
+
+
+@pytest.mark.parametrize("layout", SHARD_MAP_LAYOUTS.values(), ids=SHARD_MAP_LAYOUTS.keys())
+def test_shard_map_gradient_of_a_replicated_operand_is_summed(inputs, layout):
+    devices = np.array(jax.devices()[:4])
+    if devices.size < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py fakes 8 CPU devices)")
+    mesh = Mesh(devices, ("x",))
+    query, key, value, sinks = _small(inputs, q_len=24, kv_len=20, q_heads=4, kv_heads=1)
+    d_out = inputs.normal((2, 24, 4, 8))
+    d_lse = inputs.normal((2, 4, 24))
+    options = dict(softcap=3.0)
+    loss = functools.partial(_loss, **options)
+
+    def per_shard(q, k, v, s, d_o, d_l):
+        out = fa4_jax.attention(q, k, v, sinks=s, **options)
+        assert jax.typeof(out).manual_axis_type.varying == {"x"}, jax.typeof(out)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, s, d_o, d_l)
+
+    specs = (layout["query"], layout["key"], layout["value"], layout["sinks"])
+    function = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=specs + (layout["query"], layout["lse"]),
+                                     out_specs=specs))
+    grads = function(query, key, value, sinks, d_out, d_lse)
+    _check_gradients(grads, query, key, value, sinks, d_out, d_lse, **options)
+
+
+def test_shard_map_output_varies_with_a_sharded_key(inputs):
+    """The query replicated and one KV head per device: each device's output differs, so it must not
+    be typed as replicated (out_specs=PartitionSpec() would then silently return one device's)."""
+    devices = np.array(jax.devices()[:4])
+    if devices.size < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py fakes 8 CPU devices)")
+    mesh = Mesh(devices, ("x",))
+    query, key, value, _ = _small(inputs, q_heads=2, kv_heads=4)
+    heads = PartitionSpec(None, None, "x")
+    function = jax.shard_map(lambda q, k, v: fa4_jax.attention(q, k, v, **OPTIONS), mesh=mesh,
+                             in_specs=(PartitionSpec(), heads, heads), out_specs=PartitionSpec())
+    with pytest.raises(ValueError, match="out_specs"):
+        jax.jit(function)(query, key, value)
 
 
 def test_export_round_trip(inputs):
