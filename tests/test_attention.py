@@ -235,6 +235,16 @@ PEAKED_CASES = [
     Case(batch=1, q_len=40, kv_len=300, logit_scale=12.0, dtype="bfloat16"),
 ]
 
+# Logits near 1e10 (float32 only): one ulp of a logit is then far above 88, so exp(logit - row max)
+# overflows unless every logit the softmax exponentiates is at most the maximum it was shifted by, even
+# when the logits are evaluated more than once. The largest logit wins outright; the gradients are
+# ill-conditioned (scale times a rounding error) and not compared.
+HUGE_LOGIT_CASES = [
+    Case(batch=1, q_len=5, kv_len=7, head_dim=8, dtype="float32", logit_scale=1e10),
+    Case(batch=1, q_len=5, kv_len=7, head_dim=8, dtype="float32", logit_scale=1e10, causal=True, sinks=True),
+    Case(batch=2, q_len=40, kv_len=300, dtype="float32", logit_scale=1e10, lengths="both"),
+]
+
 ALL_CASES = (SINGLE_FEATURE_CASES + FEATURE_CASES + HEAD_DIM_CASES + DTYPE_CASES + ODD_LENGTH_CASES
              + FULLY_MASKED_CASES + PEAKED_CASES)
 
@@ -404,6 +414,13 @@ class AttentionTestBase:
 
     @with_cases(ALL_CASES, needs_backward=False)
     def test_forward(self, case, inputs):
+        self.check_forward(case, inputs)
+
+    @with_cases(HUGE_LOGIT_CASES, needs_backward=False)
+    def test_forward_with_huge_logits(self, case, inputs):
+        self.check_forward(case, inputs)
+
+    def check_forward(self, case, inputs):
         arguments = build_arguments(case, inputs)
         out, lse = self.forward(arguments)
         expected_out, expected_lse = oracle.attention_forward(

@@ -43,9 +43,15 @@ class _Layout:
         return x.reshape(x.shape[:2] + (self.q_heads,) + x.shape[4:])
 
 
-def _logits(q, k_block, config: AttentionConfig):
-    """Scaled (and soft-capped) logits [B, Hkv, G, Sq, blk] and tanh(·/c) for the softcap chain rule."""
-    s = _einsum("bqhgd,bkhd->bhgqk", q, k_block) * config.scale
+def _logits(scaled_q, k_block, config: AttentionConfig):
+    """Scaled (and soft-capped) logits [B, Hkv, G, Sq, blk] and tanh(·/c) for the softcap chain rule.
+
+    The scale is applied to the query beforehand, so that a logit is the product's result itself: a
+    product times the scale could be evaluated twice, once rounded (for the row maximum) and once fused
+    into `logit - maximum` (an FMA, as XLA does on the CPU), and for logits above ~1e9 the two differ
+    by more than exp can take (NaN or 0 outputs).
+    """
+    s = _einsum("bqhgd,bkhd->bhgqk", scaled_q, k_block)
     if config.softcap is None:
         return s, None
     t = jnp.tanh(s / config.softcap)
@@ -105,14 +111,14 @@ def _block_mask(layout: _Layout, config: AttentionConfig, optional, block_index,
 def reference_forward(query, key, value, optional, config: AttentionConfig):
     """(out [B, Sq, Hq, Dv] in query dtype, lse [B, Hq, Sq] float32)."""
     layout = _Layout(query, key, value, config)
-    q = layout.group_query(query.astype(jnp.float32))
+    scaled_q = layout.group_query(query.astype(jnp.float32)) * config.scale
     blocks = _key_scan_inputs(layout, optional, key.astype(jnp.float32), value.astype(jnp.float32))
     stats_shape = (layout.batch, layout.kv_heads, layout.group, layout.q_len)
 
     def step(carry, block):
         row_max, row_sum, acc = carry
         index, k_block, v_block, seg_block = block
-        s, _ = _logits(q, k_block, config)
+        s, _ = _logits(scaled_q, k_block, config)
         visible = _block_mask(layout, config, optional, index, seg_block)
         s = jnp.where(visible, s, -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(axis=-1))
@@ -150,6 +156,7 @@ def reference_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
     """Gradients (dq, dk, dv, dsinks or None) from the saved out and lse; d_lse may be None."""
     layout = _Layout(query, key, value, config)
     q = layout.group_query(query.astype(jnp.float32))
+    scaled_q = q * config.scale
     d_o = layout.group_query(d_out.astype(jnp.float32))
     grouped = lambda x: x.reshape(layout.batch, layout.kv_heads, layout.group, layout.q_len)
     lse = grouped(lse)
@@ -163,7 +170,7 @@ def reference_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
 
     def step(d_q, block):
         index, k_block, v_block, seg_block = block
-        s, tanh = _logits(q, k_block, config)
+        s, tanh = _logits(scaled_q, k_block, config)
         visible = _block_mask(layout, config, optional, index, seg_block) & finite_lse[..., None]
         p = jnp.where(visible, jnp.exp(s - safe_lse), 0.0)
         d_v = _einsum("bhgqk,bqhge->bkhe", p, d_o)
