@@ -9,11 +9,15 @@ from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fa4_jax.config import IMPLEMENTATIONS, AttentionConfig
 from fa4_jax.primitive import attention_vjp
 
 Array = jax.Array
+# Logits are float32 on every path; Python floats, so that comparisons with them never round to float32.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).smallest_normal)
 
 
 def _window(window, q_len: int, kv_len: int) -> tuple[Optional[int], Optional[int]]:
@@ -133,10 +137,14 @@ def attention(
     head_dim = query.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    if not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite Python number; got {scale!r}.")
-    if softcap is not None and (not isinstance(softcap, numbers.Real) or not softcap > 0 or not math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a positive finite number or None (no capping); got {softcap!r}.")
+    # A number that float32 rounds to inf (or a softcap it rounds to 0) would give NaN logits.
+    if not isinstance(scale, numbers.Real) or not abs(scale) <= _FLOAT32_MAX:
+        raise ValueError(f"scale must be a finite Python number within float32's range (|scale| <= "
+                         f"{_FLOAT32_MAX:.4g}); got {scale!r}.")
+    if softcap is not None and (not isinstance(softcap, numbers.Real)
+                                or not _FLOAT32_SMALLEST_NORMAL <= softcap <= _FLOAT32_MAX):
+        raise ValueError(f"softcap must be a positive number within float32's range ({_FLOAT32_SMALLEST_NORMAL:.4g} "
+                         f"to {_FLOAT32_MAX:.4g}) or None (no capping); got {softcap!r}.")
     window_left, window_right = _window(window, query.shape[1], key.shape[1])
 
     optional = {}

@@ -80,6 +80,10 @@ BAD_INPUTS = [
     ("softcap-zero", _arrays(), dict(softcap=0.0), ValueError, r"softcap must be a positive.*or None"),
     ("softcap-negative", _arrays(), dict(softcap=-5.0), ValueError, r"softcap must be a positive"),
     ("scale-not-finite", _arrays(), dict(scale=float("nan")), ValueError, r"scale must be a finite"),
+    # Finite Python floats that float32, in which the logits are computed, rounds to inf or 0.
+    ("scale-beyond-float32", _arrays(), dict(scale=-1e39), ValueError, r"scale must be a finite.*float32"),
+    ("softcap-beyond-float32", _arrays(), dict(softcap=1e39), ValueError, r"softcap must be a positive.*float32"),
+    ("softcap-below-float32", _arrays(), dict(softcap=1e-39), ValueError, r"softcap must be a positive.*float32"),
     ("unknown-implementation", _arrays(), dict(implementation="triton"), ValueError,
      r"implementation must be one of.*'cute', 'reference'"),
 ]
