@@ -41,15 +41,15 @@ def _window(window, q_len: int, kv_len: int) -> tuple[Optional[int], Optional[in
     return tuple(sides)
 
 
-def _integer_operand(name: str, value, upper: Optional[int] = None) -> Array:
-    """`value` as int32; clipped to [0, upper] first when `upper` is given, in its own dtype, so that
-    int64 values past the int32 range (with x64 enabled) clip instead of wrapping."""
+def _integer_operand(name: str, value, clip_to: Optional[int] = None) -> Array:
+    """`value` as int32; lengths (`clip_to` = the axis) are clipped to [0, axis] before narrowing, so
+    that a wide length past int32 still means the whole axis rather than wrapping."""
     value = jnp.asarray(value)
     if not jnp.issubdtype(value.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array (int32); got {value.dtype}. Cast it with "
                         ".astype(jnp.int32).")
-    if upper is not None:
-        value = jnp.clip(value, 0, upper)
+    if clip_to is not None:
+        value = jnp.clip(value, 0, clip_to)
     return value.astype(jnp.int32)
 
 
@@ -159,9 +159,9 @@ def attention(
     # Lengths are clipped to [0, axis] here, once, so that the alignment offset is the same on every
     # path (reference, kernels, shards): a length past the axis means the whole axis, below 0 nothing.
     if q_seq_lengths is not None:
-        optional["q_seq_lengths"] = _integer_operand("q_seq_lengths", q_seq_lengths, upper=query.shape[1])
+        optional["q_seq_lengths"] = _integer_operand("q_seq_lengths", q_seq_lengths, clip_to=query.shape[1])
     if kv_seq_lengths is not None:
-        optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths, upper=key.shape[1])
+        optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths, clip_to=key.shape[1])
 
     arrays = _vary_together(dict(optional, query=query, key=key, value=value))
     query, key, value = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")

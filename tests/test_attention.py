@@ -583,15 +583,30 @@ def test_window_sides_just_below_the_bound_hide_no_key(inputs):
     np.testing.assert_allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=1e-6, atol=1e-6)
 
 
-def test_int64_lengths_past_the_int32_range_clip_not_wrap(inputs, enable_x64):
-    """With x64 on, int64 lengths are clipped before the cast to int32: 2**32 + 3 means the whole axis,
-    not 3 (which is what wrapping would give)."""
-    case = Case(q_len=12, kv_len=20, dtype="float32", causal=True)
+# (dtype, q lengths, kv lengths) for q_len 20, kv_len 30: values that narrowing to int32 would wrap.
+WIDE_LENGTHS = {
+    "int64": ("int64", [2**32 + 5, 7, 2**33 + 7], [2**32 + 3, -2**32 + 9, 11]),
+    "uint32": ("uint32", [2**32 - 1, 7, 2**31 + 7], [2**31 + 3, 2**32 - 2, 11]),
+    "uint64": ("uint64", [2**64 - 1, 7, 2**32 + 7], [2**63, 2**32 + 9, 11]),
+}
+
+
+@pytest.mark.parametrize("dtype,q_lengths,kv_lengths", WIDE_LENGTHS.values(), ids=WIDE_LENGTHS.keys())
+def test_lengths_of_wide_integer_dtypes_clip_before_narrowing(inputs, enable_x64, dtype, q_lengths, kv_lengths):
+    """Lengths are clipped to [0, axis] in their own dtype: a length past int32 is still past the axis,
+    and a negative one below int32 still nothing (narrowing first wrapped both into other lengths)."""
+    case = Case(batch=3, q_len=20, kv_len=30, dtype="float32", causal=True, sinks=True)
     arguments = build_arguments(case, inputs)
-    outputs = [fa4_jax.attention(arguments.query, arguments.key, arguments.value, causal=True,
-                                 implementation="reference", kv_seq_lengths=np.full(case.batch, length, np.int64))
-               for length in (2**32 + 3, case.kv_len)]
-    np.testing.assert_array_equal(np.asarray(outputs[0]), np.asarray(outputs[1]))
+    out, lse = fa4_jax.attention(arguments.query, arguments.key, arguments.value, sinks=arguments.sinks,
+                                 causal=True, q_seq_lengths=jnp.asarray(np.array(q_lengths, dtype)),
+                                 kv_seq_lengths=jnp.asarray(np.array(kv_lengths, dtype)), return_lse=True,
+                                 implementation="reference")
+    clipped = lambda lengths, axis: np.array([min(max(length, 0), axis) for length in lengths])
+    expected_out, expected_lse = oracle.attention_forward(
+        arguments.query, arguments.key, arguments.value, sinks=np.asarray(arguments.sinks), causal=True,
+        q_seq_lengths=clipped(q_lengths, case.q_len), kv_seq_lengths=clipped(kv_lengths, case.kv_len))
+    oracle.assert_close(out, expected_out, 1e-5, "out")
+    oracle.assert_close(lse, expected_lse, 1e-5, "lse", floor=1.0)
 
 
 def test_reference_memory_grows_linearly_with_sequence():
