@@ -8,6 +8,7 @@ import numbers
 from typing import Optional, Sequence, Union
 
 import jax
+import jax.export
 import jax.numpy as jnp
 import numpy as np
 
@@ -134,6 +135,12 @@ def attention(
     if query.ndim != 4 or key.ndim != 4:
         raise ValueError(f"query and key must be rank 4 [batch, seq, heads, head_dim]; got shapes {query.shape} "
                          f"and {key.shape}. Add a batch axis with x[None] if you have [seq, heads, dim] inputs.")
+    if any(jax.export.is_symbolic_dim(dim) for x in (query, key, value) for dim in x.shape[1:]):
+        raise ValueError(f"only the batch size may be symbolic (jax.export shape polymorphism); got query "
+                         f"{query.shape}, key {key.shape}, value {value.shape}. Sequence lengths, head counts "
+                         "and head dims select the compiled kernel and the mask, so export one function per "
+                         "value of each; pad sequences to a few fixed lengths and pass q_seq_lengths / "
+                         "kv_seq_lengths.")
     head_dim = query.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)

@@ -96,6 +96,24 @@ def test_bad_input_is_rejected(arrays, options, error, pattern):
         _abstract_call(arrays, **options)
 
 
+SYMBOLIC_SHAPES = {
+    "sequence": ("b, s", lambda b, s: ((b, s, Q_HEADS, HEAD_DIM), (b, s, KV_HEADS, HEAD_DIM))),
+    "kv-sequence-and-window": ("b, t", lambda b, t: ((b, Q_LEN, Q_HEADS, HEAD_DIM), (b, t, KV_HEADS, HEAD_DIM))),
+    "heads": ("b, h", lambda b, h: ((b, Q_LEN, 2 * h, HEAD_DIM), (b, KV_LEN, h, HEAD_DIM))),
+}
+
+
+@pytest.mark.parametrize("names,shapes", SYMBOLIC_SHAPES.values(), ids=SYMBOLIC_SHAPES.keys())
+def test_symbolic_dims_other_than_batch_are_rejected(names, shapes):
+    """jax.export shape polymorphism: only the batch may be symbolic; anything else is named, instead
+    of an inconclusive symbolic comparison from deep inside the checks."""
+    query_shape, key_shape = shapes(*jax.export.symbolic_shape(names))
+    specs = [_spec(query_shape), _spec(key_shape), _spec(key_shape)]
+    function = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, window=(3, 0)))
+    with pytest.raises(ValueError, match=r"only the batch size may be symbolic.*query \(b, "):
+        jax.export.export(function)(*specs)
+
+
 def test_float64_inputs_are_rejected(enable_x64):
     arrays = {name: _spec(spec.shape, jnp.float64) for name, spec in _arrays().items()}
     with pytest.raises(TypeError, match=r"bfloat16, float16 or float32"):
