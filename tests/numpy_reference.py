@@ -15,7 +15,8 @@ Semantics (see the README's table):
   Segment ids: visible iff the query's and the key's ids are equal.
 - sinks [Hq]: one extra logit per head that enters the softmax denominator only.
 - lse = log(sum_visible exp(logit) + exp(sink)); out = sum_visible exp(logit - lse) * value.
-  A row with no visible key: out 0 and lse -inf (or the sink logit when sinks are given).
+  A row with no visible key: out 0 and lse -inf (or the sink logit when sinks are given; a sink of -inf
+  leaves it -inf, and the row contributes to no gradient).
 
 `assert_close` is the comparison every test uses: the largest error relative to the largest expected
 magnitude, with infinities (lse of rows that see nothing) required to match exactly.
@@ -144,7 +145,8 @@ def _softmax(query, key, value, scale, softcap, sinks, masking) -> _Softmax:
                              np.exp(np.where(mask, logits, 0.0) - finite_lse[..., None]), 0.0)
     sink_probability = None
     if sinks is not None:
-        sink_probability = np.exp(sink_logits - lse)
+        # A sink of -inf on a row that sees no key: lse is -inf too, and the row has no mass at all.
+        sink_probability = np.where(np.isfinite(lse), np.exp(sink_logits - finite_lse), 0.0)
     out = np.einsum("bhqk,bkhd->bqhd", probabilities, value)
     return _Softmax(raw_logits, logits, mask, lse, probabilities, sink_probability, key, value, out)
 

@@ -48,6 +48,8 @@ class Case:
       "past-end" (both, with lengths beyond the axes, up to the int32 maximum) or "negative" (both,
       with a negative query length for batch 1 and a negative key length for the last batch); the
       contract clips lengths to [0, axis].
+    sinks_off: with sinks, the even heads get a sink of -inf (a sink turned off), so a row that sees
+      no key has lse -inf there although sinks are given.
     dtype None means the backend's `default_dtype`. logit_scale: the standard deviation of the
     logits (query values are scaled by it); large values stress the online softmax's rescaling.
     """
@@ -64,6 +66,7 @@ class Case:
     window: Optional[tuple] = None
     softcap: Optional[float] = None
     sinks: bool = False
+    sinks_off: bool = False
     segments: Optional[str] = None
     lengths: Optional[str] = None
     scale: Optional[float] = None
@@ -93,7 +96,7 @@ class Case:
         if self.softcap is not None:
             parts.append(f"cap{self.softcap:g}")
         if self.sinks:
-            parts.append("sinks")
+            parts.append("sinks-off" if self.sinks_off else "sinks")
         if self.segments:
             parts.append(f"seg-{self.segments}")
         if self.lengths:
@@ -225,6 +228,8 @@ FULLY_MASKED_CASES = [
     Case(lengths="negative", batch=3, causal=True, sinks=True),
     Case(lengths="negative", batch=3, window=(16, 4), q_len=50, kv_len=131),
     Case(segments="disjoint", sinks=True, dtype="float16"),
+    Case(lengths="negative", batch=3, causal=True, sinks=True, sinks_off=True),
+    Case(segments="disjoint", sinks=True, sinks_off=True, softcap=2.0, dtype="bfloat16"),
 ]
 
 # Peaked softmax over more than one key block (256 in the reference, 128 in kernels): the running
@@ -293,6 +298,8 @@ def build_arguments(case: Case, inputs) -> Arguments:
     key = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.head_dim), dtype)
     value = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.v_dim), dtype)
     sinks = inputs.normal((case.q_heads,), jnp.float32) if case.sinks else None
+    if case.sinks_off:
+        sinks = sinks.at[::2].set(-jnp.inf)
 
     options = dict(causal=case.causal, window=case.window, softcap=case.softcap, scale=case.scale)
     if case.segments == "shared":
