@@ -112,19 +112,43 @@ _BATCH_AXIS = {"query": 0, "key": 0, "value": 0, "out": 0, "lse": 0, "d_out": 0,
                "q_segment_ids": 0, "kv_segment_ids": 0, "q_seq_lengths": 0, "kv_seq_lengths": 0,
                "sinks": None, "q_start": None}
 _HEAD_AXIS = {"query": 2, "key": 2, "value": 2, "out": 2, "d_out": 2, "lse": 1, "d_lse": 1, "sinks": 0}
+# Operands whose head axis holds query heads, grouped per KV head (the others hold the KV heads).
+_QUERY_HEADS = {"query", "out", "d_out", "lse", "d_lse", "sinks"}
 
 
-def _fold(x, batch_dim, axis, size):
-    """Merge the vmapped axis (broadcast when unbatched) into `axis`, vmapped index major."""
-    if batch_dim is _NOT_MAPPED:
-        x = jnp.broadcast_to(jnp.expand_dims(x, axis), x.shape[:axis] + (size,) + x.shape[axis:])
+def _type_shards(x, batch_dim, axis) -> bool:
+    """Whether x's type shards its (unbatched) axis `axis`; only Explicit mesh axes are in the type."""
+    if batch_dim is not _NOT_MAPPED and batch_dim <= axis:
+        axis += 1
+    spec = jax.typeof(x).sharding.spec
+    return axis < len(spec) and spec[axis] is not None
+
+
+def _fold(x, batch_dim, axis, size, group, vmapped_major):
+    """Merge the vmapped axis (broadcast when x has none) into the unbatched axis `axis` of length A.
+
+    vmapped_major: element e's index a becomes e * A + a. Otherwise, writing a = g * group + i, it
+    becomes (g * size + e) * group + i: a device's block of `axis` stays in one piece, the only reshape
+    Explicit sharding allows there. `group` is the query heads per KV head on query-head axes (so query
+    head (g, e, i) still reads KV head (g, e)), 1 elsewhere.
+    """
+    x = jnp.expand_dims(x, 0) if batch_dim is _NOT_MAPPED else jnp.moveaxis(x, batch_dim, 0)
+    before, length, after = x.shape[1:axis + 1], x.shape[axis + 1], x.shape[axis + 2:]
+    if vmapped_major:
+        x = jnp.broadcast_to(jnp.moveaxis(x, 0, axis), before + (size, length) + after)
     else:
-        x = jnp.moveaxis(x, batch_dim, axis)
-    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+        x = x.reshape(x.shape[:1] + before + (length // group, group) + after)
+        x = jnp.broadcast_to(jnp.moveaxis(x, 0, axis + 1), before + (length // group, size, group) + after)
+    return x.reshape(before + (size * length,) + after)
 
 
-def _unfold(x, axis, size):
-    return x.reshape(x.shape[:axis] + (size, x.shape[axis] // size) + x.shape[axis + 1:])
+def _unfold(x, axis, size, group, vmapped_major):
+    """Inverse of `_fold`: (array, the axis that now holds the vmapped elements)."""
+    before, length, after = x.shape[:axis], x.shape[axis] // size, x.shape[axis + 1:]
+    if vmapped_major:
+        return x.reshape(before + (size, length) + after), axis
+    x = jnp.moveaxis(x.reshape(before + (length // group, size, group) + after), axis + 1, 0)
+    return x.reshape((size,) + before + (length,) + after), 0
 
 
 def _batch_rule(primitive, operand_names, result_names, operands, batch_dims, **params):
@@ -144,11 +168,19 @@ def _batch_rule(primitive, operand_names, result_names, operands, batch_dims, **
         results = jax.lax.map(one, [jnp.moveaxis(x, d, 0) for x, d in zip(operands, batch_dims)
                                     if d is not _NOT_MAPPED])
         return results, (0,) * len(results)
-    folded = [x if axes.get(n) is None and d is _NOT_MAPPED else _fold(x, d, axes[n], size)
+    shapes = {n: tuple(dim for i, dim in enumerate(x.shape) if i != d)
+              for x, d, n in zip(operands, batch_dims, operand_names)}
+    query_group = shapes["query"][2] // shapes["key"][2] if axes is _HEAD_AXIS else 1
+    group = lambda name: query_group if name in _QUERY_HEADS else 1
+    # Fold the vmapped index major (as it comes) unless an Explicit sharding splits the folded axis.
+    vmapped_major = not any(axes.get(n) is not None and _type_shards(x, d, axes[n])
+                            for x, d, n in zip(operands, batch_dims, operand_names))
+    folded = [x if axes.get(n) is None and d is _NOT_MAPPED
+              else _fold(x, d, axes[n], size, group(n), vmapped_major)
               for x, d, n in zip(operands, batch_dims, operand_names)]
     results = primitive.bind(*folded, **params)
-    return ([_unfold(r, axes[n], size) for r, n in zip(results, result_names)],
-            tuple(axes[n] for n in result_names))
+    unfolded = [_unfold(r, axes[n], size, group(n), vmapped_major) for r, n in zip(results, result_names)]
+    return [r for r, _ in unfolded], tuple(d for _, d in unfolded)
 
 
 def _forward_batch_rule(operands, batch_dims, *, config):

@@ -367,3 +367,57 @@ def test_explicit_sharding_types_follow_the_query(inputs, layout):
     for name, grad in zip(("dq", "dk", "dv", "dsinks"), grads):
         oracle.assert_close(grad, expected[name], TOLERANCE, name,
                             floor=expected["dsinks_scale"] if name == "dsinks" else 1e-6)
+
+
+# vmap under Explicit sharding: the batching rule folds the vmapped axis into the batch axis (no sinks)
+# or the head axis (sinks), and Explicit axes allow only reshapes that keep each device's block whole.
+# (in_axes of query, key, value, sinks; whether there are sinks)
+EXPLICIT_VMAPS = {
+    "query": ((0, None, None, None), False),
+    "key-value": ((None, 0, 0, None), False),
+    "query-with-sinks": ((0, None, None, None), True),
+    "query-sinks": ((0, None, None, 0), True),
+    "key-value-with-sinks": ((None, 0, 0, None), True),
+    "sinks": ((None, None, None, 0), True),
+}
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+@pytest.mark.parametrize("in_axes,with_sinks", EXPLICIT_VMAPS.values(), ids=EXPLICIT_VMAPS.keys())
+def test_vmap_with_explicit_sharding(inputs, pass_name, in_axes, with_sinks):
+    """Batch and heads Explicit-sharded (GQA 8/4 over 4 head shards), a vmapped axis of 3 (unsharded)
+    on some operands: each element equals the unbatched call, and out keeps the query's sharding."""
+    mesh = jax.make_mesh((2, 4), ("batch", "other"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    vmapped = lambda axis: (3,) if axis == 0 else ()
+    arrays = {
+        "query": inputs.normal(vmapped(in_axes[0]) + (2, 16, 8, 16)),
+        "key": inputs.normal(vmapped(in_axes[1]) + (2, 12, 4, 16)),
+        "value": inputs.normal(vmapped(in_axes[2]) + (2, 12, 4, 8)),
+        "sinks": inputs.normal(vmapped(in_axes[3]) + (8,)),
+    }
+    sharded = {"query": ("batch", None, "other"), "key": ("batch", None, "other"),
+               "value": ("batch", None, "other"), "sinks": ("other",)}
+    specs = {name: PartitionSpec(*((None,) if axis == 0 else ()), *sharded[name])
+             for name, axis in zip(arrays, in_axes)}
+    d_out = inputs.normal((3, 2, 16, 8, 8))
+    d_lse = inputs.normal((3, 2, 8, 16))
+
+    def one(query, key, value, sinks, d_out, d_lse):
+        def function(query, key, value, sinks):
+            return fa4_jax.attention(query, key, value, sinks=sinks if with_sinks else None, causal=True,
+                                     return_lse=True)
+        if pass_name == "forward":
+            return function(query, key, value, sinks)
+        _, pullback = jax.vjp(function, query, key, value, sinks)
+        return pullback((d_out, d_lse))[:3 + with_sinks]
+
+    with jax.set_mesh(mesh):
+        placed = {name: jax.device_put(array, specs[name]) for name, array in arrays.items()}
+        results = jax.jit(jax.vmap(one, in_axes=in_axes + (0, 0)))(*placed.values(), d_out, d_lse)
+    if pass_name == "forward":
+        assert tuple(results[0].sharding.spec)[1:4] == ("batch", None, "other"), results[0].sharding.spec
+    for index in range(3):
+        element = [array[index] if axis == 0 else array for array, axis in zip(arrays.values(), in_axes)]
+        expected = one(*element, d_out[index], d_lse[index])
+        for result, reference in zip(results, expected):
+            oracle.assert_close(result[index], np.asarray(reference), TOLERANCE, f"{pass_name} [{index}]", floor=1.0)
