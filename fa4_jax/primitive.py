@@ -90,9 +90,11 @@ def _jitted_bind(primitive, params: tuple):
 
 def _eager(primitive):
     """Eager calls run the primitive under jit (there is no op-by-op implementation), one jitted
-    function per parameter set so that repeated calls reuse the compiled computation."""
+    function per parameter set so that repeated calls reuse the compiled computation. That holds under
+    jax.disable_jit() too, where the jitted function would otherwise call this again, forever."""
     def impl(*operands, **params):
-        return _jitted_bind(primitive, tuple(sorted(params.items())))(*operands)
+        with jax.disable_jit(False):
+            return _jitted_bind(primitive, tuple(sorted(params.items())))(*operands)
     return impl
 
 

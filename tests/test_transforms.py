@@ -82,6 +82,23 @@ def test_eager_calls_reuse_the_compiled_computation(inputs):
     assert not compiled, f"the second eager call compiled {len(compiled)} time(s)"
 
 
+def test_under_disable_jit(inputs):
+    """jax.disable_jit() (for debugging the surrounding code) still runs attention, compiled: forward and
+    gradient equal the jitted ones."""
+    query, key, value, sinks = _small(inputs)
+    d_out = inputs.normal((2, 21, 4, 8))
+    d_lse = inputs.normal((2, 4, 21))
+    gradient = jax.grad(functools.partial(_loss, **OPTIONS), argnums=(0, 1, 2, 3))
+
+    def forward(*operands):
+        return fa4_jax.attention(*operands[:3], sinks=operands[3], return_lse=True, **OPTIONS)
+    with jax.disable_jit():
+        eager = forward(query, key, value, sinks), gradient(query, key, value, sinks, d_out, d_lse)
+    jitted = jax.jit(forward)(query, key, value, sinks), jax.jit(gradient)(query, key, value, sinks, d_out, d_lse)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
 def test_grad(inputs):
     query, key, value, sinks = _small(inputs)
     d_out = inputs.normal((2, 21, 4, 8))
