@@ -103,10 +103,10 @@ for _p in (attention_fwd_p, attention_bwd_p, attention_fwd_inner_p, attention_bw
 
 
 # ---------------------------------------------------------------------------------------------- batching
-# A vmapped axis is folded into the batch axis or, when a per-head operand (the sinks or, in the
-# backward, their gradient) is involved, into the head axis; both keep each element independent. When
-# a per-batch and a per-head operand are both vmapped, neither fold is exact and the elements run one
-# after another with lax.map.
+# A vmapped axis is folded into the batch axis or, when a per-head operand is vmapped or a per-head
+# result comes out (the sinks' gradient, summed over the batch), into the head axis; both keep each
+# element independent (unvmapped sinks are shared by every batch element anyway). When a per-batch
+# operand is vmapped as well, neither fold is exact and the elements run one after another (lax.map).
 
 _NOT_MAPPED = None  # how JAX marks an operand without a vmapped axis
 
@@ -156,7 +156,7 @@ def _unfold(x, axis, size, group, vmapped_major):
 def _batch_rule(primitive, operand_names, result_names, operands, batch_dims, **params):
     size = next(x.shape[d] for x, d in zip(operands, batch_dims) if d is not _NOT_MAPPED)
     mapped = {n for n, d in zip(operand_names, batch_dims) if d is not _NOT_MAPPED}
-    per_head = {n for n in operand_names + result_names if _BATCH_AXIS.get(n, 0) is None}
+    per_head = {n for n in mapped | set(result_names) if _BATCH_AXIS.get(n, 0) is None}
     per_batch_only = {n for n in operand_names if n not in _HEAD_AXIS}
     if not per_head:
         axes = _BATCH_AXIS

@@ -195,6 +195,23 @@ def test_vmap_of_vjp_partial_in_axes(inputs, vmapped):
                          q_seq_lengths=sliced["q_seq_lengths"], **OPTIONS)
 
 
+def test_vmap_of_the_forward_with_shared_sinks_is_one_batched_call(inputs):
+    """Lengths and segment ids vmapped, the sinks not: the forward folds the vmapped axis into the batch
+    (every batch element shares the sinks anyway) instead of running the elements one by one."""
+    operands, mapped, _ = _vmapped_case(inputs, "q_segment_ids+kv_segment_ids+q_seq_lengths")
+    names = list(operands)
+    function = jax.vmap(lambda *arrays: _attention_of(dict(zip(names, arrays))),
+                        in_axes=[mapped.get(name) for name in names])
+    jaxpr = jax.make_jaxpr(function)(*operands.values()).jaxpr
+    assert "scan" not in _primitive_names(jaxpr) and _count_forward_calls(jaxpr) == 1, _primitive_names(jaxpr)
+    out, lse = jax.jit(function)(*operands.values())
+    for index in range(3):
+        sliced = {name: array[index] if name in mapped else array for name, array in operands.items()}
+        expected_out, expected_lse = _oracle_of(sliced)
+        oracle.assert_close(out[index], expected_out, TOLERANCE, f"out[{index}]")
+        oracle.assert_close(lse[index], expected_lse, TOLERANCE, f"lse[{index}]", floor=1.0)
+
+
 def test_vmap_over_a_non_leading_axis_and_out_axes(inputs):
     """Key and value vmapped on their axis 1 (sequence comes after it); results stacked on axis 2."""
     query, key, value, sinks = _small(inputs)
@@ -261,6 +278,16 @@ def test_vmap_of_grad(inputs):
     for index in range(examples):
         _check_gradients([g[index] for g in grads], query[index], key[index], value[index], sinks,
                          d_out[index], d_lse[index], **OPTIONS)
+
+
+def _primitive_names(jaxpr) -> set:
+    """The names of every primitive in `jaxpr`, sub-jaxprs included."""
+    names = set()
+    for equation in jaxpr.eqns:
+        names.add(equation.primitive.name)
+        for sub_jaxpr in jax.extend.core.jaxprs_in_params(equation.params):
+            names |= _primitive_names(sub_jaxpr)
+    return names
 
 
 def _count_forward_calls(jaxpr) -> int:
