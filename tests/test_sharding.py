@@ -265,23 +265,37 @@ def test_uneven_query_sequence_sharding_equals_unsharded(inputs, pass_name, shap
     _check_constrained_equals_unsharded(pass_name, mesh, specs, operands, options)
 
 
-# name -> (batch, q_heads, kv_heads, query spec): 4 shards that divide neither the batch nor the heads.
-# The backward sums the sink gradient over batch shards and, with one KV head, dK/dV over head shards.
+# Uneven batch or head splits, where the backward sums over those shards: the sink gradient over batch
+# shards, dK / dV over head shards that share one KV head. (Sq = 10, Sk = 12 throughout.)
 UNEVEN_BATCH_HEAD_CASES = {
-    "batch3-over-4": (3, 4, 2, PartitionSpec("x")),
-    "mqa-heads6-over-4": (2, 6, 1, PartitionSpec(None, None, "x")),
+    "batch3-over-2-sinks": (dict(batch=3, q_heads=4, kv_heads=2), 2, PartitionSpec("x"),
+                            dict(causal=True, sinks=True)),
+    "batch3-over-4-sinks-lengths": (dict(batch=3, q_heads=4, kv_heads=2), 4, PartitionSpec("x"),
+                                    dict(causal=True, sinks=True, lengths=True)),
+    "batch3-over-2-segments": (dict(batch=3, q_heads=4, kv_heads=2), 2, PartitionSpec("x"),
+                               dict(causal=True, segments=True)),
+    "heads6-over-4-mqa": (dict(batch=2, q_heads=6, kv_heads=1), 4, PartitionSpec(None, None, "x"),
+                          dict(causal=True)),
+    "heads6-over-4-mqa-sinks": (dict(batch=2, q_heads=6, kv_heads=1), 4, PartitionSpec(None, None, "x"),
+                                dict(window=(3, 2), sinks=True, softcap=3.0)),
 }
 
 
 @pytest.mark.parametrize("pass_name", PASSES)
-@pytest.mark.parametrize("case", UNEVEN_BATCH_HEAD_CASES.values(), ids=UNEVEN_BATCH_HEAD_CASES.keys())
-def test_uneven_batch_or_head_sharding_equals_unsharded(inputs, pass_name, case):
-    batch, q_heads, kv_heads, query_spec = case
-    mesh = _mesh((4,), ("x",))
-    operands, options = _problem(inputs, batch=batch, q_len=12, kv_len=12, q_heads=q_heads, kv_heads=kv_heads,
-                                 features=dict(causal=True, sinks=True))
-    b, _, h = (tuple(query_spec) + (None,) * 3)[:3]
-    specs = {"query": query_spec, "d_out": query_spec, "d_lse": PartitionSpec(b, h), "sinks": PartitionSpec(h)}
+@pytest.mark.parametrize("sizes,ways,query_spec,features", UNEVEN_BATCH_HEAD_CASES.values(),
+                         ids=UNEVEN_BATCH_HEAD_CASES.keys())
+def test_uneven_batch_or_head_sharding_equals_unsharded(inputs, pass_name, sizes, ways, query_spec, features):
+    """The batch (or the query heads) split over shards that do not divide it: XLA pads the last
+    shards, whose padding must not enter the sums the backward takes over the shards."""
+    mesh = _mesh((ways,), ("x",))
+    operands, options = _problem(inputs, q_len=10, kv_len=12, features=features, **sizes)
+    lse_spec = PartitionSpec(*query_spec[:1], *query_spec[2:3])
+    specs = {"query": query_spec, "d_out": query_spec, "d_lse": lse_spec}
+    if query_spec[0] is not None:  # the batch: every batched operand follows the query
+        specs.update({name: PartitionSpec("x") for name in ("key", "value", "q_seq_lengths", "kv_seq_lengths",
+                                                             "q_segment_ids", "kv_segment_ids")})
+    else:
+        specs["sinks"] = PartitionSpec("x")
     _check_constrained_equals_unsharded(pass_name, mesh, specs, operands, options)
 
 
