@@ -10,6 +10,7 @@ is current.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fa4_jax.kernels import sm100_inspect  # noqa: E402
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)  # no options: --help describes the script instead of rebuilding the report
     with tempfile.TemporaryDirectory() as directory:
         report = sm100_inspect.build_report(directory)
     os.makedirs(os.path.dirname(sm100_inspect.REPORT_PATH), exist_ok=True)

@@ -11,6 +11,8 @@ Two ways, both keeping the trained parameters:
 
 from __future__ import annotations
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,4 +84,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # No options: --help describes the example instead of running it.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()
