@@ -2,6 +2,7 @@
 # The forward and backward tuning sweeps of docs/sm90_{forward,backward}_tuning.md in one device call.
 # With two GPUs they run side by side, one per GPU (each sweep is one process on one GPU timing fa4_jax
 # against cuDNN on the same inputs, so the ratios stay same-run ratios); with one GPU, one after the other.
+# Outputs in $OUT/tuning_sweeps.tgz (the device tool returns at most 8 files; the two sweeps write 9).
 # Usage (device machine, repo root, bundle sourced; docs/device.md): bash benchmarks/device/tuning_sweeps.sh REV
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$1 PYTHONUNBUFFERED=1
@@ -43,3 +44,4 @@ else
 fi
 tail -3 "$OUT/forward/variant_tests.log"; tail -24 "$OUT/forward/bench.log"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/backward/gpu_tests.log" | tail -8; tail -16 "$OUT/backward/bench.log"
+cd "$OUT" && tar czf tuning_sweeps.tgz forward backward && rm -rf forward backward
