@@ -61,6 +61,8 @@ def compare(runs: list[dict]) -> dict:
         differences = [abs(a - b) for a, b in zip(run["loss"], baseline["loss"])]
         tail = max(1, len(differences) // 5)
         summary[name] = {
+            # auto falls back to the reference where the kernels cannot take the call: say which ran.
+            "attention": describe(run),
             "step_time_ratio_vs_cudnn": run["median_step_seconds"] / baseline["median_step_seconds"],
             "max_abs_loss_difference": max(differences),
             "mean_abs_loss_difference_last_fifth": sum(differences[-tail:]) / tail,
@@ -130,7 +132,8 @@ def print_table(summary: dict):
     for mesh, comparison in (summary["comparison"].items() if summary.get("meshes")
                              else [(None, summary["comparison"])]):
         for name, numbers in comparison.items():
-            print(f"{' '.join(filter(None, (mesh, name))):>24}: step time / cudnn = "
+            print(f"{' '.join(filter(None, (mesh, name))):>24}: {numbers.get('attention', 'fa4_jax')}, "
+                  "step time / cudnn = "
                   f"{numbers['step_time_ratio_vs_cudnn']:.3f}, max |loss - cudnn loss| = "
                   f"{numbers['max_abs_loss_difference']:.4f} (last fifth mean "
                   f"{numbers['mean_abs_loss_difference_last_fifth']:.4f}), same collectives as cudnn: "

@@ -123,6 +123,10 @@ def test_compare_script_summary_and_plot(tmp_path):
             {"name": "fa4_reference", "mesh_flag": None, "ok": False, "exit": 1, "log_tail": "boom"}]
     numbers = compare.compare(runs)["fa4"]
     assert numbers["step_time_ratio_vs_cudnn"] == pytest.approx(0.5)
+    # No CuTe custom call in the compiled step: the comparison must not pass the reference off as the kernels.
+    assert numbers["attention"] == "fa4_jax (reference path)"
+    on_kernels = dict(runs[1], custom_calls={"CuteDSLRT_NvJaxCutlassCall_v2": 12})
+    assert compare.compare([runs[0], on_kernels])["fa4"]["attention"] == "fa4_jax (CuTe kernels)"
     assert numbers["max_abs_loss_difference"] == pytest.approx(0.1)
     assert numbers["same_collectives_as_cudnn"]
 
