@@ -400,8 +400,11 @@ def main(argv=None):
         return
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     # The on-disk kernel cache names files after the CUTE_DSL_* variables: the compile workers (which
-    # see no GPU) and this process must agree on the target.
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    # see no GPU) and this process must agree on the target, the sm90 kernel the variants sweep. The
+    # plain forward run leaves it to the DSL, which compiles for the local GPU: sm_90a would fail to
+    # compile the sm100 kernel that a Blackwell GPU dispatches to.
+    if args.variants or args.compile_only:
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     run(args)
 
 
