@@ -573,25 +573,8 @@ class Sm90BackwardKernel:
                     lse[r] = mLSE[row_base + coords_qk[r, 0][0], q_head, batch]
 
             warpgroup.wait_group(1)
-            if const_expr(self.softcap is not None):
-                masking.apply_softcap(acc_s, self.softcap, self.scale)
-            row_start = q_start + row_base
-            if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
-                                        kv_len, q_len, offset):
-                q_segments = None
-                kv_segments = None
-                if const_expr(self.has_segment_ids):
-                    q_segments = mQSeg[batch, None]
-                    kv_segments = mKVSeg[batch, None]
-                masking.apply_mask(scores, coords_qk, self.mask, row_start, key_base, kv_len,
-                                   q_len, offset, row_base, q_segments, kv_segments)
-            logit_scale = self.scale_log2          # with softcap the scale is already applied
-            if const_expr(self.softcap is not None):
-                logit_scale = LOG2_E
-            for r in cutlass.range_constexpr(rows):
-                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                    scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r],
-                                                  fastmath=True)
+            self._probabilities(acc_s, scores, coords_qk, lse, n_block, q_start + row_base, row_base,
+                                key_base, kv_len, q_len, offset, mQSeg, mKVSeg, batch)
 
             # early_dv: dV += P^T dO runs on the tensor cores while dS is computed.
             if const_expr(self.early_dv):
@@ -612,13 +595,7 @@ class Sm90BackwardKernel:
                 warpgroup.wait_group(1)            # dP^T done; dV may still run
             else:
                 warpgroup.wait_group(0)
-            grads = query_major_view(acc_dp)
-            for r in cutlass.range_constexpr(rows):
-                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                    grad = scores[r, c] * (grads[r, c] - dpsum[r])
-                    if const_expr(self.softcap is not None):
-                        grad = grad * self._softcap_slope(scores[r, c], lse[r])
-                    grads[r, c] = grad
+            self._ds_over_dp(scores, query_major_view(acc_dp), dpsum, lse)
 
             # P^T and dS^T as bf16/fp16 A operands (same register order as the accumulator).
             if const_expr(not self.early_dv):
@@ -680,6 +657,42 @@ class Sm90BackwardKernel:
         cute.make_tensor(fragment.iterator, accumulator.layout).store(
             accumulator.load().to(self.dtype))
         return fragment
+
+    @cute.jit
+    def _probabilities(self, acc_s, scores, coords, lse, n_block, row_start, row_base, key_base,
+                       kv_len, q_len, offset, mQSeg, mKVSeg, batch):
+        """P recomputed in place over the S accumulator `acc_s` (`scores`: its query-major view,
+        `coords` that view's coordinates): softcap, the mask where the block is partial (`row_start`
+        is its first row's global position, `row_base` its first local row), then
+        exp2(S * scale * log2 e - LSE_log2) with the stored LSE. Shared by sm90_backward_large_heads."""
+        if const_expr(self.softcap is not None):
+            masking.apply_softcap(acc_s, self.softcap, self.scale)
+        if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
+                                    kv_len, q_len, offset):
+            q_segments = None
+            kv_segments = None
+            if const_expr(self.has_segment_ids):
+                q_segments = mQSeg[batch, None]
+                kv_segments = mKVSeg[batch, None]
+            masking.apply_mask(scores, coords, self.mask, row_start, key_base, kv_len, q_len,
+                               offset, row_base, q_segments, kv_segments)
+        logit_scale = self.scale_log2              # with softcap the scale is already applied
+        if const_expr(self.softcap is not None):
+            logit_scale = LOG2_E
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r], fastmath=True)
+
+    @cute.jit
+    def _ds_over_dp(self, probabilities, grads, dpsum, lse):
+        """dS = P * (dP - dPsum), times the softcap's slope, written over dP (`grads`, query-major
+        like `probabilities`). Shared by sm90_backward_large_heads."""
+        for r in cutlass.range_constexpr(cute.size(grads, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(grads, mode=[1])):
+                grad = probabilities[r, c] * (grads[r, c] - dpsum[r])
+                if const_expr(self.softcap is not None):
+                    grad = grad * self._softcap_slope(probabilities[r, c], lse[r])
+                grads[r, c] = grad
 
     @cute.jit
     def _softcap_slope(self, probability, lse_log2):

@@ -170,6 +170,8 @@ class Sm90LargeHeadBackwardKernel:
     # (K and V once, then Q and dO of every query block into the ring) runs without the row
     # statistics' staging: this kernel reads LSE and dPsum from global memory.
     staged_row_stats = False
+    _probabilities = sm90_backward.Sm90BackwardKernel._probabilities
+    _ds_over_dp = sm90_backward.Sm90BackwardKernel._ds_over_dp
     _softcap_slope = sm90_backward.Sm90BackwardKernel._softcap_slope
     _store_dkv_tma = sm90_backward.Sm90BackwardKernel._store_dkv_tma
     _produce = sm90_backward.Sm90BackwardKernel._produce
@@ -377,9 +379,6 @@ class Sm90LargeHeadBackwardKernel:
             cute.make_identity_tensor((self.tile_m, self.tile_n))))
         rows = cute.size(coords, mode=[0])
         key_base = n_block * self.tile_n
-        logit_scale = self.scale_log2          # with softcap the scale is already applied
-        if const_expr(self.softcap is not None):
-            logit_scale = LOG2_E
 
         key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         key_pipe.consumer_wait(key_state)
@@ -411,32 +410,13 @@ class Sm90LargeHeadBackwardKernel:
                 dpsum[r] = mdPsum[row_base + coords[r, 0][0], q_head, batch]
 
             warpgroup.wait_group(1)
-            if const_expr(self.softcap is not None):
-                masking.apply_softcap(acc_s, self.softcap, self.scale)
             scores = _accumulator_mn(acc_s)
-            if masking.block_is_partial(self.mask, n_block, row_base, self.tile_m, self.tile_n,
-                                        kv_len, q_len, offset):
-                q_segments = None
-                kv_segments = None
-                if const_expr(self.has_segment_ids):
-                    q_segments = mQSeg[batch, None]
-                    kv_segments = mKVSeg[batch, None]
-                masking.apply_mask(scores, coords, self.mask, row_base, key_base, kv_len, q_len,
-                                   offset, row_base, q_segments, kv_segments)
-            for r in cutlass.range_constexpr(rows):
-                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                    scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r],
-                                                  fastmath=True)
+            self._probabilities(acc_s, scores, coords, lse, n_block, row_base, row_base, key_base,
+                                kv_len, q_len, offset, mQSeg, mKVSeg, batch)
             self._round_into(acc_s, tPsP[None, None, None, buffer])
 
             warpgroup.wait_group(0)
-            grads = _accumulator_mn(acc_dp)
-            for r in cutlass.range_constexpr(rows):
-                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                    grad = scores[r, c] * (grads[r, c] - dpsum[r])
-                    if const_expr(self.softcap is not None):
-                        grad = grad * self._softcap_slope(scores[r, c], lse[r])
-                    grads[r, c] = grad
+            self._ds_over_dp(scores, _accumulator_mn(acc_dp), dpsum, lse)
             self._round_into(acc_dp, tdSsdS[None, None, None, buffer])
 
             # Both groups' halves of P and dS in shared memory before either reads the whole tile.
