@@ -26,38 +26,18 @@ pytestmark = pytest.mark.slow
 
 _COMPILE = r"""
 import json, sys
-import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import sm90_backward
 
 spec = json.loads(sys.argv[1])
 config = AttentionConfig(**spec["config"])
-B, Sq, Sk, Hq, Hkv, D = spec["shape"]
-dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec["dtype"]]
-
-def fake(element, shape):
-    return make_fake_compact_tensor(element, shape, stride_order=tuple(range(len(shape)))[::-1],
-                                    assumed_align=16)
-
-padded = sm90_backward._padded_rows(Sq)
-i32, f32 = cutlass.Int32, cutlass.Float32
-arguments = [
-    fake(dtype, (B, Sq, Hq, D)), fake(dtype, (B, Sk, Hkv, D)), fake(dtype, (B, Sk, Hkv, D)),
-    fake(dtype, (B, Sq, Hq, D)), fake(f32, (B, Hq, padded)), fake(f32, (B, Hq, padded)),
-    fake(i32, (B, Sq)) if config.has_segment_ids else None,
-    fake(i32, (B, Sk)) if config.has_segment_ids else None,
-    fake(i32, (B,)) if config.has_q_seq_lengths else None,
-    fake(i32, (B,)) if config.has_kv_seq_lengths else None,
-    fake(i32, (1,)) if config.has_q_start else None,
-    fake(f32, (B, padded, Hq, D)),
-    fake(i32, (B, Hq, padded // sm90_backward.TILE_M)) if config.deterministic else None,
-    fake(dtype, (B, Sk, Hkv, D)), fake(dtype, (B, Sk, Hkv, D)),
-]
+batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
 tuning = sm90_backward.Tuning(**spec.get("tuning", {}))
-kernel = sm90_backward.make_kernel(config, spec["dtype"], D, Hq // Hkv, tuning)
-cute.compile(kernel.__call__, make_fake_stream(), *arguments)
+kernel = sm90_backward.make_kernel(config, spec["dtype"], head_dim, q_heads // kv_heads, tuning)
+cute.compile(kernel.__call__, make_fake_stream(),
+             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"]))
 """
 
 # The default tuning everywhere: D 64 / 96 / 128, causal, GQA, deterministic, and the configurations

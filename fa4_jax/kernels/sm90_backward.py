@@ -787,6 +787,36 @@ class Sm90BackwardKernel:
 # ----------------------------------------------------------------------------------------------------
 
 
+def fake_tensor(dtype, dims):
+    """A row-major fake tensor for compiling without a GPU (shared by sm90_backward_large_heads)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(dtype, dims, stride_order=tuple(range(len(dims)))[::-1],
+                                    assumed_align=16)
+
+
+def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
+    """Fake tensors in the launcher's order (after the stream; `launch`'s inputs, then dK, dV), for
+    compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+    padded = _padded_rows(q_len)
+    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    return [
+        fake_tensor(element, query_shape), fake_tensor(element, key_shape), fake_tensor(element, key_shape),
+        fake_tensor(element, query_shape), fake_tensor(Float32, (batch, q_heads, padded)),
+        fake_tensor(Float32, (batch, q_heads, padded)),
+        fake_tensor(Int32, (batch, q_len)) if config.has_segment_ids else None,
+        fake_tensor(Int32, (batch, kv_len)) if config.has_segment_ids else None,
+        fake_tensor(Int32, (batch,)) if config.has_q_seq_lengths else None,
+        fake_tensor(Int32, (batch,)) if config.has_kv_seq_lengths else None,
+        fake_tensor(Int32, (1,)) if config.has_q_start else None,
+        fake_tensor(Float32, (batch, padded, q_heads, head_dim)),
+        fake_tensor(Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic else None,
+        fake_tensor(element, key_shape), fake_tensor(element, key_shape),
+    ]
+
+
 def _padded_rows(q_len):
     return _ceil_div(q_len, TILE_M) * TILE_M
 

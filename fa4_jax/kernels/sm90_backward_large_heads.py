@@ -516,16 +516,10 @@ def kernel_arguments(query, key, value, d_out, lse_log2, dpsum, optional, dq_acc
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
     """Fake tensors in the launcher's order (after the stream, outputs dK, dV last), for compiling
     without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
     batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
     element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
     padded = _ceil_div(q_len, TILE_M) * TILE_M
-
-    def fake(dtype, dims):
-        return make_fake_compact_tensor(dtype, dims, stride_order=tuple(range(len(dims)))[::-1],
-                                        assumed_align=16)
-
+    fake = sm90_backward.fake_tensor
     query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
     optional = {
         "q_segment_ids": fake(Int32, (batch, q_len)) if config.has_segment_ids else None,
