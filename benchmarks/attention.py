@@ -103,11 +103,11 @@ def forward_section(shape, arguments, args):
 
 SECTIONS = {"forward": forward_section}
 
-# The Hopper forward kernel's tuning candidates (fa4_jax.kernels.sm90_forward.TUNING_CANDIDATES) plus
-# "default", the tuned configuration of sm90_forward.kernel_options each is compared with:
+# The Hopper forward kernel's tuning candidates (fa4_jax.kernels.sm90.forward.TUNING_CANDIDATES) plus
+# "default", the tuned configuration of sm90.forward.options each is compared with:
 # name -> (KernelOptions overrides, head dims, causal settings).
 def sm90_forward_variants():
-    from fa4_jax.kernels import sm90_forward
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
     return {"default": ({}, (64, 128, 256), (False, True)), **sm90_forward.TUNING_CANDIDATES}
 
 
@@ -151,10 +151,15 @@ def _variant_function(shape, overrides):
     """The jitted sm90 forward (out only) for one row and one set of KernelOptions overrides."""
     import jax
     from fa4_jax.config import AttentionConfig
-    from fa4_jax.kernels import sm90_forward
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
 
     config = AttentionConfig(scale=shape["head_dim"] ** -0.5, causal=shape["causal"])
-    return jax.jit(lambda q, k, v: sm90_forward.forward_with_options(q, k, v, {}, config, **overrides)[0])
+
+    def forward(q, k, v):
+        options = sm90_forward.options(config, host.Problem.of(q, k, v), **overrides)
+        return sm90_forward.run(options, q, k, v, {})[0]
+    return jax.jit(forward)
 
 
 def _compile_variant(task):

@@ -4,10 +4,10 @@ One command sweeps every variant over the grid (by default the whole one: D 128,
 causal or not, B*S = 16k tokens) and writes one JSON (rewritten after every row, so a run cut short
 by a time limit still leaves its rows). Per shape it times, with CUPTI (all kernels of the call,
 median of iterations):
-- each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`backward_with_options` of its kernel
-  module, fa4_jax/kernels/sm90_backward.py or sm90_backward_large_heads.py) with one `Tuning`,
-  deterministic or not, given the forward's out and LSE. `default` and `deterministic` are what
-  fa4_jax runs at every head dim (sm90_backward's entry hands D 192 / 256 to the large-head kernel);
+- each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`run(options(config, problem, tuning), ...)`
+  of its kernel module, fa4_jax/kernels/sm90/backward.py or sm90/backward_large_heads.py) with one
+  `Tuning`, deterministic or not, given the forward's out and LSE. `default` and `deterministic` are
+  what fa4_jax runs at every head dim (the routing table sends D 192 / 256 to the large-head kernel);
   a candidate runs at its own kernel's head dims only, and a row of another head dim records
   `<variant>_skipped` with the reason;
 - cudnn: the VJP of jax.nn.dot_product_attention(implementation="cudnn"), residuals precomputed, so
@@ -57,8 +57,8 @@ import attention  # noqa: E402  (the shared benchmark driver: shapes, FLOPs, CUP
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to run the backward: `kernel.backward_with_options(..., tuning)`, deterministic or not."""
-    kernel: types.ModuleType     # fa4_jax.kernels.sm90_backward or .sm90_backward_large_heads
+    """One way to run the backward: `kernel.run(kernel.options(..., tuning), ...)`, deterministic or not."""
+    kernel: types.ModuleType     # fa4_jax.kernels.sm90.backward or .sm90.backward_large_heads
     tuning: Any                  # that module's `Tuning`
     deterministic: bool
     head_dims: tuple             # where it runs; rows of other head dims skip it
@@ -70,10 +70,12 @@ class Variant:
         return f"{_module_name(self.kernel)} variant, head dims {self.head_dims} only"
 
     def kernel_at(self, head_dim):
-        """(kernel module, its Tuning) that runs at `head_dim`: sm90_backward's entry hands its large
-        head dims to sm90_backward_large_heads, which then runs with its own default Tuning."""
-        from fa4_jax.kernels import sm90_backward, sm90_backward_large_heads
-        if self.kernel is sm90_backward and head_dim in sm90_backward.LARGE_HEAD_DIMS:
+        """(kernel module, its Tuning) that runs at `head_dim`: as in the routing table
+        (fa4_jax.lowering.cuda.ROUTES), the large head dims of a small-head variant go to
+        sm90.backward_large_heads, which then runs with its own default Tuning."""
+        from fa4_jax.kernels.sm90 import backward as sm90_backward
+        from fa4_jax.kernels.sm90 import backward_large_heads as sm90_backward_large_heads
+        if self.kernel is sm90_backward and head_dim in sm90_backward_large_heads.SUPPORTED_HEAD_DIMS:
             return sm90_backward_large_heads, sm90_backward_large_heads.DEFAULT_TUNING
         return self.kernel, self.tuning
 
@@ -88,17 +90,18 @@ class Variant:
 
 
 def _module_name(module) -> str:
-    return module.__name__.rsplit(".", 1)[-1]
+    """fa4_jax.kernels.sm90.backward -> "sm90_backward" (the name rows and reports carry)."""
+    return module.__name__.removeprefix("fa4_jax.kernels.").replace(".", "_")
 
 
 def _variants():
     """name -> Variant, timed in this order. A candidate under measurement is added here as one more
     row, with the head dims of the kernel whose `Tuning` it sets and the id of its GPU tests
     (docs/sm90_backward_tuning.md has the past ones)."""
-    from fa4_jax.kernels import sm90_backward as small_heads
-    from fa4_jax.kernels import sm90_backward_large_heads as large_heads
+    from fa4_jax.kernels.sm90 import backward as small_heads
+    from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
 
-    every_head_dim = small_heads.SUPPORTED_HEAD_DIMS + small_heads.LARGE_HEAD_DIMS
+    every_head_dim = small_heads.SUPPORTED_HEAD_DIMS + large_heads.SUPPORTED_HEAD_DIMS
     return {
         "default": Variant(small_heads, small_heads.DEFAULT_TUNING, False, every_head_dim),
         "deterministic": Variant(small_heads, small_heads.DEFAULT_TUNING, True, every_head_dim),
@@ -148,22 +151,31 @@ def _config(shape, deterministic=False):
 
 def _backward(shape, variant):
     import jax
+    from fa4_jax.kernels import host
     config = _config(shape, variant.deterministic)
-    return jax.jit(lambda q, k, v, o, l, g: variant.kernel.backward_with_options(
-        q, k, v, o, l, g, None, {}, config, variant.tuning)[:3])
+    module, tuning = variant.kernel_at(shape["head_dim"])
+
+    def backward(q, k, v, o, l, g):
+        options = module.options(config, host.Problem.of(q, k, v), tuning)
+        return module.run(options, q, k, v, o, l, g, None, {})[:3]
+    return jax.jit(backward)
 
 
 def _forward(config):
     import jax
-    from fa4_jax.kernels import sm90_forward
-    return jax.jit(lambda q, k, v: sm90_forward.attention_forward(q, k, v, {}, config))
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
+
+    def forward(q, k, v):
+        return sm90_forward.run(sm90_forward.options(config, host.Problem.of(q, k, v)), q, k, v, {})
+    return jax.jit(forward)
 
 
 def _forward_residuals(query, key, value, config):
     """(out, lse, source): from the fa4_jax forward kernel, else the reference (its scan compiles for
     several seconds per shape on the H200)."""
     import jax
-    from fa4_jax.kernels import reference
+    from fa4_jax import reference
 
     try:
         out, lse = _forward(config)(query, key, value)
@@ -179,12 +191,13 @@ def _dims(shape):
 
 
 def _fallback_reason(shape):
-    """Why the sm90 backward kernel does not take this shape (fa4_jax then runs the reference), or None."""
-    import jax.numpy as jnp
-    from fa4_jax.kernels import sm90_backward
+    """Why the sm90 backward kernel for this head dim does not take this shape (fa4_jax then runs the
+    reference), or None."""
+    from fa4_jax.kernels import host
 
     dims = _dims(shape)
-    return sm90_backward.unsupported_reason(_config(shape), dims, dims, dims, jnp.bfloat16)
+    module, _ = _variants()["default"].kernel_at(shape["head_dim"])
+    return module.unsupported_reason(_config(shape), host.Problem(dims, dims, dims, "bfloat16"))
 
 
 def _lower_for_cuda(job):

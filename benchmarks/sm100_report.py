@@ -18,7 +18,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fa4_jax.kernels import sm100_inspect  # noqa: E402
+from tools import sm100_inspect  # noqa: E402
 
 
 def main(argv=None):

@@ -10,8 +10,7 @@ dispatch tests check that they fall back or raise.
 
 from __future__ import annotations
 
-import importlib
-
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -20,24 +19,25 @@ from fa4_jax.lowering import cuda
 from test_attention import AttentionTestBase, Case
 
 
-def _kernel_takes(table: dict, case: Case) -> bool:
-    """Whether this GPU's kernel in `table` computes `case` (True without a GPU: tests skip anyway)."""
-    capability = cuda.compute_capability()
-    if capability is None:
+def _kernel_takes(pass_: str, case: Case) -> bool:
+    """Whether the CUDA dispatch runs `case`'s `pass_` ("forward" / "backward") on one of this GPU's
+    kernels, through the routing table and the chosen module's `unsupported_reason` (True without a
+    GPU: tests skip anyway)."""
+    if cuda.compute_capability() is None:
         return True
-    name = table.get(capability[0])
-    if name is None:
-        return False
     config = AttentionConfig(
         scale=case.scale or case.head_dim ** -0.5, causal=case.causal,
         window_left=case.window[0] if case.window else None, window_right=case.window[1] if case.window else None,
         softcap=case.softcap, has_sinks=case.sinks, has_segment_ids=case.segments is not None,
         has_q_seq_lengths=case.has_q_lengths, has_kv_seq_lengths=case.has_kv_lengths, implementation="cute")
-    shapes = ((case.batch, case.q_len, case.q_heads, case.head_dim),
-              (case.batch, case.kv_len, case.kv_heads, case.head_dim),
-              (case.batch, case.kv_len, case.kv_heads, case.v_dim))
-    module = importlib.import_module(name)
-    return module.unsupported_reason(config, *shapes, jnp.dtype(case.dtype)) is None
+    dtype = jnp.dtype(case.dtype)
+    avals = (jax.ShapeDtypeStruct((case.batch, case.q_len, case.q_heads, case.head_dim), dtype),
+             jax.ShapeDtypeStruct((case.batch, case.kv_len, case.kv_heads, case.head_dim), dtype),
+             jax.ShapeDtypeStruct((case.batch, case.kv_len, case.kv_heads, case.v_dim), dtype))
+    try:
+        return cuda.kernel_for(pass_, config, *avals) is not None
+    except NotImplementedError:  # implementation="cute" raises where no kernel takes the call
+        return False
 
 
 class TestCuteAttention(AttentionTestBase):
@@ -46,7 +46,7 @@ class TestCuteAttention(AttentionTestBase):
     default_dtype = "bfloat16"
 
     def supports(self, case: Case) -> bool:
-        return (_kernel_takes(cuda.FORWARD_KERNELS, case) and _kernel_takes(cuda.BACKWARD_KERNELS, case))
+        return _kernel_takes("forward", case) and _kernel_takes("backward", case)
 
 
 class TestCuteForwardOnly(AttentionTestBase):
@@ -56,4 +56,4 @@ class TestCuteForwardOnly(AttentionTestBase):
     has_backward = False
 
     def supports(self, case: Case) -> bool:
-        return (_kernel_takes(cuda.FORWARD_KERNELS, case) and not _kernel_takes(cuda.BACKWARD_KERNELS, case))
+        return _kernel_takes("forward", case) and not _kernel_takes("backward", case)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels import masking, ordered_reduction  # noqa: E402
+from fa4_jax.kernels.common import masking, ordered_reduction  # noqa: E402
 
 SHAPES = [
     masking.MaskShape(),

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 pytest.importorskip("cutlass")  # the benchmark reads the kernel modules' tuning tables
+from fa4_jax.kernels import host  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_backward.py"
 SHIPPED = ["default", "deterministic"]
@@ -92,15 +93,16 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         assert runs == [*SHIPPED, "per_thread_release"]
     else:
         assert runs == [*SHIPPED, "no_stagger", "deterministic_diagonal_first"]
-    assert all(benchmark._variants()[name].kernel.unsupported_reason(
-        benchmark._config(shape), (1, 1024, 8, head_dim), (1, 1024, 8, head_dim),
-        (1, 1024, 8, head_dim), "bfloat16") is None for name in runs)
+    dims = (1, 1024, 8, head_dim)
+    assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(
+        benchmark._config(shape), host.Problem(dims, dims, dims, "bfloat16")) is None for name in runs)
 
 
 def test_shipped_variants_name_the_kernel_that_runs_at_each_head_dim(benchmark):
-    """sm90_backward's entry hands D 192 / 256 to the large-head kernel with that kernel's default
+    """The routing table sends D 192 / 256 to the large-head kernel, which runs with its own default
     Tuning: the rows and the report's `variants` must say so, not label them sm90_backward."""
-    from fa4_jax.kernels import sm90_backward, sm90_backward_large_heads
+    from fa4_jax.kernels.sm90 import backward as sm90_backward
+    from fa4_jax.kernels.sm90 import backward_large_heads as sm90_backward_large_heads
 
     for name in SHIPPED:
         variant = benchmark._variants()[name]

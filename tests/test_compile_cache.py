@@ -26,11 +26,13 @@ _LOWER = r"""
 import hashlib, json, time
 import jax, jax.numpy as jnp
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import sm90_forward
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm90 import forward as sm90_forward
 query = jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)
 config = AttentionConfig(scale=0.125, causal=True)
 start = time.perf_counter()
-lowered = jax.jit(lambda q, k, v: sm90_forward.attention_forward(q, k, v, {}, config)).trace(
+options = sm90_forward.options(config, host.Problem.of(query, query, query))
+lowered = jax.jit(lambda q, k, v: sm90_forward.run(options, q, k, v, {})).trace(
     query, query, query).lower(lowering_platforms=("cuda",))
 print("LOWERED " + json.dumps({"seconds": time.perf_counter() - start,
                                "hlo": hashlib.sha256(lowered.as_text().encode()).hexdigest()}))
@@ -61,12 +63,14 @@ _LOWER_BACKWARD = r"""
 import hashlib, json, time
 import jax, jax.numpy as jnp
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import sm90_backward
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm90 import backward as sm90_backward
 query = jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)
 lse = jax.ShapeDtypeStruct((1, 2, 200), jnp.float32)
 config = AttentionConfig(scale=0.125, causal=True, deterministic=True)
 start = time.perf_counter()
-lowered = jax.jit(lambda q, k, v, o, l, g: sm90_backward.attention_backward(q, k, v, o, l, g, None, {}, config)).trace(
+options = sm90_backward.options(config, host.Problem.of(query, query, query))
+lowered = jax.jit(lambda q, k, v, o, l, g: sm90_backward.run(options, q, k, v, o, l, g, None, {})).trace(
     query, query, query, query, lse, query).lower(lowering_platforms=("cuda",))
 print("LOWERED " + json.dumps({"seconds": time.perf_counter() - start,
                                "hlo": hashlib.sha256(lowered.as_text().encode()).hexdigest()}))
@@ -91,7 +95,7 @@ def _name_with_sources(monkeypatch, directory):
     spec = types.SimpleNamespace(in_args=("query",), out_args=("out",), input_tree="(*,)", output_tree="(*,)",
                                  input_output_aliases={})
     monkeypatch.setattr(compile_cache, "KERNEL_SOURCES", str(directory))
-    return compile_cache._file_name(("fa4_jax.sm90_forward", "options"), spec)
+    return compile_cache._file_name(("fa4_jax_sm90_forward", "options"), spec)
 
 
 def test_file_name_follows_the_kernel_sources(tmp_path, monkeypatch):
@@ -102,7 +106,7 @@ def test_file_name_follows_the_kernel_sources(tmp_path, monkeypatch):
     copy, edited = tmp_path / "copy", tmp_path / "edited"
     for directory in (copy, edited):
         shutil.copytree(compile_cache.KERNEL_SOURCES, directory, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(edited / "masking.py", "a") as handle:
+    with open(edited / "common" / "masking.py", "a") as handle:
         handle.write("# an edit\n")
     installed = _name_with_sources(monkeypatch, compile_cache.KERNEL_SOURCES)
     assert _name_with_sources(monkeypatch, copy) == installed

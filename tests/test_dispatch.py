@@ -1,9 +1,10 @@
 """The CUDA dispatch: which kernel runs, and how a call no kernel can take falls back or fails.
 
-The CPU part drives `fa4_jax.lowering.cuda` with a stand-in kernel module and a faked compute
-capability; the GPU part checks the same promises end to end on a real device.
+The CPU part drives `fa4_jax.lowering.cuda` with a stand-in routing table and kernel module and a faked
+compute capability; the GPU part checks the same promises end to end on a real device.
 """
 
+import importlib
 import sys
 import types
 import warnings
@@ -18,7 +19,7 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.lowering import cuda
 
 SHAPES = ((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64))
-# The tests that consult the real dispatch table import the kernel modules, which need the CuTe DSL
+# The tests that consult the real routing table import the kernel modules, which need the CuTe DSL
 # (installed on Linux only).
 try:
     import cutlass  # noqa: F401
@@ -32,10 +33,10 @@ needs_cutlass = pytest.mark.skipif(not _has_cutlass, reason="nvidia-cutlass-dsl 
 def fake_gpu(monkeypatch):
     """A GPU of compute capability 9.0 whose forward kernel takes only bfloat16."""
     module = types.ModuleType("fake_sm90_forward")
-    module.unsupported_reason = lambda config, q, k, v, dtype: (
-        None if jnp.dtype(dtype) == jnp.bfloat16 else f"dtype {jnp.dtype(dtype).name} is not supported")
+    module.unsupported_reason = lambda config, problem: (
+        None if problem.dtype == "bfloat16" else f"dtype {problem.dtype} is not supported")
     monkeypatch.setitem(sys.modules, "fake_sm90_forward", module)
-    monkeypatch.setattr(cuda, "FORWARD_KERNELS", {9: "fake_sm90_forward"})
+    monkeypatch.setattr(cuda, "ROUTES", (cuda.Route(9, "forward", (64,), "fake_sm90_forward"),))
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
     monkeypatch.setattr(cuda, "_warned", set())
     return module
@@ -47,7 +48,7 @@ def _avals(dtype):
 
 def _choose(implementation, dtype):
     config = AttentionConfig(scale=0.125, implementation=implementation)
-    return cuda._kernel_for("forward", cuda.FORWARD_KERNELS, config, *_avals(dtype))
+    return cuda.kernel_for("forward", config, *_avals(dtype))
 
 
 def test_supported_call_gets_the_kernel(fake_gpu):
@@ -75,12 +76,58 @@ def test_unsupported_call_with_cute_raises(fake_gpu):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("capability, module", [((9, 0), "sm90_forward"), ((10, 0), "sm100_forward")])
+@pytest.mark.parametrize("capability, module", [((9, 0), "sm90.forward"), ((10, 0), "sm100.forward")])
 def test_compute_capability_selects_the_kernel(monkeypatch, capability, module):
     """The real table: Hopper gets the sm90 kernel, Blackwell the sm100 one."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
     chosen = _choose("cute", jnp.bfloat16)
     assert chosen.__name__ == f"fa4_jax.kernels.{module}"
+
+
+def test_head_dim_no_route_takes_names_the_routes_head_dims(fake_gpu):
+    """A head dim outside every route for this GPU and pass gets the table's reason, before any
+    kernel module is asked."""
+    config = AttentionConfig(scale=0.125, implementation="cute")
+    avals = [jax.ShapeDtypeStruct((1, 8, 2, 80), jnp.bfloat16) for _ in range(3)]
+    with pytest.raises(NotImplementedError, match=r"the forward kernels for compute capability 9\.x take "
+                                                  r"head dims \(64,\), not 80"):
+        cuda.kernel_for("forward", config, *avals)
+
+
+def test_backward_head_dim_no_route_takes_names_both_kernels_head_dims(monkeypatch):
+    """The real table: the reason lists the head dims of every Hopper backward route together (no
+    kernel module is imported for it)."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    config = AttentionConfig(scale=0.125, implementation="cute")
+    avals = [jax.ShapeDtypeStruct((1, 8, 2, 80), jnp.bfloat16) for _ in range(3)]
+    with pytest.raises(NotImplementedError, match=r"the backward kernels for compute capability 9\.x take "
+                                                  r"head dims \(64, 96, 128, 192, 256\), not 80"):
+        cuda.kernel_for("backward", config, *avals)
+
+
+# The real routing table's backward rows for Hopper: (head dim, the module that takes it).
+BACKWARD_ROUTES = {64: "sm90.backward", 96: "sm90.backward", 128: "sm90.backward",
+                   192: "sm90.backward_large_heads", 256: "sm90.backward_large_heads"}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim, module", BACKWARD_ROUTES.items(), ids=[str(d) for d in BACKWARD_ROUTES])
+def test_backward_head_dim_selects_the_kernel(monkeypatch, head_dim, module):
+    """The real table: on Hopper, head dims 64-128 get the small-head backward kernel and 192/256
+    the large-head one."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    config = AttentionConfig(scale=0.125, causal=True, implementation="cute")
+    avals = [jax.ShapeDtypeStruct((1, 8, 2, head_dim), jnp.bfloat16) for _ in range(3)]
+    assert cuda.kernel_for("backward", config, *avals).__name__ == f"fa4_jax.kernels.{module}"
+
+
+@needs_cutlass
+@pytest.mark.parametrize("route", cuda.ROUTES, ids=lambda route: f"{route.capability}-{route.pass_}-{route.module}")
+def test_every_route_takes_its_modules_head_dims(route):
+    """Each row of the routing table names exactly the head dims its kernel module supports, so the
+    table neither sends a head dim to a kernel that refuses it nor hides one the kernel takes."""
+    module = importlib.import_module(route.module)
+    assert tuple(route.head_dims) == tuple(module.SUPPORTED_HEAD_DIMS)
 
 
 def test_gpu_without_kernel_names_its_capability(fake_gpu, monkeypatch):
@@ -96,7 +143,7 @@ def test_backward_on_blackwell_names_the_capabilities_it_has(monkeypatch):
     config = AttentionConfig(scale=0.125, implementation="cute")
     with pytest.raises(NotImplementedError, match=r"no CuTe backward kernel for compute capability 10\.0 "
                                                   r"\(backward kernels exist for compute capability 9\.x only\)"):
-        cuda._kernel_for("backward", cuda.BACKWARD_KERNELS, config, *_avals(jnp.bfloat16))
+        cuda.kernel_for("backward", config, *_avals(jnp.bfloat16))
 
 
 @needs_cutlass
@@ -106,16 +153,16 @@ def test_sequence_sharded_query_takes_the_reference(monkeypatch, capability):
     monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
     config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute")
     with pytest.raises(NotImplementedError, match=r"q_start\) is not yet verified on a GPU"):
-        cuda._kernel_for("forward", cuda.FORWARD_KERNELS, config, *_avals(jnp.bfloat16))
+        cuda.kernel_for("forward", config, *_avals(jnp.bfloat16))
 
 
 def test_missing_kernel_module_is_reported(fake_gpu, monkeypatch):
-    monkeypatch.setattr(cuda, "FORWARD_KERNELS", {9: "fa4_jax.kernels.no_such_kernel"})
+    monkeypatch.setattr(cuda, "ROUTES", (cuda.Route(9, "forward", (64,), "fa4_jax.kernels.no_such_kernel"),))
     with pytest.raises(NotImplementedError, match="no_such_kernel is not available"):
         _choose("cute", jnp.bfloat16)
 
 
-# Every kernel the dispatch tables reach: (pass, compute capability, a head dim that selects it).
+# Every kernel the routing table reaches: (pass, compute capability, a head dim that selects it).
 KERNELS = {
     "sm90-forward": ("forward", (9, 0), 128),
     "sm100-forward": ("forward", (10, 0), 128),
@@ -128,17 +175,16 @@ KERNELS = {
 @pytest.mark.parametrize("kind, capability, head_dim", KERNELS.values(), ids=KERNELS.keys())
 def test_zero_batch_falls_back_in_both_passes(monkeypatch, kind, capability, head_dim):
     """Batch 0 passes validation (the result is empty) but no kernel launches an empty grid: every
-    kernel's unsupported_reason shares support.shape_unsupported_reason, the backward's too."""
+    kernel's unsupported_reason shares host.shape_unsupported_reason, the backward's too."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
     monkeypatch.setattr(cuda, "_warned", set())
-    table = cuda.FORWARD_KERNELS if kind == "forward" else cuda.BACKWARD_KERNELS
     config = AttentionConfig(scale=0.125, causal=True)
 
     def avals(batch):
         return [jax.ShapeDtypeStruct((batch, 8, 2, head_dim), jnp.bfloat16) for _ in range(3)]
-    assert cuda._kernel_for(kind, table, config, *avals(1)) is not None  # the same call with one batch runs
+    assert cuda.kernel_for(kind, config, *avals(1)) is not None  # the same call with one batch runs
     with pytest.warns(UserWarning, match="kernel needs non-empty batch and sequence axes"):
-        assert cuda._kernel_for(kind, table, config, *avals(0)) is None
+        assert cuda.kernel_for(kind, config, *avals(0)) is None
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="needs a host without a GPU")
@@ -195,11 +241,11 @@ def test_backward_grid_limit_falls_back(monkeypatch, head_dim, axis, batch, head
     def avals(batch, heads):
         return [jax.ShapeDtypeStruct((batch, 8, heads, head_dim), jnp.bfloat16) for _ in range(3)]
     fitting = (batch - 1, heads) if axis == "z" else (batch, heads - 1)
-    assert cuda._kernel_for("backward", cuda.BACKWARD_KERNELS, config, *avals(*fitting)) is not None
+    assert cuda.kernel_for("backward", config, *avals(*fitting)) is not None
     with pytest.warns(UserWarning, match=rf"65536 [a-z/ ]+ exceed CUDA's grid limit of 65535 \(gridDim\.{axis}\)"):
-        assert cuda._kernel_for("backward", cuda.BACKWARD_KERNELS, config, *avals(batch, heads)) is None
+        assert cuda.kernel_for("backward", config, *avals(batch, heads)) is None
     # The forward kernel's persistent grid is one-dimensional: the same shapes run it.
-    assert cuda._kernel_for("forward", cuda.FORWARD_KERNELS, config, *avals(batch, heads)) is not None
+    assert cuda.kernel_for("forward", config, *avals(batch, heads)) is not None
 
 
 @needs_cutlass
@@ -212,9 +258,8 @@ def test_non_positive_scale_without_softcap_falls_back(monkeypatch, kind, capabi
     softcap is set, which scales the logits before the softmax (whose scale is then log2 e)."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
     monkeypatch.setattr(cuda, "_warned", set())
-    table = cuda.FORWARD_KERNELS if kind == "forward" else cuda.BACKWARD_KERNELS
     avals = [jax.ShapeDtypeStruct((1, 8, 2, head_dim), jnp.bfloat16) for _ in range(3)]
     with pytest.warns(UserWarning, match=rf"kernel needs a positive scale unless a softcap is set \(got {scale}\)"):
-        assert cuda._kernel_for(kind, table, AttentionConfig(scale=scale, causal=True), *avals) is None
+        assert cuda.kernel_for(kind, AttentionConfig(scale=scale, causal=True), *avals) is None
     softcapped = AttentionConfig(scale=scale, causal=True, softcap=5.0)
-    assert cuda._kernel_for(kind, table, softcapped, *avals) is not None
+    assert cuda.kernel_for(kind, softcapped, *avals) is not None

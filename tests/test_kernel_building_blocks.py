@@ -16,7 +16,7 @@ import pytest
 
 import numpy_reference
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels import exp2_polynomial, masking, tile_scheduler  # noqa: E402
+from fa4_jax.kernels.common import exp2_polynomial, masking, tile_scheduler  # noqa: E402
 
 TILE_M, TILE_N = 128, 64
 

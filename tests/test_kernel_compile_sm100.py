@@ -21,7 +21,9 @@ import pytest
 
 from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels import sm100_forward, sm100_inspect  # noqa: E402
+from fa4_jax.kernels import host  # noqa: E402
+from fa4_jax.kernels.sm100 import forward as sm100_forward  # noqa: E402
+from tools import sm100_inspect  # noqa: E402
 
 # Representative configurations, compiled in CI: every head dim, causal, GQA, fp16 and each feature.
 CASES = {
@@ -156,11 +158,6 @@ def test_whole_report_is_current(tmp_path):
     _assert_matches(sm100_inspect.build_report(str(tmp_path)), _committed_report())
 
 
-class _Dtype:
-    def __init__(self, name):
-        self.name = name
-
-
 @pytest.mark.parametrize("shapes, dtype, config, fragment", [
     (((1, 128, 4, 64), (1, 128, 4, 64), (1, 128, 4, 64)), "float32", {}, "bfloat16 or float16"),
     (((1, 128, 4, 80), (1, 128, 4, 80), (1, 128, 4, 80)), "bfloat16", {}, "head dims"),
@@ -173,8 +170,7 @@ class _Dtype:
      dict(causal=True, has_q_start=True, q_total=256), "q_start) is not yet verified"),
 ])
 def test_unsupported_reason_names_the_problem(shapes, dtype, config, fragment):
-    reason = sm100_forward.unsupported_reason(
-        AttentionConfig(scale=0.1, **config), *shapes, _Dtype(dtype))
+    reason = sm100_forward.unsupported_reason(AttentionConfig(scale=0.1, **config), host.Problem(*shapes, dtype))
     assert reason is not None and fragment in reason
 
 
@@ -182,28 +178,29 @@ def test_supported_configs_build_kernel_options():
     shapes = ((2, 1000, 16, 128), (2, 1200, 4, 128), (2, 1200, 4, 128))
     config = AttentionConfig(scale=0.1, causal=True, window_left=64, softcap=5.0, has_sinks=True,
                              has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True)
-    assert sm100_forward.unsupported_reason(config, *shapes, _Dtype("bfloat16")) is None
-    query_shape, key_shape, _ = shapes
-    options = sm100_forward.kernel_options(config, query_shape, key_shape, _Dtype("bfloat16"), sm_count=148)
+    problem = host.Problem(*shapes, "bfloat16")
+    assert sm100_forward.unsupported_reason(config, problem) is None
+    options = sm100_forward.options(config, problem, sm_count=148)
     assert options.group == 4 and options.mask.causal and options.mask.has_segments
     kernel = sm100_forward.Sm100ForwardKernel(options)
     assert kernel.tmem_columns_used <= 512 and kernel.q_stage == 2
-    assert hash(options) == hash(sm100_forward.kernel_options(config, query_shape, key_shape, _Dtype("bfloat16"),
-                                                              sm_count=148))
+    assert hash(options) == hash(sm100_forward.options(config, problem, sm_count=148))
 
 
 _LOWER = r"""
 import json
 import jax, jax.numpy as jnp
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import sm100_forward
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm100 import forward as sm100_forward
 query = jax.ShapeDtypeStruct((1, 200, 4, 128), jnp.bfloat16)
 key = jax.ShapeDtypeStruct((1, 300, 2, 128), jnp.bfloat16)
 sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
 lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
 config = AttentionConfig(scale=0.125, causal=True, has_sinks=True, has_kv_seq_lengths=True)
-lowered = jax.jit(lambda q, k, v, s, l: sm100_forward.attention_forward(
-    q, k, v, {"sinks": s, "kv_seq_lengths": l}, config)).trace(
+options = sm100_forward.options(config, host.Problem.of(query, key, key))
+lowered = jax.jit(lambda q, k, v, s, l: sm100_forward.run(
+    options, q, k, v, {"sinks": s, "kv_seq_lengths": l})).trace(
     query, key, key, sinks, lengths).lower(lowering_platforms=("cuda",))
 calls = [line for line in lowered.as_text().splitlines() if "stablehlo.custom_call" in line]
 print("LOWERED " + json.dumps({"calls": len(calls), "sm100": sum("sm100_forward" in c for c in calls),
@@ -212,7 +209,7 @@ print("LOWERED " + json.dumps({"calls": len(calls), "sm100": sum("sm100_forward"
 
 
 def test_attention_forward_lowers_for_cuda(tmp_path):
-    """The JAX entry point the CUDA dispatch calls on 10.x traces and lowers to one kernel call
+    """The kernel module's `run`, which the CUDA dispatch calls on 10.x, traces and lowers to one kernel call
     (the DSL compiles for sm_100a on this CPU), operands and results as the contract says."""
     import subprocess
     import sys

@@ -6,7 +6,7 @@ real: wgmma (tensor cores), cp.async.bulk.tensor (TMA), setmaxnreg (register rea
 producer and consumers) and mbarrier waits, and for the absence of local memory. Where `ptxas` is
 installed, its report must show no spills.
 
-The configurations are what `sm90_forward.kernel_options` picks (the tuned defaults: three consumer
+The configurations are what `sm90.forward.options` picks (the tuned defaults: three consumer
 warpgroups with every pipeline option at D = 64, Q double buffer + TMA-store epilogue at D = 96 / 128
 with the split key loop and zigzag tile order when causal, `LARGE_HEAD_CAUSAL` at D = 256 causal:
 ping-pong, TMA store in two chunks, early Q release, zigzag), plus overrides where an option is only
@@ -27,7 +27,7 @@ import pytest
 from ptx_checks import assert_no_spills, compile_environment
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels.sm100_inspect import find_ptxas  # noqa: E402
+from tools.sm100_inspect import find_ptxas  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,26 +85,22 @@ import dataclasses, glob, json, os, sys
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import forward_launch, sm90_forward
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm90 import forward as sm90_forward
 
 configs = json.loads(sys.argv[1])
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
-
-class DtypeName:
-    def __init__(self, name):
-        self.name = name
 
 result = {}
 for name, (fields, shape, dtype, overrides) in configs.items():
     B, Sq, Sk, Hq, Hkv, D = shape
     config = AttentionConfig(scale=D ** -0.5, **fields)
-    reason = sm90_forward.unsupported_reason(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), DtypeName(dtype))
+    problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), dtype)
+    reason = sm90_forward.unsupported_reason(config, problem)
     assert reason is None, reason
-    options = sm90_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
-                                          DtypeName(dtype), sm_count=132)
-    options = dataclasses.replace(options, **overrides)
+    options = sm90_forward.options(config, problem, sm_count=132, **overrides)
     kernel = sm90_forward.Sm90ForwardKernel(options)
-    cute.compile(kernel, make_fake_stream(), *forward_launch.fake_arguments(config, shape, dtype))
+    cute.compile(kernel, make_fake_stream(), *host.forward_fake_arguments(config, shape, dtype))
     # The DSL names the file after the kernel's arguments, so configurations that differ only in
     # options write the same file: move each one out of the way under its configuration's name.
     new = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
@@ -158,15 +154,13 @@ def test_tuning_options_are_checked():
     """Options that cannot make a kernel are refused before compiling, with the reason; the tuned
     defaults of every supported head dim fit."""
     from fa4_jax.config import AttentionConfig
-    from fa4_jax.kernels import sm90_forward
-
-    class DtypeName:
-        name = "bfloat16"
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
 
     def options_for(head_dim, causal=False, q_len=256):
         shape = (1, q_len, 2, head_dim)
-        return sm90_forward.kernel_options(AttentionConfig(scale=0.1, causal=causal), shape, shape, shape,
-                                           DtypeName(), sm_count=132)
+        return sm90_forward.options(AttentionConfig(scale=0.1, causal=causal),
+                                    host.Problem(shape, shape, shape, "bfloat16"), sm_count=132)
 
     options = options_for(128)
     for overrides, reason in [({"consumer_warpgroups": 3}, "registers"), ({"consumer_warpgroups": 4}, "consumer_warpgroups"),
@@ -182,8 +176,9 @@ def test_tuning_options_are_checked():
     assert options_for(64, True, 1024).consumer_warpgroups == 2
     assert options_for(64, True, 2048).consumer_warpgroups == 3
     assert options_for(64, False, 1024).consumer_warpgroups == 3
-    softcapped = sm90_forward.kernel_options(AttentionConfig(scale=0.1, softcap=5.0), (1, 4096, 2, 64),
-                                             (1, 4096, 2, 64), (1, 4096, 2, 64), DtypeName(), sm_count=132)
+    long_shape = (1, 4096, 2, 64)
+    softcapped = sm90_forward.options(AttentionConfig(scale=0.1, softcap=5.0),
+                                      host.Problem(long_shape, long_shape, long_shape, "bfloat16"), sm_count=132)
     assert softcapped.consumer_warpgroups == 2 and softcapped.q_stages == 2
     assert options_for(96).q_stages == 2 and options_for(128, True).split_masked_loop
     assert options_for(256, True).pingpong_max_head_dim == 256 and options_for(256).pingpong_max_head_dim == 128
@@ -193,7 +188,7 @@ _EPILOGUE_LAYOUT = r"""
 import cutlass, cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
-from fa4_jax.kernels.sm90_forward import _accumulator_mn
+from fa4_jax.kernels.sm90.wgmma import accumulator_mn
 
 mismatches, checked = [], []
 THREADS = (0, 1, 2, 3, 4, 5, 8, 13, 31, 32, 47, 64, 90, 127)  # every lane role of the wgmma C layout
@@ -231,9 +226,9 @@ def compare_chunks():
                 atom_layout_mnk=(atoms, 1, 1), tiler_mn=(64, n), a_source=warpgroup.OperandSource.RMEM)
         tile, one = pv_mma(2, 256), pv_mma(1, width)
         for thread in THREADS:
-            in_one = _accumulator_mn(one.get_slice(thread).partition_C(cute.make_identity_tensor((64, width))))
+            in_one = accumulator_mn(one.get_slice(thread).partition_C(cute.make_identity_tensor((64, width))))
             for w in cutlass.range_constexpr(2):
-                in_tile = _accumulator_mn(tile.get_slice(thread + 128 * w).partition_C(
+                in_tile = accumulator_mn(tile.get_slice(thread + 128 * w).partition_C(
                     cute.make_identity_tensor((128, 256))))
                 chunk_width = cute.size(in_one, mode=[1])
                 for k in cutlass.range_constexpr(chunks):

@@ -18,8 +18,9 @@ from ptx_checks import assert_no_spills, compile_ptx
 
 from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels import sm90_backward  # noqa: E402
-from fa4_jax.kernels.sm100_inspect import find_ptxas  # noqa: E402
+from fa4_jax.kernels import host  # noqa: E402
+from fa4_jax.kernels.sm90 import backward as sm90_backward  # noqa: E402
+from tools.sm100_inspect import find_ptxas  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +30,16 @@ import json, sys
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import sm90_backward
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm90 import backward as sm90_backward
 
 spec = json.loads(sys.argv[1])
 config = AttentionConfig(**spec["config"])
 batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
+problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+                       (batch, kv_len, kv_heads, head_dim), spec["dtype"])
 tuning = sm90_backward.Tuning(**spec.get("tuning", {}))
-kernel = sm90_backward.make_kernel(config, spec["dtype"], head_dim, q_heads // kv_heads, tuning)
+kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
              *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"]))
 """
@@ -77,9 +81,10 @@ CASES = {
 
 def _kernel(spec):
     batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
-    return sm90_backward.make_kernel(AttentionConfig(**spec["config"]), spec.get("dtype", "bfloat16"),
-                                     head_dim, q_heads // kv_heads,
-                                     sm90_backward.Tuning(**spec.get("tuning", {})))
+    problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+                           (batch, kv_len, kv_heads, head_dim), spec.get("dtype", "bfloat16"))
+    return sm90_backward.Sm90BackwardKernel(sm90_backward.options(
+        AttentionConfig(**spec["config"]), problem, sm90_backward.Tuning(**spec.get("tuning", {}))))
 
 
 def _query_release_counts(ptx):

@@ -17,7 +17,7 @@ import pytest
 from ptx_checks import assert_no_spills, compile_ptx
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels.sm100_inspect import find_ptxas  # noqa: E402
+from tools.sm100_inspect import find_ptxas  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +27,16 @@ import json, sys
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import sm90_backward_large_heads as large_heads
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
 
 spec = json.loads(sys.argv[1])
 config = AttentionConfig(**spec["config"])
 batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
+problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+                       (batch, kv_len, kv_heads, head_dim), spec["dtype"])
 tuning = large_heads.Tuning(**spec.get("tuning", {}))
-kernel = large_heads.make_kernel(config, spec["dtype"], head_dim, q_heads // kv_heads, tuning)
+kernel = large_heads.Sm90LargeHeadBackwardKernel(large_heads.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
              *large_heads.fake_arguments(config, spec["shape"], spec["dtype"]))
 """

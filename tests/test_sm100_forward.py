@@ -3,8 +3,9 @@
 No such GPU has been available: these tests have never run. They are the sm90 forward grid
 (tests/test_sm90_forward.py: same cases, same NaN-poisoned outputs, same tolerances), restricted to
 the head dims the sm100 kernel takes (today all of them) and pointed at it through
-`fa4_jax.attention(implementation="cute")`, which the CUDA dispatch routes to fa4_jax.kernels.sm100_forward on 10.x; plus the lazy
-rescale / polynomial exp2 settings. They are skipped on every other machine, including the H200.
+`fa4_jax.attention(implementation="cute")`, which the CUDA routing table sends to
+fa4_jax.kernels.sm100.forward on 10.x; plus the lazy rescale / polynomial exp2 settings. They are
+skipped on every other machine, including the H200.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy_reference
 from kernel_cases import poison_device_memory
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 import test_sm90_forward as sm90_grid  # noqa: E402
-from fa4_jax.kernels import sm100_forward  # noqa: E402
+from fa4_jax.kernels import host  # noqa: E402
+from fa4_jax.kernels.sm100 import forward as sm100_forward  # noqa: E402
 
 
 def _is_blackwell() -> bool:
@@ -53,8 +55,9 @@ def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
     config = AttentionConfig(scale=dim ** -0.5, causal=True)
     expected_out, expected_lse = sm90_grid._oracle(query, key, value, dict(scale=config.scale, causal=True))
     poison_device_memory(4 * expected_out.size)
-    out, lse = jax.jit(lambda q, k, v: sm100_forward.forward_with_options(
-        q, k, v, {}, config, rescale_threshold=threshold, poly_exp2_every=poly_every))(query, key, value)
+    options = sm100_forward.options(config, host.Problem.of(query, key, value), rescale_threshold=threshold,
+                                    poly_exp2_every=poly_every)
+    out, lse = jax.jit(lambda q, k, v: sm100_forward.run(options, q, k, v, {}))(query, key, value)
     assert not np.any(np.isnan(np.asarray(out.astype(jnp.float32))))
     numpy_reference.assert_close(out.astype(jnp.float32), expected_out, 2 * 2.0 ** -8, "out")
     numpy_reference.assert_close(lse, expected_lse, 2e-5, "lse")

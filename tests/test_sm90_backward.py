@@ -26,7 +26,8 @@ import numpy_reference
 from kernel_cases import ROUNDING, Case, poison_device_memory
 from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels import sm90_backward  # noqa: E402
+from fa4_jax.kernels import host  # noqa: E402
+from fa4_jax.kernels.sm90 import backward as sm90_backward  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -124,18 +125,20 @@ def test_deterministic_matches_oracle(case: Case, tuning, inputs):
 
 
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):
-    """`kernel.backward_with_options` (this module's kernel or its large-head twin) with `tuning` on
-    the oracle's out and LSE, against the oracle's gradients."""
+    """`kernel.run` (this module's kernel or its large-head twin) with `tuning` on the oracle's out and
+    LSE, against the oracle's gradients."""
     query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
     config = config.replace(deterministic=deterministic)
-    assert kernel.unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype) is None
+    problem = host.Problem.of(query, key, value)
+    assert kernel.unsupported_reason(config, problem) is None
+    kernel_options = kernel.options(config, problem, tuning)
     out64, lse64, expected = _oracle(query, key, value, d_out, d_lse, options)
     out = jnp.asarray(out64, jnp.float32).astype(case.dtype)
     lse = jnp.asarray(lse64, jnp.float32)
 
     poison_device_memory(sum(4 * g.size for g in expected.values() if g is not None))
-    grads = jax.jit(lambda *a: kernel.backward_with_options(
-        *a, optional, config, tuning))(query, key, value, out, lse, d_out, d_lse)
+    grads = jax.jit(lambda *a: kernel.run(kernel_options, *a, optional))(
+        query, key, value, out, lse, d_out, d_lse)
 
     tolerance = 4 * ROUNDING[case.dtype]
     for name, actual in zip(("dq", "dk", "dv", "dsinks"), grads):
@@ -170,15 +173,17 @@ def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
     as64 = numpy_reference.to_float64
     out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
     out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
-    backward = jax.jit(lambda *a: sm90_backward.backward_with_options(
-        *a, None, {}, config, TUNINGS[tuning])[:3])
+    problem = host.Problem.of(query, key, value)
+    options = sm90_backward.options(config, problem, TUNINGS[tuning])
+    backward = jax.jit(lambda *a: sm90_backward.run(options, *a, None, {})[:3])
     first = [np.asarray(g.astype(jnp.float32)) for g in backward(query, key, value, out, lse, d_out)]
     for _ in range(9):
         again = backward(query, key, value, out, lse, d_out)
         for a, b in zip(first, again):
             assert np.array_equal(a, np.asarray(b.astype(jnp.float32)))
-    loose = jax.jit(lambda *a: sm90_backward.attention_backward(
-        *a, None, {}, config.replace(deterministic=False))[:3])(query, key, value, out, lse, d_out)
+    loose_options = sm90_backward.options(config.replace(deterministic=False), problem)
+    loose = jax.jit(lambda *a: sm90_backward.run(loose_options, *a, None, {})[:3])(
+        query, key, value, out, lse, d_out)
     for a, b in zip(first, loose):
         np.testing.assert_allclose(a, np.asarray(b.astype(jnp.float32)), atol=2e-2, rtol=2e-2)
 

@@ -19,7 +19,9 @@ import pytest
 from fa4_jax.config import AttentionConfig
 from kernel_cases import Case
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels import reference, sm90_backward_large_heads  # noqa: E402
+from fa4_jax import reference  # noqa: E402
+from fa4_jax.kernels import host  # noqa: E402
+from fa4_jax.kernels.sm90 import backward_large_heads as sm90_backward_large_heads  # noqa: E402
 from test_sm90_backward import _check_against_oracle  # noqa: E402
 
 VARIANTS = {   # name -> (Tuning, deterministic)
@@ -83,8 +85,9 @@ def test_deterministic_is_bitwise_reproducible(causal, shape, tuning, inputs):
     out, lse = jax.jit(lambda *a: reference.reference_forward(*a, {}, config))(query, key, value)
 
     def backward(config):
-        return jax.jit(lambda *a: sm90_backward_large_heads.backward_with_options(
-            *a, None, {}, config, DETERMINISTIC_TUNINGS[tuning])[:3])
+        options = sm90_backward_large_heads.options(config, host.Problem.of(query, key, value),
+                                                    DETERMINISTIC_TUNINGS[tuning])
+        return jax.jit(lambda *a: sm90_backward_large_heads.run(options, *a, None, {})[:3])
 
     first = [np.asarray(g.astype(jnp.float32))
              for g in backward(config)(query, key, value, out, lse, d_out)]

@@ -5,15 +5,15 @@ Each case draws fresh random inputs, poisons the device memory pool with NaN bef
 error to be within twice the error of the fa4_jax reference on the same bf16/fp16 inputs (plus a floor
 of one bf16/fp16 rounding of the output), with -inf LSE and zero outputs on rows that see no key.
 
-The grid covers every configuration `sm90_forward.kernel_options` picks: D = 64 causal both below and
+The grid covers every configuration `sm90.forward.options` picks: D = 64 causal both below and
 above the three-warpgroup query-length cut, D = 96 / 128 with the Q double buffer and TMA store (split
 key loop and zigzag tile order when causal), D = 256 causal with `LARGE_HEAD_CAUSAL` (ping-pong, TMA
 store in two chunks, early Q release, zigzag tile order).
 
-The kernel's tuning candidates (sm90_forward.TUNING_CANDIDATES, docs/sm90_forward_tuning.md) run a
-smaller grid of the same cases through `sm90_forward.forward_with_options`, so one GPU run checks every
-candidate the benchmark times: `pytest tests/test_sm90_forward.py -k variant`. One CPU test checks the
-block arithmetic the split key loop relies on.
+The kernel's tuning candidates (sm90.forward.TUNING_CANDIDATES, docs/sm90_forward_tuning.md) run a
+smaller grid of the same cases through `sm90.forward.run` with the candidate's option overrides, so
+one GPU run checks every candidate the benchmark times: `pytest tests/test_sm90_forward.py -k variant`.
+CPU tests check the block arithmetic the split key loop relies on and the zigzag tile order.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ VARIANT_CASES = ["plain-d128", "causal-more-queries", "lengths-causal-fp16", "wi
 
 
 def _variant_grid():
-    from fa4_jax.kernels import sm90_forward
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
 
     by_name = {case.name: case for case in CASES}
     for variant, (overrides, head_dims, _) in sm90_forward.TUNING_CANDIDATES.items():
@@ -170,7 +170,8 @@ def _variant_grid():
 @gpu
 @pytest.mark.parametrize("overrides,case", list(_variant_grid()))
 def test_variant_matches_oracle(overrides, case: Case, inputs):
-    from fa4_jax.kernels import sm90_forward
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
 
     query, key, value, options = _make_inputs(case, inputs)
     expected_out, expected_lse = _oracle(query, key, value, options)
@@ -178,8 +179,9 @@ def test_variant_matches_oracle(overrides, case: Case, inputs):
         query, key, value, return_lse=True, implementation="reference", **options)
     optional, config = _kernel_config(case, options)
     poison_device_memory(4 * expected_out.size + 4 * expected_lse.size)
-    out, lse = jax.jit(lambda q, k, v, optional: sm90_forward.forward_with_options(
-        q, k, v, optional, config, **overrides))(query, key, value, optional)
+    kernel_options = sm90_forward.options(config, host.Problem.of(query, key, value), **overrides)
+    out, lse = jax.jit(lambda q, k, v, optional: sm90_forward.run(kernel_options, q, k, v, optional))(
+        query, key, value, optional)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
     assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse)), "NaN in the kernel's outputs"
@@ -195,7 +197,8 @@ def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
     """Classic (threshold 0) and lazy rescaling agree with the oracle, with and without FMA exp2,
     on logits whose running maximum keeps growing along the keys (the case lazy rescaling changes)."""
     from fa4_jax.config import AttentionConfig
-    from fa4_jax.kernels import sm90_forward
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
 
     batch, length, heads, dim = 1, 700, 2, 128
     query = inputs.normal((batch, length, heads, dim), jnp.bfloat16)
@@ -205,8 +208,9 @@ def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
     config = AttentionConfig(scale=dim ** -0.5, causal=True)
     expected_out, expected_lse = _oracle(query, key, value, dict(scale=config.scale, causal=True))
     poison_device_memory(4 * expected_out.size)
-    out, lse = jax.jit(lambda q, k, v: sm90_forward.forward_with_options(
-        q, k, v, {}, config, rescale_threshold=threshold, poly_exp2_every=poly_every))(query, key, value)
+    options = sm90_forward.options(config, host.Problem.of(query, key, value), rescale_threshold=threshold,
+                                   poly_exp2_every=poly_every)
+    out, lse = jax.jit(lambda q, k, v: sm90_forward.run(options, q, k, v, {}))(query, key, value)
     numpy_reference.assert_close(out.astype(jnp.float32), expected_out, 2 * 2.0 ** -8, "out")
     numpy_reference.assert_close(lse, expected_lse, 2e-5, "lse")
 
@@ -214,7 +218,7 @@ def test_rescale_threshold_and_polynomial_exp2(threshold, poly_every, inputs):
 def test_unmasked_block_range_is_exactly_the_full_blocks(rng):
     """split_masked_loop runs blocks [first, end) of `unmasked_block_range` without masking code: they
     must be exactly the blocks `block_is_partial` calls full (CPU, Python ints)."""
-    from fa4_jax.kernels import masking
+    from fa4_jax.kernels.common import masking
 
     windows = [(None, None), (0, 0), (70, 10), (None, 33), (200, None), (5, None)]
     for causal, (left, right), q_lengths, segments in itertools.product(
@@ -240,7 +244,7 @@ def test_zigzag_tiles_cover_every_tile_once():
     """zigzag_tiles: the persistent CTAs, each walking waves while its tile is below num_tiles, visit
     every tile exactly once (CPU, Python ints), and the longest-first waves balance better than the
     plain stride on the D = 256 causal 2k row (1024 tiles on 132 CTAs)."""
-    from fa4_jax.kernels import tile_scheduler
+    from fa4_jax.kernels.common import tile_scheduler
 
     def walk(cta, grid, num_tiles):
         tile, wave = cta, 0

@@ -1,4 +1,5 @@
-"""CUDA lowering: the CuTe kernel for the GPU's compute capability, or the reference where none fits.
+"""CUDA lowering: the one routing table from (compute capability, pass, head dim) to a CuTe kernel
+module, whose `unsupported_reason` decides the rest, or the reference where none fits.
 
 `implementation=None` falls back to the reference with a one-time warning that says why;
 `implementation="cute"` raises instead, naming what the kernel cannot take.
@@ -6,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
 
@@ -13,13 +15,30 @@ import jax
 from jax.interpreters import mlir
 
 from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
 from fa4_jax.lowering import reference
 from fa4_jax.primitive import attention_bwd_inner_p, attention_fwd_inner_p, split_backward_operands
 
-# Kernel modules by compute-capability major version. Each has `unsupported_reason(...)` and
-# `attention_forward(...)` (forward) or `attention_backward(...)` (backward).
-FORWARD_KERNELS = {9: "fa4_jax.kernels.sm90_forward", 10: "fa4_jax.kernels.sm100_forward"}
-BACKWARD_KERNELS = {9: "fa4_jax.kernels.sm90_backward"}
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One row of the routing table: the kernel module that runs `pass_` ("forward" / "backward") for
+    head dims `head_dims` on GPUs of compute capability `capability`.x. The module answers the rest
+    (dtypes, features, grid limits) through its `unsupported_reason(config, problem)`."""
+
+    capability: int
+    pass_: str
+    head_dims: tuple
+    module: str
+
+
+# Every kernel there is, and what selects it. A call no row matches runs the reference (with the reason).
+ROUTES = (
+    Route(9, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm90.forward"),
+    Route(9, "backward", (64, 96, 128), "fa4_jax.kernels.sm90.backward"),
+    Route(9, "backward", (192, 256), "fa4_jax.kernels.sm90.backward_large_heads"),
+    Route(10, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm100.forward"),
+)
 
 _warned: set[str] = set()
 
@@ -35,62 +54,75 @@ def compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def _kernel_for(kind: str, table: dict, config: AttentionConfig, query, key, value):
+def _route_reason(pass_: str, capability, problem: host.Problem):
+    """(the route for this call, None) or (None, why no route takes it)."""
+    if capability is None:
+        return None, "no GPU is visible while lowering for CUDA, so no kernel can be compiled for it"
+    major, minor = capability
+    for_pass = [route for route in ROUTES if route.pass_ == pass_]
+    for_gpu = [route for route in for_pass if route.capability == major]
+    if not for_gpu:
+        covered = ", ".join(f"{c}.x" for c in sorted({route.capability for route in for_pass}))
+        return None, (f"there is no CuTe {pass_} kernel for compute capability {major}.{minor} ({pass_} kernels "
+                      f"exist for compute capability {covered} only)")
+    for route in for_gpu:
+        if problem.head_dim in route.head_dims:
+            return route, None
+    head_dims = tuple(sorted({d for route in for_gpu for d in route.head_dims}))
+    return None, (f"the {pass_} kernels for compute capability {major}.x take head dims {head_dims}, "
+                  f"not {problem.head_dim}")
+
+
+def kernel_for(pass_: str, config: AttentionConfig, query, key, value):
     """The kernel module to run, or None for the reference (after warning or raising as configured)."""
     if config.implementation == "reference":
         return None
-    capability = compute_capability()
-    major, minor = capability or (None, None)
-    name = table.get(major)
-    module, reason = None, None
-    if capability is None:
-        reason = "no GPU is visible while lowering for CUDA, so no kernel can be compiled for it"
-    elif name is None:
-        covered = ", ".join(f"{table_major}.x" for table_major in sorted(table))
-        reason = (f"there is no CuTe {kind} kernel for compute capability {major}.{minor} ({kind} kernels exist "
-                  f"for compute capability {covered} only)")
-    else:
+    route, reason = _route_reason(pass_, compute_capability(), host.Problem.of(query, key, value))
+    module = None
+    if route is not None:
         try:
-            module = importlib.import_module(name)
+            module = importlib.import_module(route.module)
         except ImportError as error:
-            reason = f"the {kind} kernel module {name} is not available ({error})"
+            reason = f"the {pass_} kernel module {route.module} is not available ({error})"
     if module is not None:
-        reason = module.unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
+        reason = module.unsupported_reason(config, host.Problem.of(query, key, value))
         if reason is None:
             return module
     if config.implementation == "cute":
         raise NotImplementedError(
-            f"implementation='cute' cannot run this attention {kind} pass: {reason}. Change that option, or use "
+            f"implementation='cute' cannot run this attention {pass_} pass: {reason}. Change that option, or use "
             "implementation=None to fall back to the (slower) reference path.")
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"fa4_jax: attention {kind} runs on the XLA reference path because {reason}.",
+        warnings.warn(f"fa4_jax: attention {pass_} runs on the XLA reference path because {reason}.",
                       stacklevel=2)
     return None
 
 
 def _forward_rule(ctx, *operands, config: AttentionConfig):
     query, key, value, _ = config.split_operands(ctx.avals_in)
-    module = _kernel_for("forward", FORWARD_KERNELS, config, query, key, value)
+    module = kernel_for("forward", config, query, key, value)
     if module is None:
         return mlir.lower_fun(reference.forward, multiple_results=True)(ctx, *operands, config=config)
+    options = module.options(config, host.Problem.of(query, key, value))
 
     def kernel(*arrays, config):
         q, k, v, optional = config.split_operands(arrays)
-        return module.attention_forward(q, k, v, optional, config)
+        return module.run(options, q, k, v, optional)
     return mlir.lower_fun(kernel, multiple_results=True)(ctx, *operands, config=config)
 
 
 def _backward_rule(ctx, *operands, config: AttentionConfig, has_d_lse: bool):
     query, key, value, *_ = ctx.avals_in
-    module = _kernel_for("backward", BACKWARD_KERNELS, config, query, key, value)
+    module = kernel_for("backward", config, query, key, value)
     if module is None:
         return mlir.lower_fun(reference.backward, multiple_results=True)(
             ctx, *operands, config=config, has_d_lse=has_d_lse)
+    options = module.options(config, host.Problem.of(query, key, value))
 
     def kernel(*arrays, config, has_d_lse):
         (q, k, v, out, lse, d_out), d_lse, optional = split_backward_operands(config, has_d_lse, arrays)
-        d_q, d_k, d_v, d_sinks = module.attention_backward(q, k, v, out, lse, d_out, d_lse, optional, config)
+        d_q, d_k, d_v, d_sinks = module.run(options, q, k, v, out, lse, d_out, d_lse, optional)
         return (d_q, d_k, d_v) + ((d_sinks,) if config.has_sinks else ())
     return mlir.lower_fun(kernel, multiple_results=True)(ctx, *operands, config=config, has_d_lse=has_d_lse)
 

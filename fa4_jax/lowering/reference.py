@@ -6,7 +6,7 @@ from __future__ import annotations
 from jax.interpreters import mlir
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels.reference import reference_backward, reference_forward
+from fa4_jax.reference import reference_backward, reference_forward
 from fa4_jax.primitive import attention_bwd_inner_p, attention_fwd_inner_p, split_backward_operands
 
 

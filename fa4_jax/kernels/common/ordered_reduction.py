@@ -18,7 +18,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from fa4_jax.kernels import masking
+from fa4_jax.kernels.common import masking
 
 
 def key_block_turn(shape: masking.MaskShape, n_block, row_start, tile_m, tile_n, kv_len, offset,

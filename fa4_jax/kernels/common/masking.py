@@ -87,6 +87,24 @@ def batch_extents(batch, q_len, kv_len, q_lengths=None, kv_lengths=None, q_total
     return q_len, kv_len, kv_len - aligned_q_len
 
 
+@cute.jit
+def tile_extents(shape: MaskShape, m_block, batch, tile_m, tile_n, q_len_static, kv_len_static,
+                 q_lengths, kv_lengths, q_start, q_total):
+    """(row_start, q_len, kv_len, offset, first key block, end key block) of query tile `m_block`
+    (`tile_m` rows) of batch element `batch`: `batch_extents` and the tile's `key_block_range`, the
+    one computation both forward kernels' tile loops start from. row_start is the position row of the
+    tile's first query row, global when the query is split on sequence (`q_start`, a one-element
+    tensor, or None); the length tensors are None when absent."""
+    q_len, kv_len, offset = batch_extents(batch, q_len_static, kv_len_static, q_lengths, kv_lengths, q_total)
+    local_row_start = m_block * tile_m
+    row_start = local_row_start
+    if cutlass.const_expr(q_start is not None):
+        row_start = row_start + q_start[0]
+    num_rows = cutlass.min(tile_m, q_len - local_row_start)
+    first, end = key_block_range(shape, row_start, num_rows, tile_n, kv_len, offset)
+    return row_start, q_len, kv_len, offset, first, end
+
+
 def key_block_range(shape: MaskShape, row_start, num_rows, tile_n, kv_len, offset):
     """Key blocks [first, end) that hold any visible key for query rows [row_start, row_start+num_rows).
 
@@ -195,13 +213,6 @@ def apply_mask(
                 visible = visible and kv_segments[cutlass.min(col, kv_segments.shape[0] - 1)] == row_segment
             if not visible:
                 scores_mn[r, c] = -Float32.inf
-
-
-@cute.jit
-def apply_softcap(scores: cute.Tensor, softcap: cutlass.Constexpr, scale: cutlass.Constexpr):
-    """scores <- softcap * tanh(scores * scale / softcap), in place (logits before the softmax scale)."""
-    for i in cutlass.range_constexpr(cute.size(scores)):
-        scores[i] = softcap * cute.math.tanh(scores[i] * (scale / softcap), fastmath=True)
 
 
 def query_block_range(shape: MaskShape, n_block, tile_m, tile_n, kv_len, row_offset, num_m_blocks):

@@ -1,17 +1,13 @@
-"""Hopper (sm_90a) attention backward: dQ, dK, dV in CuTe DSL.
+"""Hopper (sm_90a) attention backward for head dims 64, 96 and 128: dQ, dK, dV in CuTe DSL.
 
-Three stages, one obvious place each:
-- preprocess (`_preprocess`, traceable JAX, one fused reduction): dPsum = rowsum(dO * O) - d_lse, the
-  log-sum-exp moved to the exp2 domain (rows with no visible key get +inf so that P = 0 there), both
-  padded to whole query blocks, and the zeroed fp32 dQ accumulator;
-- the main kernel (`Sm90BackwardKernel`): one CTA per (key block, KV head, batch) keeps its K and V
-  tiles in shared memory and its dK, dV accumulators in registers while it walks the query blocks of
-  every query head of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE,
-  dP^T = V dO^T, dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and
-  dK += dS^T Q with P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in
-  shared memory for dQ = dS K, and stages dQ in shared memory for the dQ writer warp, which adds it
-  into the fp32 accumulator in global memory with TMA bulk reduce-adds;
-- postprocess (in `attention_backward`, JAX): dQ scaled and cast, the sinks gradient.
+The preprocess, the launch and the postprocess are backward_common's; this kernel
+(`Sm90BackwardKernel`): one CTA per (key block, KV head, batch) keeps its K and V tiles in shared
+memory and its dK, dV accumulators in registers while it walks the query blocks of every query head
+of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE, dP^T = V dO^T,
+dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and dK += dS^T Q with
+P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in shared memory for
+dQ = dS K, and stages dQ in shared memory for the dQ writer warp, which adds it into the fp32
+accumulator in global memory with TMA bulk reduce-adds.
 
 Warp roles: warp group 0 is the producer (warp 0 issues the TMA loads of K, V once and of Q, dO per
 query block into a two-deep ring of mbarrier-guarded buffers; warp 1, the dQ writer, issues the dQ
@@ -24,7 +20,7 @@ fastest (docs/sm90_backward_tuning.md has the measurements and the predictions b
 deterministic=True orders the dQ additions: a per (batch, query head, query block) counter in global
 memory lets key block n add only after every higher key block of the tile has added, so the fp32
 sums happen in one fixed order and the result is bitwise reproducible (the turns are
-ordered_reduction.py's, shared with sm90_backward_large_heads). Highest first ("diagonal first")
+common/ordered_reduction.py's, shared with backward_large_heads). Highest first ("diagonal first")
 because under a causal mask key block n starts at query block ~2n, so key block n + 1 reaches every
 tile two steps before key block n: the turn order is the arrival order and nobody waits (lowest
 first, key block n would wait ~2n steps at its first tile). The key blocks of a head
@@ -34,42 +30,36 @@ launch highest first too, so a CTA only ever waits for CTAs launched before it (
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
-
-import jax
-import jax.numpy as jnp
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.jax as cutlass_jax
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import compile_cache, masking, ordered_reduction, support
+from fa4_jax.kernels import host
+from fa4_jax.kernels.common import masking, ordered_reduction
+from fa4_jax.kernels.sm90 import backward_common
+from fa4_jax.kernels.sm90.backward_common import BackwardOptions, Sm90BackwardBase
+from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, gemm, k_major_layout, mn_major_layout,
+                                        query_major_view, swizzle_columns, transpose_view)
 
-LOG2_E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
-# Head dims whose dK + dV accumulators do not fit this kernel's registers: sm90_backward_large_heads
-# (64-key tiles, D split between the warp groups) takes them; this module's entry points route there.
-LARGE_HEAD_DIMS = (192, 256)
-TILE_M = 64      # query rows per block
+# (192 and 256, whose dK + dV accumulators do not fit this kernel's registers, are backward_large_heads'.)
 TILE_N = 128     # keys per CTA (64 per consumer warp group)
 QUERY_STAGES = 2     # Q / dO ring depth (a third stage measured no faster and leaves no room for dQ)
-SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
-MAX_GRID_Y_Z = 65535           # CUDA's limit on gridDim.y and gridDim.z (gridDim.x allows 2^31 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Choices that change the speed, not the function computed (beyond dQ's fp32 summation order).
 
-    The first three default to what the H200 sweep measured fastest (rev 385f690); turning one off
+    The first three default to what the H200 sweep measured fastest (docs/sm90_backward_tuning.md);
+    turning one off
     gives the code path that configurations short of registers take anyway. With softcap or segment
     ids those three are off (`Sm90BackwardKernel` says why).
 
@@ -95,15 +85,11 @@ class Tuning:
 DEFAULT_TUNING = Tuning()
 
 
-def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
-                       dtype) -> Optional[str]:
+def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    if query_shape[-1] in LARGE_HEAD_DIMS:
-        return _large_heads().unsupported_reason(config, query_shape, key_shape, value_shape, dtype)
-    reason = (support.shape_unsupported_reason("sm90 backward", query_shape, key_shape, value_shape,
-                                                      jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
-              or support.scale_unsupported_reason("sm90 backward", config)
-              or grid_unsupported_reason("sm90 backward", key_shape))
+    reason = (host.shape_unsupported_reason("sm90 backward", problem, SUPPORTED_HEAD_DIMS)
+              or host.scale_unsupported_reason("sm90 backward", config)
+              or host.grid_unsupported_reason("sm90 backward", problem))
     if reason is not None:
         return reason
     if config.has_q_start:
@@ -112,151 +98,41 @@ def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_sh
     return None
 
 
-def grid_unsupported_reason(kernel_name: str, key_shape) -> Optional[str]:
-    """What the grid of both backward kernels, (key blocks, key/value heads, batch), cannot take: more
-    than MAX_GRID_Y_Z heads or batch elements fail to launch. None when it fits."""
-    batch, _, kv_heads, _ = key_shape
-    for axis, what, size in (("y", "key/value heads", kv_heads), ("z", "batch elements", batch)):
-        if size > MAX_GRID_Y_Z:
-            return (f"the {kernel_name} kernel launches one CTA per (key block, key/value head, batch element), "
-                    f"and {size} {what} exceed CUDA's grid limit of {MAX_GRID_Y_Z} (gridDim.{axis})")
-    return None
-
-
-def _ceil_div(a, b):
-    return (a + b - 1) // b
-
-
-def _large_heads():
-    # Imported on use: sm90_backward_large_heads imports this module.
-    from fa4_jax.kernels import sm90_backward_large_heads
-    return sm90_backward_large_heads
-
-
 # ----------------------------------------------------------------------------------------------------
 # The CuTe kernel
 # ----------------------------------------------------------------------------------------------------
 
-K_MAJOR = cute.nvgpu.OperandMajorMode.K
-MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
-WARP_GROUP = 128
 DS_READY_BARRIER = 1
-DKV_STORE_BARRIER = 2
 DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
 
 
-def transpose_view(tensor):
-    """Swap the first two modes of a (swizzled) shared-memory tensor: same bytes, other operand role."""
-    modes = [1, 0] + list(range(2, cute.rank(tensor)))
-    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=modes))
-
-
-def swizzle_columns(columns, widest):
-    """The widest swizzle atom (in elements, at most `widest` = one 128-byte row) that tiles `columns`:
-    64 / 32 / 16 / 8 two-byte elements are the 128 / 64 / 32 / 16-byte swizzles (halve for fp32)."""
-    width = widest
-    while columns % width:
-        width //= 2
-    return width
-
-
-def k_major_layout(dtype, rows, cols, stages, atom_cols):
-    """Row-major [rows, cols] tile(s), swizzle atom `atom_cols` wide, tiled rows first; `stages`:
-    None, a count, or a tuple of counts (one mode each) of such tiles.
-
-    Read K-major it is an operand with K = cols; through `transpose_view` the same bytes are an
-    MN-major operand with MN = cols, K = rows (wgmma reads both)."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols), dtype)
-    if stages is None:
-        stages = ()
-    elif isinstance(stages, int):
-        stages = (stages,)
-    shape = (rows, cols, *stages)
-    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
-
-
-def mn_major_layout(dtype, rows, cols, stages):
-    """[rows, cols] tiles with rows contiguous: the MN-major A operand (M = rows, K = cols)."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_helpers.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, rows), dtype)
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2))
-
-
-def fresh_atom(tiled_mma, accumulate):
-    """A new MMA atom per GEMM, so toggling ACCUMULATE never leaks across loop iterations."""
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-    return atom
-
-
-def query_major_view(fragment):
-    """A thread's S^T accumulator (keys x queries) as a (query, key) matrix view.
-
-    wgmma's C fragment holds (2, 2, N/8) values: column pair, row half (+8), column chunk (+8), so the
-    query (column) coordinate varies over modes 0 and 2 and the key (row) coordinate over mode 1."""
-    chunks = cute.size(fragment, mode=[0, 2])
-    query_major = cute.make_layout(((2, chunks), 2), stride=((1, 4), 2))
-    return cute.make_tensor(fragment.iterator, cute.composition(fragment.layout, query_major))
-
-
-@cute.jit
-def gemm(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr):
-    """acc (+)= A B over the K blocks of the fragments, issued async (caller commits and waits)."""
-    atom = fresh_atom(tiled_mma, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
-        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-
-
-class Sm90BackwardKernel:
-    """Static configuration of one backward kernel; `__call__` is the host-side launcher."""
+class Sm90BackwardKernel(Sm90BackwardBase):
+    """The backward kernel for head dims 64-128; `__call__` is the host-side launcher."""
 
     def __str__(self):
         # The DSL names the compiled kernel after str(self): a fixed name instead of the default
         # repr (module path and address), so profiles show it and moving the class renames nothing.
         return "fa4_jax_sm90_backward"
 
-    def __init__(self, dtype_name, head_dim, group, scale, causal, window_left, window_right,
-                 softcap, has_segment_ids, has_q_seq_lengths, has_kv_seq_lengths, has_q_start,
-                 q_total, deterministic, tuning: Tuning = DEFAULT_TUNING):
-        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
-        self.head_dim = head_dim
-        self.group = group
-        self.scale = scale
-        self.causal = causal
-        self.window_left = window_left
-        self.window_right = window_right
-        self.softcap = softcap
-        self.has_segment_ids = has_segment_ids
-        self.has_q_seq_lengths = has_q_seq_lengths
-        self.has_kv_seq_lengths = has_kv_seq_lengths
-        self.has_q_start = has_q_start
-        self.q_total = q_total
-        self.deterministic = deterministic
-        self.tuning = tuning
+    def __init__(self, options: BackwardOptions):
+        super().__init__(options)
+        tuning = options.tuning
         # Softcap and segment ids leave no registers to spare: there early_dv, staged_row_stats
         # and tma_dkv_store each make ptxas spill (D = 128: 148/92, 36/8 and 48 bytes), so those
         # configurations take none of them.
-        register_bound = softcap is not None or has_segment_ids
+        register_bound = options.softcap is not None or options.has_segment_ids
         self.early_dv = tuning.early_dv and not register_bound
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
-        self.tile_m = TILE_M
+        self.has_q_start = options.has_q_start
         self.tile_n = TILE_N
         self.stages = QUERY_STAGES
-        if self.shared_memory_bytes() > SHARED_MEMORY_BYTES:
-            raise ValueError(f"head dim {head_dim} needs {self.shared_memory_bytes()} bytes of shared "
-                             f"memory; sm_90 has {SHARED_MEMORY_BYTES}")
+        self.check_shared_memory()
         self.num_consumer_groups = 2
         self.num_threads = WARP_GROUP * (1 + self.num_consumer_groups)
         self.consumer_threads = WARP_GROUP * self.num_consumer_groups
         self.producer_registers = 24
         self.consumer_registers = 240
-        self.mask = masking.MaskShape(causal=causal, window_left=window_left,
-                                      window_right=window_right, has_q_lengths=has_q_seq_lengths,
-                                      has_segments=has_segment_ids)
-        self.scale_log2 = scale * LOG2_E
 
     def shared_memory_bytes(self):
         """What `SharedStorage` takes, member by member with its alignment: the mbarriers, Q and dO
@@ -271,8 +147,8 @@ class Sm90BackwardKernel:
                    (self._row_stats_floats() * 4, 128), (self._row_stats_floats() * 4, 128)]
         offset = 8 * (2 * self.stages + 2 + 2 * DQ_BUFFERS)
         for size, alignment in members:
-            offset = _ceil_div(offset, alignment) * alignment + size
-        return _ceil_div(offset, 1024) * 1024
+            offset = host.ceil_div(offset, alignment) * alignment + size
+        return host.ceil_div(offset, 1024) * 1024
 
     def _row_stats_floats(self):
         """Floats per row statistic (LSE, dPsum) in shared memory: a query block per stage."""
@@ -307,8 +183,8 @@ class Sm90BackwardKernel:
         return q_layout, k_layout, v_layout, ds_layout, dq_layout
 
     @cute.jit
-    def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
-                 mQStart, mdQacc, mSem, mdK, mdV):
+    def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
+                 mQStart, mdQacc, mSemaphores, mdK, mdV):
         # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
         qkv_order = [1, 3, 2, 0]
         mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
@@ -368,7 +244,7 @@ class Sm90BackwardKernel:
         num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
-                    tma_v, tma_mV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mSem, mdK,
+                    tma_v, tma_mV, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mSemaphores, mdK,
                     mdV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mQ.shape[0],
                     q_layout, k_layout, v_layout, ds_layout, dq_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -376,7 +252,7 @@ class Sm90BackwardKernel:
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
-               mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen, mQStart, mSem, mdK, mdV,
+               mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mSemaphores, mdK, mdV,
                tma_dq, mdQ_tma, tma_dk, tma_mdK, tma_dv, tma_mdV, q_len_static, q_layout, k_layout,
                v_layout, ds_layout, dq_layout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -426,8 +302,8 @@ class Sm90BackwardKernel:
 
         # Per-batch geometry in the forward kernel's terms: global row = local row + q_start, and
         # global row i sits at key position i + offset.
-        q_len, kv_len, offset = masking.batch_extents(batch, q_len_static, cute.size(mK, mode=[0]), mQLen,
-                                                      mKVLen, self.q_total)
+        q_len, kv_len, offset = masking.batch_extents(batch, q_len_static, cute.size(mK, mode=[0]), mQSeqLengths,
+                                                      mKVSeqLengths, self.q_total)
         q_start = Int32(0)
         if const_expr(self.has_q_start):
             q_start = mQStart[0]
@@ -444,68 +320,19 @@ class Sm90BackwardKernel:
                               mLSE, mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head,
                               batch, m_lo, m_count, iterations)
             if warp_idx == 1:
-                self._write_dq(dq_pipe, sdQ, tma_dq, mdQ_tma, mSem, n_block, kv_head, batch, m_lo,
+                self._write_dq(dq_pipe, sdQ, tma_dq, mdQ_tma, mSemaphores, n_block, kv_head, batch, m_lo,
                                m_count, iterations, kv_len, offset, q_start)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
-                          dq_pipe, query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdK, mdV,
+                          dq_pipe, query_pipe, key_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mdK, mdV,
                           (tma_dk, tma_mdK, tma_dv, tma_mdV),
                           tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count, iterations,
                           offset, kv_len, q_len, q_start)
 
     @cute.jit
-    def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, mLSE,
-                 mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
-                 iterations):
-        tile_q = (self.tile_m, self.head_dim)
-        tile_k = (self.tile_n, self.head_dim)
-        gK = cute.local_tile(mK[None, None, kv_head, batch], tile_k, (n_block, 0))
-        gV = cute.local_tile(mV[None, None, kv_head, batch], tile_k, (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
-                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
-                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        key_pipe.producer_acquire(key_state)
-        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
-        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
-
-        query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                   self.stages)
-        for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
-            gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
-            gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
-                                               cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1),
-                                                 cute.group_modes(sdO, 0, 2),
-                                                 cute.group_modes(gdO, 0, 2))
-            query_pipe.producer_acquire(query_state)
-            barrier = query_pipe.producer_get_barrier(query_state)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, query_state.index],
-                      tma_bar_ptr=barrier)
-            cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, query_state.index],
-                      tma_bar_ptr=barrier)
-            if const_expr(self.staged_row_stats):
-                # Plain bulk copies are not elected by the compiler: one lane issues them.
-                stats_copy = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32,
-                                                 num_bits_per_copy=self.tile_m * 32)
-                if cute.arch.lane_idx() == 0:
-                    cute.copy(stats_copy,
-                              cute.local_tile(mLSE[None, q_head, batch], (self.tile_m,), (m_block,)),
-                              sLSE[None, query_state.index], mbar_ptr=barrier)
-                    cute.copy(stats_copy,
-                              cute.local_tile(mdPsum[None, q_head, batch], (self.tile_m,),
-                                              (m_block,)),
-                              sdPsum[None, query_state.index], mbar_ptr=barrier)
-            query_state.advance()
-
-    @cute.jit
     def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum, dq_pipe,
-                 query_pipe, key_pipe, mLSE, mdPsum, mQSeg, mKVSeg, mdK, mdV, dkv_store, tidx,
+                 query_pipe, key_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mdK, mdV, dkv_store, tidx,
                  n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len, q_len,
                  q_start):
         d = self.head_dim
@@ -579,7 +406,7 @@ class Sm90BackwardKernel:
 
             warpgroup.wait_group(1)
             self._probabilities(acc_s, scores, coords_qk, lse, n_block, q_start + row_base, row_base,
-                                key_base, kv_len, q_len, offset, mQSeg, mKVSeg, batch)
+                                key_base, kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
 
             # early_dv: dV += P^T dO runs on the tensor cores while dS is computed.
             if const_expr(self.early_dv):
@@ -664,53 +491,7 @@ class Sm90BackwardKernel:
         return fragment
 
     @cute.jit
-    def _probabilities(self, acc_s, scores, coords, lse, n_block, row_start, row_base, key_base,
-                       kv_len, q_len, offset, mQSeg, mKVSeg, batch):
-        """P recomputed in place over the S accumulator `acc_s` (`scores`: its query-major view,
-        `coords` that view's coordinates): softcap, the mask where the block is partial (`row_start`
-        is its first row's global position, `row_base` its first local row), then
-        exp2(S * scale * log2 e - LSE_log2) with the stored LSE. Shared by sm90_backward_large_heads."""
-        if const_expr(self.softcap is not None):
-            masking.apply_softcap(acc_s, self.softcap, self.scale)
-        if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
-                                    kv_len, q_len, offset):
-            q_segments = None
-            kv_segments = None
-            if const_expr(self.has_segment_ids):
-                q_segments = mQSeg[batch, None]
-                kv_segments = mKVSeg[batch, None]
-            masking.apply_mask(scores, coords, self.mask, row_start, key_base, kv_len, q_len,
-                               offset, row_base, q_segments, kv_segments)
-        logit_scale = self.scale_log2              # with softcap the scale is already applied
-        if const_expr(self.softcap is not None):
-            logit_scale = LOG2_E
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r], fastmath=True)
-
-    @cute.jit
-    def _ds_over_dp(self, probabilities, grads, dpsum, lse):
-        """dS = P * (dP - dPsum), times the softcap's slope, written over dP (`grads`, query-major
-        like `probabilities`). Shared by sm90_backward_large_heads."""
-        for r in cutlass.range_constexpr(cute.size(grads, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(grads, mode=[1])):
-                grad = probabilities[r, c] * (grads[r, c] - dpsum[r])
-                if const_expr(self.softcap is not None):
-                    grad = grad * self._softcap_slope(probabilities[r, c], lse[r])
-                grads[r, c] = grad
-
-    @cute.jit
-    def _softcap_slope(self, probability, lse_log2):
-        """1 - tanh^2 of the capped logit, recovered from P (cheaper than holding it in registers):
-        capped logit = (log2 P + LSE_log2) / log2 e = softcap * tanh. Zero where P is zero."""
-        t = (cute.math.log2(probability, fastmath=True) + lse_log2) * (1.0 / (self.softcap * LOG2_E))
-        slope = 1.0 - t * t
-        if probability == 0.0:
-            slope = Float32(0.0)
-        return slope
-
-    @cute.jit
-    def _write_dq(self, dq_pipe, sdQ, tma_dq, mdQ_tma, mSem, n_block, kv_head, batch, m_lo, m_count,
+    def _write_dq(self, dq_pipe, sdQ, tma_dq, mdQ_tma, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
                   iterations, kv_len, offset, q_start):
         """The dQ writer warp: per query block, wait for the consumers' staged dQ, add it into the
         fp32 accumulator with two bulk tensor reduces (one per half of D), free the buffer once the
@@ -732,44 +513,13 @@ class Sm90BackwardKernel:
                 turn = ordered_reduction.key_block_turn(
                     self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n,
                     kv_len, offset, highest_first=True)
-                flag = ordered_reduction.wait_for_turn(mSem, (batch, q_head, m_block), turn, lane)
+                flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), turn, lane)
             for half in cutlass.range_constexpr(2):
                 cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
             cute.arch.cp_async_bulk_commit_group()
             ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
             dq_state.advance()
-
-    @cute.jit
-    def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
-                       kv_head, batch, tidx):
-        """dK (scaled) and dV rounded into the K and V tiles' shared memory, then one TMA bulk store
-        each; the copy engine clips the rows past the sequence end."""
-        consumers = pipeline.NamedBarrier(barrier_id=DKV_STORE_BARRIER,
-                                          num_threads=self.consumer_threads)
-        consumers.arrive_and_wait()        # both warp groups' last GEMMs have read K and V
-        rounded_dk = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
-        rounded_dk.store((acc_dK.load() * self.scale).to(self.dtype))
-        cute.autovec_copy(rounded_dk, thr_dkv.partition_C(sK))
-        rounded_dv = cute.make_rmem_tensor(acc_dV.layout, self.dtype)
-        rounded_dv.store(acc_dV.load().to(self.dtype))
-        cute.autovec_copy(rounded_dv, thr_dkv.partition_C(sV))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        consumers.arrive_and_wait()
-        if tidx // 32 == 0:
-            tile = (self.tile_n, self.head_dim)
-            gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
-            tdKsdK, tdKgdK = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1),
-                                                   cute.group_modes(sK, 0, 2),
-                                                   cute.group_modes(gdK, 0, 2))
-            tdVsdV, tdVgdV = cpasync.tma_partition(tma_dv, 0, cute.make_layout(1),
-                                                   cute.group_modes(sV, 0, 2),
-                                                   cute.group_modes(gdV, 0, 2))
-            cute.copy(tma_dk, tdKsdK, tdKgdK)
-            cute.copy(tma_dv, tdVsdV, tdVgdV)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)   # shared memory outlives the reads
 
     @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len):
@@ -788,143 +538,33 @@ class Sm90BackwardKernel:
 
 
 # ----------------------------------------------------------------------------------------------------
-# JAX side: preprocess, the kernel call, postprocess
+# The kernel module's face (what fa4_jax/lowering/cuda.py calls)
 # ----------------------------------------------------------------------------------------------------
 
+# The launcher's optional inputs after dPsum, by name (absent ones None).
+OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths", "q_start")
 
-def fake_tensor(dtype, dims):
-    """A row-major fake tensor for compiling without a GPU (shared by sm90_backward_large_heads)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
 
-    return make_fake_compact_tensor(dtype, dims, stride_order=tuple(range(len(dims)))[::-1],
-                                    assumed_align=16)
+def dq_accumulator_shape(batch, padded_rows, q_heads, head_dim):
+    """The fp32 dQ accumulator: [B, Sq padded to whole query blocks, Hq, D], the query's own layout."""
+    return (batch, padded_rows, q_heads, head_dim)
+
+
+def _dq_rows(dq_accum, q_len):
+    return dq_accum[:, :q_len]
+
+
+def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
+    """The static kernel configuration for one call (`tuning`: this kernel's speed choices)."""
+    return BackwardOptions.of(config, problem, tuning)
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
-    """Fake tensors in the launcher's order (after the stream; `launch`'s inputs, then dK, dV), for
-    compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
-    element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
-    padded = _padded_rows(q_len)
-    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
-    return [
-        fake_tensor(element, query_shape), fake_tensor(element, key_shape), fake_tensor(element, key_shape),
-        fake_tensor(element, query_shape), fake_tensor(Float32, (batch, q_heads, padded)),
-        fake_tensor(Float32, (batch, q_heads, padded)),
-        fake_tensor(Int32, (batch, q_len)) if config.has_segment_ids else None,
-        fake_tensor(Int32, (batch, kv_len)) if config.has_segment_ids else None,
-        fake_tensor(Int32, (batch,)) if config.has_q_seq_lengths else None,
-        fake_tensor(Int32, (batch,)) if config.has_kv_seq_lengths else None,
-        fake_tensor(Int32, (1,)) if config.has_q_start else None,
-        fake_tensor(Float32, (batch, padded, q_heads, head_dim)),
-        fake_tensor(Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic else None,
-        fake_tensor(element, key_shape), fake_tensor(element, key_shape),
-    ]
+    """Fake tensors in the launcher's order, for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape)
 
 
-def _padded_rows(q_len):
-    return _ceil_div(q_len, TILE_M) * TILE_M
-
-
-def _preprocess(out, lse, d_out, d_lse):
-    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible)."""
-    batch, q_len, heads, _ = out.shape
-    pad = _padded_rows(q_len) - q_len
-    dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        dpsum = dpsum - d_lse.astype(jnp.float32)
-    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2_E).astype(jnp.float32)
-    dpsum = jnp.pad(dpsum, [(0, 0), (0, 0), (0, pad)])
-    lse_log2 = jnp.pad(lse_log2, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
-    return dpsum, lse_log2
-
-
-def _sinks_gradient(sinks, lse, dpsum_unpadded):
-    """dsink_h = -sum_{b,i} exp(sink_h - lse_{b,h,i}) * dPsum_{b,h,i}."""
-    p_sink = jnp.exp(sinks[None, :, None] - lse)
-    p_sink = jnp.where(jnp.isneginf(lse), 0.0, p_sink)
-    return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
-
-
-def _compile_key(config: AttentionConfig, dtype_name, head_dim, group, tuning: Tuning):
-    return ("fa4_jax.sm90_backward", dtype_name, head_dim, group, config.scale,
-            config.causal, config.window_left, config.window_right, config.softcap,
-            config.has_segment_ids, config.has_q_seq_lengths, config.has_kv_seq_lengths,
-            config.has_q_start, config.q_total, config.deterministic, tuning)
-
-
-def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int,
-                tuning: Tuning = DEFAULT_TUNING):
-    """The configured kernel object (its `__call__` is the cute.jit launcher)."""
-    return Sm90BackwardKernel(dtype_name, head_dim, group, config.scale, config.causal,
-                              config.window_left, config.window_right, config.softcap,
-                              config.has_segment_ids, config.has_q_seq_lengths,
-                              config.has_kv_seq_lengths, config.has_q_start, config.q_total,
-                              config.deterministic, tuning)
-
-
-def launch(kernel, compile_key, inputs, key, value, dtype):
-    """Run a backward kernel through `cutlass_call`: (fp32 dQ accumulator, dK, dV in `dtype`).
-
-    `inputs` ends with the dQ accumulator and the deterministic mode's semaphores (None otherwise);
-    the kernel updates both in place (input-output aliases). Shared by sm90_backward_large_heads."""
-    dq_accum, semaphores = inputs[-2], inputs[-1]
-    dq_index = len(inputs) - 2
-    aliases = {dq_index: 0} if semaphores is None else {dq_index: 0, dq_index + 1: 1}
-    outputs = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32)]
-    if semaphores is not None:
-        outputs.append(jax.ShapeDtypeStruct(semaphores.shape, jnp.int32))
-    outputs += [jax.ShapeDtypeStruct(key.shape, dtype), jax.ShapeDtypeStruct(value.shape, dtype)]
-
-    def run(stream, *arrays):
-        return kernel(stream, *arrays)
-
-    compile_cache.prepare(run, inputs, tuple(outputs), compile_key, aliases)
-    results = cutlass_jax.cutlass_call(
-        run, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
-        compile_key=compile_key)(*inputs)
-    return results[0], results[-2], results[-1]
-
-
-def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
+def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config)
-
-
-def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig,
-                          tuning: Tuning = DEFAULT_TUNING):
-    """`attention_backward` with this kernel's `Tuning` exposed (tests and benchmarks). Large head
-    dims go to sm90_backward_large_heads, whose own `Tuning` is passed to its `backward_with_options`;
-    this module's `Tuning` does not apply there, so only its default is accepted for them."""
-    if query.shape[-1] in LARGE_HEAD_DIMS:
-        if tuning != DEFAULT_TUNING:
-            raise NotImplementedError(
-                f"this Tuning applies to head dims {SUPPORTED_HEAD_DIMS} only; head dims {LARGE_HEAD_DIMS} "
-                "go to sm90_backward_large_heads, whose own Tuning is passed to its backward_with_options")
-        return _large_heads().attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config)
-    reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    batch, q_len, q_heads, head_dim = query.shape
-    _, kv_len, kv_heads, _ = key.shape
-    group = q_heads // kv_heads
-    dtype_name = jnp.dtype(query.dtype).name
-    d_out = d_out.astype(query.dtype)
-    dpsum, lse_log2 = _preprocess(out, lse, d_out, d_lse)
-    padded = _padded_rows(q_len)
-    dq_accum = jnp.zeros((batch, padded, q_heads, head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32)
-                  if config.deterministic else None)
-
-    kernel = make_kernel(config, dtype_name, head_dim, group, tuning)
-    inputs = (query, key, value, d_out, lse_log2, dpsum,
-              optional.get("q_segment_ids"), optional.get("kv_segment_ids"),
-              optional.get("q_seq_lengths"), optional.get("kv_seq_lengths"),
-              optional.get("q_start"), dq_accum, semaphores)
-    dq_accum, d_key, d_value = launch(kernel, _compile_key(config, dtype_name, head_dim, group, tuning),
-                                      inputs, key, value, query.dtype)
-    d_query = (dq_accum[:, :q_len] * config.scale).astype(query.dtype)
-    d_sinks = None
-    if config.has_sinks:
-        d_sinks = _sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
-    return d_query, d_key, d_value, d_sinks
+    return backward_common.run_backward(Sm90BackwardKernel(options), options, query, key, value, out, lse,
+                                        d_out, d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows)

@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from fa4_jax.kernels import exp2_polynomial
+from fa4_jax.kernels.common import exp2_polynomial
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)

@@ -47,7 +47,9 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import forward_launch, masking, online_softmax, support, tile_scheduler
+from fa4_jax.kernels import host
+from fa4_jax.kernels.common import masking, online_softmax, tile_scheduler
+from fa4_jax.kernels.common.softcap import apply_softcap
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 TMEM_COLUMNS = 512
@@ -56,10 +58,6 @@ ROWS_PER_TILE = 128
 DEFAULT_SM_COUNT = 148  # B200; the real count is passed in when a GPU is present.
 SMEM_TILE_BUDGET = 220 * 1024  # Q, O and K/V tiles; the rest of the 227 KiB holds barriers and stats
 MAX_KV_STAGES = 8
-
-
-def _cutlass_dtype(name: str):
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
 
 
 def _tile_shape(head_dim: int) -> tuple[int, int]:
@@ -123,7 +121,7 @@ class Sm100ForwardKernel:
         self.options = options
         self.mask = options.mask
         self.head_dim = head_dim
-        self.dtype = _cutlass_dtype(options.dtype_name)
+        self.dtype = host.cutlass_dtype(options.dtype_name)
         # With a softcap the logits are capped before the softmax, so the exp2 scale is just log2(e).
         logit_scale = 1.0 if options.softcap is not None else options.scale
         self.scale_log2 = logit_scale * online_softmax.LOG2_E
@@ -358,7 +356,7 @@ class Sm100ForwardKernel:
         qk_thr_mma = qk_tiled_mma.get_slice(0)
         pv_thr_mma = pv_tiled_mma.get_slice(0)
         problem = (seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks)
-        optional = (mSinks, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart)
+        optional = host.OptionalTensors(mSinks, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart)
 
         if warp_idx == self.load_warp_id:
             cute.arch.setmaxregister_decrease(self.registers_other)
@@ -427,18 +425,11 @@ class Sm100ForwardKernel:
         masked block, so every role follows the same hand-off sequence and the row comes out as
         O = 0, LSE = -inf (or the sink logit).
         """
-        seqlen_q, seqlen_k = problem[0], problem[1]
-        mQSeqLengths, mKVSeqLengths, mQStart = optional[3], optional[4], optional[5]
-        q_len, kv_len, offset = masking.batch_extents(
-            batch_index, seqlen_q, seqlen_k, mQSeqLengths if self.mask.has_q_lengths else None,
-            mKVSeqLengths if self.options.has_kv_lengths else None, self.options.q_total)
-        local_row_start = m_block * self.cta_rows
-        row_start = local_row_start
-        if const_expr(self.options.has_q_start):
-            row_start = row_start + mQStart[0]
-        num_rows = cutlass.min(self.cta_rows, q_len - local_row_start)
-        first, end = masking.key_block_range(
-            self.mask, row_start, num_rows, self.n_block, kv_len, offset)
+        row_start, q_len, kv_len, offset, first, end = masking.tile_extents(
+            self.mask, m_block, batch_index, self.cta_rows, self.n_block, problem[0], problem[1],
+            optional.q_seq_lengths if const_expr(self.mask.has_q_lengths) else None,
+            optional.kv_seq_lengths if const_expr(self.options.has_kv_lengths) else None,
+            optional.q_start if const_expr(self.options.has_q_start) else None, self.options.q_total)
         end = cutlass.max(end, first + 1)
         return row_start, q_len, kv_len, offset, first, end
 
@@ -581,7 +572,7 @@ class Sm100ForwardKernel:
     def softmax_role(self, stage: Int32, tmem, qk_thr_mma, row_scale, row_stats, s_full, p_ready,
                      stats_ready, stats_final, problem, optional):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
-        mSinks, mQSegmentIds, mKVSegmentIds = optional[0], optional[1], optional[2]
+        mSinks, mQSegmentIds, mKVSegmentIds = optional.sinks, optional.q_segment_ids, optional.kv_segment_ids
         row = cute.arch.thread_idx()[0] % ROWS_PER_TILE
         s_layout = qk_thr_mma.make_fragment_C(
             qk_thr_mma.partition_shape_C(self.qk_mma_tiler[:2])).layout
@@ -636,7 +627,7 @@ class Sm100ForwardKernel:
                 cute.arch.fence_view_async_tmem_load()
                 scores_mn = cute.make_tensor(tLrS.iterator, row_view)
                 if const_expr(self.options.softcap is not None):
-                    masking.apply_softcap(tLrS, self.options.softcap, self.options.scale)
+                    apply_softcap(tLrS, self.options.softcap, self.options.scale)
                 if masking.block_is_partial(self.mask, n_block, stage_row_start, ROWS_PER_TILE,
                                             self.n_block, kv_len, q_len, offset):
                     masking.apply_mask(scores_mn, coords_mn, self.mask, stage_row_start,
@@ -813,32 +804,32 @@ class Sm100ForwardKernel:
 
 
 # --------------------------------------------------------------------------------------------------
-# JAX entry points (called by fa4_jax/lowering/cuda.py on compute capability 10.x).
+# The kernel module's face (what fa4_jax/lowering/cuda.py calls on compute capability 10.x).
 
-def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
+def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    reason = (support.shape_unsupported_reason("sm100", query_shape, key_shape, value_shape, dtype,
-                                                     SUPPORTED_HEAD_DIMS)
-              or support.scale_unsupported_reason("sm100", config))
+    reason = (host.shape_unsupported_reason("sm100", problem, SUPPORTED_HEAD_DIMS)
+              or host.scale_unsupported_reason("sm100", config))
     if reason is not None:
         return reason
     if config.has_q_start and (config.has_q_seq_lengths or config.has_kv_seq_lengths or config.has_segment_ids):
         return ("the sm100 kernel does not combine a sequence-sharded query (q_start) with sequence lengths "
                 "or segment ids")
     if config.has_q_start:
-        # As in sm90_forward: the path compiles (tests/test_kernel_compile_sm100.py) but has never
+        # As in the sm90 forward: the path compiles (tests/test_kernel_compile_sm100.py) but has never
         # run on a GPU, so sequence-sharded queries take the reference until it has.
         return "the sm100 kernel's sequence-sharded query path (q_start) is not yet verified on a GPU"
     return None
 
 
-def kernel_options(config: AttentionConfig, query_shape, key_shape, dtype,
-                   sm_count: Optional[int] = None) -> KernelOptions:
-    """The static kernel configuration for one call (also what the compile test builds)."""
+def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[int] = None,
+            **overrides) -> KernelOptions:
+    """The static kernel configuration for one call, with `overrides` (KernelOptions fields, for tests
+    and tuning sweeps) on top; also what the compile tests build."""
     return KernelOptions(
-        dtype_name=getattr(dtype, "name", str(dtype)),
-        head_dim=query_shape[-1],
-        group=query_shape[2] // key_shape[2],
+        dtype_name=problem.dtype,
+        head_dim=problem.head_dim,
+        group=problem.group,
         scale=float(config.scale),
         mask=masking.MaskShape.from_config(config),
         softcap=None if config.softcap is None else float(config.softcap),
@@ -846,7 +837,8 @@ def kernel_options(config: AttentionConfig, query_shape, key_shape, dtype,
         has_kv_lengths=config.has_kv_seq_lengths,
         has_q_start=config.has_q_start,
         q_total=config.q_total if config.has_q_start else None,
-        sm_count=forward_launch.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
+        sm_count=host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
+        **overrides,
     )
 
 
@@ -855,14 +847,6 @@ def _kernel(options: KernelOptions) -> Sm100ForwardKernel:
     return Sm100ForwardKernel(options)
 
 
-def attention_forward(query, key, value, optional: dict, config: AttentionConfig):
+def run(options: KernelOptions, query, key, value, optional: dict):
     """(out [B, Sq, Hq, D] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit."""
-    return forward_with_options(query, key, value, optional, config)
-
-
-def forward_with_options(query, key, value, optional: dict, config: AttentionConfig, **overrides):
-    """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
-    options = dataclasses.replace(
-        kernel_options(config, query.shape, key.shape, query.dtype), **overrides)
-    return forward_launch.launch(_kernel(options), "fa4_jax.sm100_forward", options,
-                                 query, key, value, optional)
+    return host.launch_forward(_kernel(options), options, query, key, value, optional)

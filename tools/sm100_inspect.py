@@ -1,4 +1,5 @@
-"""Compile the sm100 forward kernel for sm_100a without a Blackwell GPU, and read what it became.
+"""Compile the sm100 forward kernel for sm_100a without a Blackwell GPU, and read what it became: a
+tool for the tests and the compile report, not part of the package.
 
 No Blackwell GPU is reachable, so the kernel is proven by inspection: CuTe DSL compiles for any
 target on a CPU with fake tensors, `CUTE_DSL_KEEP=ptx` keeps the PTX, and `ptxas` (when installed)
@@ -18,7 +19,7 @@ import subprocess
 import sys
 from typing import Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "sm_100a"
 
 _COMPILE = r"""
@@ -26,23 +27,20 @@ import glob, json, os, sys, time
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import forward_launch, sm100_forward
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm100 import forward as sm100_forward
 
 specs = json.loads(sys.argv[1])
 dump_dir = os.environ["CUTE_DSL_DUMP_DIR"]
 named = set()
 
-class Dtype:
-    def __init__(self, name):
-        self.name = name
-
 for name, spec in specs.items():
     config = AttentionConfig(**spec["config"])
     B, Sq, Sk, Hq, Hkv, D = spec["shape"]
-    options = sm100_forward.kernel_options(config, (B, Sq, Hq, D), (B, Sk, Hkv, D), Dtype(spec["dtype"]),
-                                           sm_count=spec["sm_count"])
+    problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), spec["dtype"])
+    options = sm100_forward.options(config, problem, sm_count=spec["sm_count"])
     kernel = sm100_forward.Sm100ForwardKernel(options)
-    arguments = forward_launch.fake_arguments(config, spec["shape"], spec["dtype"])
+    arguments = host.forward_fake_arguments(config, spec["shape"], spec["dtype"])
     start = time.perf_counter()
     cute.compile(kernel, make_fake_stream(), *arguments)
     seconds = time.perf_counter() - start
@@ -189,7 +187,7 @@ REPORT_SPECS = {
 
 def kernel_record(compiled: dict) -> dict:
     """The reported facts of one compiled kernel (everything but timing, so reruns reproduce it)."""
-    from fa4_jax.kernels.sm100_forward import Sm100ForwardKernel
+    from fa4_jax.kernels.sm100.forward import Sm100ForwardKernel
 
     ptx = compiled["ptx"]
     record = dict(compiled["layout"])

@@ -15,7 +15,7 @@ Design (one CTA = one 128-row query tile at a time, persistent over tiles):
 Grouped-query attention maps query head h to key/value head h // (Hq / Hkv).
 
 Tuning options (KernelOptions). The field defaults are the first H200-verified configuration;
-`kernel_options` picks, per head dim, mask and query length, the combination that measured fastest
+`options` picks, per head dim, mask and query length, the combination that measured fastest
 (benchmarks/results/forward_variants_h200.json, docs/sm90_forward_tuning.md):
 - consumer_warpgroups=3: a 192-row query tile, three consumers taking turns on the tensor cores;
 - q_stages=2: two Q buffers, so the next tile's Q loads while this tile computes;
@@ -57,10 +57,12 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import forward_launch, masking, online_softmax, support, tile_scheduler
+from fa4_jax.kernels import host
+from fa4_jax.kernels.common import masking, online_softmax, tile_scheduler
+from fa4_jax.kernels.common.softcap import apply_softcap
+from fa4_jax.kernels.sm90 import wgmma
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
-THREADS_PER_WARPGROUP = 128
 ROWS_PER_WARPGROUP = 64  # one wgmma M
 # (producer, consumer) registers per thread after setmaxnreg, by number of consumer warpgroups: the
 # total stays within the 64K register file (24 * 128 + 240 * 256 = 24 * 128 + 160 * 384 = 64512).
@@ -146,14 +148,14 @@ class KernelOptions:
                              f"{SHARED_MEMORY_LIMIT} available")
 
 
-# The measured winners (H200, rev 385f690, docs/sm90_forward_tuning.md), applied by `kernel_options`.
+# The measured winners (H200, docs/sm90_forward_tuning.md), applied by `options`.
 # D = 64: three consumer warpgroups with every pipeline option ("wg3-all", 1.06-1.17x cuDNN).
 THREE_WARPGROUPS = {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
                     "split_masked_loop": True, "schedule_first_block": True}
 # D = 64 causal short queries (and D = 64 with a softcap, window or segments), and D = 96 / 128:
 # Q double buffer + TMA-store epilogue ("q2-tma").
 Q_DOUBLE_BUFFER_TMA_STORE = {"q_stages": 2, "tma_store": True}
-# D = 256 causal (rev 0954406 sweep): the TMA-store epilogue in two column chunks with early Q release
+# D = 256 causal: the TMA-store epilogue in two column chunks with early Q release
 # ("early-q-store-chunks", 0.75 -> 0.88x cuDNN at S = 1k, 0.91 -> 1.01x at 2k) and, for D = 128 and
 # 256 causal, the zigzag tile order (D = 256 4k: 0.99 -> 1.11x, D = 128 4k: 1.00 -> 1.08x, 2k +1 %).
 LARGE_HEAD_CAUSAL = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 2,
@@ -162,75 +164,18 @@ LARGE_HEAD_CAUSAL = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chu
 # at the geometric middle, ~1448, rounded to the next multiple of 64 rows.
 THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
 
-# Candidate tunings on top of `kernel_options`, measured against it by `benchmarks/attention.py
+# Candidate tunings on top of `options`, measured against it by `benchmarks/attention.py
 # --variants` and checked against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md
 # has the predictions): name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
 TUNING_CANDIDATES: dict = {
     # D = 256 causal: the first consumer warpgroup skips the top key block of each tile (invisible to its
-    # rows with 64-key blocks), saving half a block of tensor-core time per tile (item 14).
+    # rows with 64-key blocks), saving half a block of tensor-core time per tile.
     "warpgroup-key-range": ({"warpgroup_key_range": True}, (256,), (True,)),
 }
 
 
-def _cutlass_dtype(name: str):
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
-
-
 def _select_modes(tensor: cute.Tensor, modes) -> cute.Tensor:
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=modes))
-
-
-def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """Swizzled K-major shared-memory layout of a (rows, cols) tile, optionally with a stage mode."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-    shape = (rows, cols) if stages is None else (rows, cols, stages)
-    order = (0, 1) if stages is None else (0, 1, 2)
-    return cute.tile_to_shape(atom, shape, order=order)
-
-
-def _accumulator_mn(acc: cute.Tensor) -> cute.Tensor:
-    """View a wgmma accumulator ((2, 2, N/8), M, N) per thread as (rows, cols).
-
-    Mode 0 is (2 adjacent columns, 2 rows 8 apart, N/8 column groups): rows are (mode0[1], M),
-    columns (mode0[0], mode0[2], N).
-    """
-    compact = cute.make_layout(acc.layout.shape)
-    rows_cols = cute.make_layout(
-        ((compact.shape[0][1], compact.shape[1]),
-         (compact.shape[0][0], compact.shape[0][2], compact.shape[2])),
-        stride=((compact.stride[0][1], compact.stride[1]),
-                (compact.stride[0][0], compact.stride[0][2], compact.stride[2])),
-    )
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
-
-
-def _accumulator_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
-    """View the S accumulator ((2, 2, N/8), M, N) as a 16-bit wgmma A operand ((2, 2, 2), M, N/16).
-
-    For 16-bit inputs one A k-block of 16 columns is exactly two accumulator column groups, so the
-    registers line up with no data movement.
-    """
-    split = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
-    return cute.make_tensor(acc.iterator, cute.make_layout(
-        ((split.shape[0][0], split.shape[0][1], split.shape[0][2][0]), split.shape[1],
-         (split.shape[0][2][1], split.shape[2])),
-        stride=((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]), split.stride[1],
-                (split.stride[0][2][1], split.stride[2])),
-    ))
-
-
-@cute.jit
-def _warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-                    zero_init: cutlass.Constexpr):
-    """Issue acc (+)= a @ b over all k-blocks as one wgmma group (the caller waits)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(a.shape[2])):
-        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
 
 
 def _shared_storage_struct(dtype, q_stages: int, kv_stages: int, q_elements: int, k_elements: int,
@@ -267,7 +212,7 @@ class Sm90ForwardKernel:
     def __init__(self, options: KernelOptions):
         options.check()
         self.options = options
-        self.dtype = _cutlass_dtype(options.dtype_name)
+        self.dtype = host.cutlass_dtype(options.dtype_name)
         self.head_dim = options.head_dim
         self.v_head_dim = options.v_head_dim
         self.consumer_warpgroups = options.consumer_warpgroups
@@ -277,8 +222,8 @@ class Sm90ForwardKernel:
         self.q_stages = options.q_stages
         self.store_columns = options.v_head_dim // options.store_chunks
         self.mask = options.mask
-        self.threads = THREADS_PER_WARPGROUP * (1 + self.consumer_warpgroups)
-        self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
+        self.threads = wgmma.WARP_GROUP * (1 + self.consumer_warpgroups)
+        self.consumer_threads = wgmma.WARP_GROUP * self.consumer_warpgroups
         self.producer_registers, self.consumer_registers = REGISTERS[self.consumer_warpgroups]
         self.pingpong = options.head_dim <= options.pingpong_max_head_dim
         # With segments every block is masked: there is no unmasked middle to split off.
@@ -295,16 +240,16 @@ class Sm90ForwardKernel:
     # ----------------------------------------------------------------------------------------------
     # Host side: layouts, TMA atoms, shared storage, launch.
     @cute.jit
-    def __call__(self, stream: cuda.CUstream, query: cute.Tensor, key: cute.Tensor, value: cute.Tensor,
-                 sinks: Optional[cute.Tensor], q_segment_ids: Optional[cute.Tensor],
-                 kv_segment_ids: Optional[cute.Tensor], q_seq_lengths: Optional[cute.Tensor],
-                 kv_seq_lengths: Optional[cute.Tensor], q_start: Optional[cute.Tensor],
-                 out: cute.Tensor, lse: cute.Tensor):
+    def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                 mSinks: Optional[cute.Tensor], mQSegmentIds: Optional[cute.Tensor],
+                 mKVSegmentIds: Optional[cute.Tensor], mQSeqLengths: Optional[cute.Tensor],
+                 mKVSeqLengths: Optional[cute.Tensor], mQStart: Optional[cute.Tensor],
+                 mO: cute.Tensor, mLSE: cute.Tensor):
         # [B, S, H, D] -> (S, D, H, B): the tile modes first, as TMA and wgmma partitioning expect.
-        m_q, m_k, m_v, m_o = [_select_modes(t, [1, 3, 2, 0]) for t in (query, key, value, out)]
-        m_lse = _select_modes(lse, [2, 1, 0])  # (Sq, Hq, B)
-        m_q_segments = None if cutlass.const_expr(q_segment_ids is None) else _select_modes(q_segment_ids, [1, 0])
-        m_kv_segments = None if cutlass.const_expr(kv_segment_ids is None) else _select_modes(kv_segment_ids, [1, 0])
+        mQ, mK, mV, mO = [_select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = _select_modes(mLSE, [2, 1, 0])  # (Sq, Hq, B)
+        mQSegmentIds = None if cutlass.const_expr(mQSegmentIds is None) else _select_modes(mQSegmentIds, [1, 0])
+        mKVSegmentIds = None if cutlass.const_expr(mKVSegmentIds is None) else _select_modes(mKVSegmentIds, [1, 0])
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -314,18 +259,18 @@ class Sm90ForwardKernel:
             Float32, atom_layout_mnk=(self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.v_head_dim),
             a_source=warpgroup.OperandSource.RMEM)
 
-        q_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim,
+        q_layout = wgmma.k_major_layout(self.dtype, self.tile_m, self.head_dim,
                                 None if cutlass.const_expr(self.q_stages == 1) else self.q_stages)
-        k_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
-        v_layout = _smem_layout(self.dtype, self.tile_n, self.v_head_dim, self.num_stages)
+        k_layout = wgmma.k_major_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
+        v_layout = wgmma.k_major_layout(self.dtype, self.tile_n, self.v_head_dim, self.num_stages)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         q_tile_layout = q_layout if cutlass.const_expr(self.q_stages == 1) else cute.select(q_layout, mode=[0, 1])
-        tma_q, tma_m_q = cpasync.make_tiled_tma_atom(load_op, m_q, q_tile_layout, (self.tile_m, self.head_dim))
+        tma_q, tma_m_q = cpasync.make_tiled_tma_atom(load_op, mQ, q_tile_layout, (self.tile_m, self.head_dim))
         tma_k, tma_m_k = cpasync.make_tiled_tma_atom(
-            load_op, m_k, cute.select(k_layout, mode=[0, 1]), (self.tile_n, self.head_dim))
+            load_op, mK, cute.select(k_layout, mode=[0, 1]), (self.tile_n, self.head_dim))
         tma_v, tma_m_v = cpasync.make_tiled_tma_atom(
-            load_op, m_v, cute.select(v_layout, mode=[0, 1]), (self.tile_n, self.v_head_dim))
+            load_op, mV, cute.select(v_layout, mode=[0, 1]), (self.tile_n, self.v_head_dim))
         self.q_bytes = cute.size_in_bytes(self.dtype, q_tile_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(k_layout, mode=[0, 1]))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.select(v_layout, mode=[0, 1]))
@@ -337,9 +282,9 @@ class Sm90ForwardKernel:
         tma_m_o = None
         tiled_mma_epilogue = None
         if cutlass.const_expr(self.options.tma_store):
-            o_layout = _smem_layout(self.dtype, ROWS_PER_WARPGROUP, self.store_columns, self.consumer_warpgroups)
+            o_layout = wgmma.k_major_layout(self.dtype, ROWS_PER_WARPGROUP, self.store_columns, self.consumer_warpgroups)
             tma_o, tma_m_o = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), m_o, cute.select(o_layout, mode=[0, 1]),
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(o_layout, mode=[0, 1]),
                 (ROWS_PER_WARPGROUP, self.store_columns))
             tiled_mma_epilogue = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
@@ -350,13 +295,13 @@ class Sm90ForwardKernel:
             self.dtype, self.q_stages, self.num_stages, cute.cosize(q_layout), cute.cosize(k_layout),
             cute.cosize(v_layout), None if cutlass.const_expr(o_layout is None) else cute.cosize(o_layout))
 
-        num_m_blocks = (m_q.shape[0] + self.tile_m - 1) // self.tile_m
-        num_tiles = num_m_blocks * m_q.shape[2] * m_q.shape[3]
+        num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         grid_size = cutlass.min(num_tiles, self.options.sm_count)
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_m_q, tma_k, tma_m_k, tma_v, tma_m_v,
-            m_o, m_lse, sinks, m_q_segments, m_kv_segments, q_seq_lengths, kv_seq_lengths, q_start,
+            mO, mLSE, mSinks, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart,
             q_layout, k_layout, v_layout, tiled_mma_epilogue, tma_o, tma_m_o, o_layout,
         ).launch(grid=[grid_size, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -364,14 +309,14 @@ class Sm90ForwardKernel:
     # Device side.
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-               tma_q: cute.CopyAtom, m_q: cute.Tensor, tma_k: cute.CopyAtom, m_k: cute.Tensor,
-               tma_v: cute.CopyAtom, m_v: cute.Tensor, m_o: cute.Tensor, m_lse: cute.Tensor,
-               sinks: Optional[cute.Tensor], m_q_segments: Optional[cute.Tensor],
-               m_kv_segments: Optional[cute.Tensor], q_seq_lengths: Optional[cute.Tensor],
-               kv_seq_lengths: Optional[cute.Tensor], q_start: Optional[cute.Tensor],
+               tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mSinks: Optional[cute.Tensor], mQSegmentIds: Optional[cute.Tensor],
+               mKVSegmentIds: Optional[cute.Tensor], mQSeqLengths: Optional[cute.Tensor],
+               mKVSeqLengths: Optional[cute.Tensor], mQStart: Optional[cute.Tensor],
                q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
                tiled_mma_epilogue: Optional[cute.TiledMma], tma_o: Optional[cute.CopyAtom],
-               m_o_tma: Optional[cute.Tensor], o_layout: Optional[cute.ComposedLayout]):
+               mO_tma: Optional[cute.Tensor], o_layout: Optional[cute.ComposedLayout]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v):
@@ -396,31 +341,31 @@ class Sm90ForwardKernel:
             defer_sync=True)
         cute.arch.mbarrier_init_fence()
 
-        s_q = storage.s_q.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        s_k = storage.s_k.get_tensor(k_layout.outer, swizzle=k_layout.inner)
-        s_v = storage.s_v.get_tensor(v_layout.outer, swizzle=v_layout.inner)
-        s_o = None
+        sQ = storage.s_q.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.s_k.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.s_v.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        sO = None
         if cutlass.const_expr(o_layout is not None):
-            s_o = storage.s_o.get_tensor(o_layout.outer, swizzle=o_layout.inner)
+            sO = storage.s_o.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         cute.arch.sync_threads()
 
-        num_m_blocks = (m_q.shape[0] + self.tile_m - 1) // self.tile_m
-        num_heads = m_q.shape[2]
-        batch = m_q.shape[3]
+        num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+        num_heads = mQ.shape[2]
+        batch = mQ.shape[3]
         num_tiles = num_m_blocks * num_heads * batch
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
-                self.produce(tma_q, m_q, tma_k, m_k, tma_v, m_v, s_q, s_k, s_v,
-                             pipeline_q, pipeline_k, pipeline_v, q_seq_lengths, kv_seq_lengths,
-                             q_start, num_m_blocks, num_tiles)
+                self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+                             pipeline_q, pipeline_k, pipeline_v, mQSeqLengths, mKVSeqLengths,
+                             mQStart, num_m_blocks, num_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
-            self.consume(tiled_mma_qk, tiled_mma_pv, m_q, m_k, m_o, m_lse, s_q, s_k, s_v,
-                         pipeline_q, pipeline_k, pipeline_v, sinks, m_q_segments, m_kv_segments,
-                         q_seq_lengths, kv_seq_lengths, q_start, num_m_blocks, num_tiles,
-                         tiled_mma_epilogue, tma_o, m_o_tma, s_o)
+            self.consume(tiled_mma_qk, tiled_mma_pv, mQ, mK, mO, mLSE, sQ, sK, sV,
+                         pipeline_q, pipeline_k, pipeline_v, mSinks, mQSegmentIds, mKVSegmentIds,
+                         mQSeqLengths, mKVSeqLengths, mQStart, num_m_blocks, num_tiles,
+                         tiled_mma_epilogue, tma_o, mO_tma, sO)
 
     @cute.jit
     def next_tile(self, tile: Int32, wave: Int32) -> Int32:
@@ -433,27 +378,18 @@ class Sm90ForwardKernel:
 
     @cute.jit
     def tile_bounds(self, m_block: Int32, batch_index: Int32, q_len_static: Int32, kv_len_static: Int32,
-                    q_seq_lengths: Optional[cute.Tensor], kv_seq_lengths: Optional[cute.Tensor],
-                    q_start: Optional[cute.Tensor]):
+                    mQSeqLengths: Optional[cute.Tensor], mKVSeqLengths: Optional[cute.Tensor],
+                    mQStart: Optional[cute.Tensor]):
         """(row_start, q_len, kv_len, offset, first key block, end key block) of one tile."""
-        q_len, kv_len, offset = masking.batch_extents(batch_index, q_len_static, kv_len_static, q_seq_lengths,
-                                                      kv_seq_lengths, self.options.q_total)
-        local_row_start = m_block * self.tile_m
-        row_start = local_row_start
-        if cutlass.const_expr(q_start is not None):
-            row_start = row_start + q_start[0]
-        num_rows = cutlass.min(self.tile_m, q_len_static - local_row_start)
-        if cutlass.const_expr(q_seq_lengths is not None):
-            num_rows = cutlass.min(self.tile_m, q_len - local_row_start)
-        first, end = masking.key_block_range(self.mask, row_start, num_rows, self.tile_n, kv_len, offset)
-        return row_start, q_len, kv_len, offset, first, end
+        return masking.tile_extents(self.mask, m_block, batch_index, self.tile_m, self.tile_n, q_len_static,
+                                    kv_len_static, mQSeqLengths, mKVSeqLengths, mQStart, self.options.q_total)
 
     @cute.jit
-    def produce(self, tma_q: cute.CopyAtom, m_q: cute.Tensor, tma_k: cute.CopyAtom, m_k: cute.Tensor,
-                tma_v: cute.CopyAtom, m_v: cute.Tensor, s_q: cute.Tensor, s_k: cute.Tensor,
-                s_v: cute.Tensor, pipeline_q, pipeline_k, pipeline_v,
-                q_seq_lengths: Optional[cute.Tensor], kv_seq_lengths: Optional[cute.Tensor],
-                q_start: Optional[cute.Tensor], num_m_blocks: Int32, num_tiles: Int32):
+    def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+                sV: cute.Tensor, pipeline_q, pipeline_k, pipeline_v,
+                mQSeqLengths: Optional[cute.Tensor], mKVSeqLengths: Optional[cute.Tensor],
+                mQStart: Optional[cute.Tensor], num_m_blocks: Int32, num_tiles: Int32):
         """Producer warp: TMA loads of Q once per tile and of the visible K/V blocks, last first."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         # K and V of one key block share a stage index; V runs one block behind K within a tile.
@@ -463,22 +399,22 @@ class Sm90ForwardKernel:
         wave = Int32(0)
         while tile < num_tiles:
             m_block, head, batch_index = tile_scheduler.tile_coordinates(
-                tile, num_m_blocks, m_q.shape[2], m_q.shape[3], self.mask.causal)
+                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal)
             head_kv = head // self.options.group
             _, _, _, _, first, end = self.tile_bounds(
-                m_block, batch_index, m_q.shape[0], m_k.shape[0], q_seq_lengths, kv_seq_lengths, q_start)
+                m_block, batch_index, mQ.shape[0], mK.shape[0], mQSeqLengths, mKVSeqLengths, mQStart)
 
-            g_q = cute.local_tile(m_q[None, None, head, batch_index], (self.tile_m, self.head_dim), (m_block, 0))
+            g_q = cute.local_tile(mQ[None, None, head, batch_index], (self.tile_m, self.head_dim), (m_block, 0))
             t_q_smem, t_q_gmem = cpasync.tma_partition(
-                tma_q, 0, cute.make_layout(1), cute.group_modes(s_q, 0, 2), cute.group_modes(g_q, 0, 2))
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(g_q, 0, 2))
             if cutlass.const_expr(self.q_stages > 1):
                 t_q_smem = t_q_smem[None, q_state.index]
-            g_k = cute.local_tile(m_k[None, None, head_kv, batch_index], (self.tile_n, self.head_dim), (None, 0))
+            g_k = cute.local_tile(mK[None, None, head_kv, batch_index], (self.tile_n, self.head_dim), (None, 0))
             t_k_smem, t_k_gmem = cpasync.tma_partition(
-                tma_k, 0, cute.make_layout(1), cute.group_modes(s_k, 0, 2), cute.group_modes(g_k, 0, 2))
-            g_v = cute.local_tile(m_v[None, None, head_kv, batch_index], (self.tile_n, self.v_head_dim), (None, 0))
+                tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(g_k, 0, 2))
+            g_v = cute.local_tile(mV[None, None, head_kv, batch_index], (self.tile_n, self.v_head_dim), (None, 0))
             t_v_smem, t_v_gmem = cpasync.tma_partition(
-                tma_v, 0, cute.make_layout(1), cute.group_modes(s_v, 0, 2), cute.group_modes(g_v, 0, 2))
+                tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(g_v, 0, 2))
 
             pipeline_q.producer_acquire(q_state)
             cute.copy(tma_q, t_q_gmem, t_q_smem, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
@@ -507,27 +443,27 @@ class Sm90ForwardKernel:
             tile = self.next_tile(tile, wave)
 
     @cute.jit
-    def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, m_q: cute.Tensor,
-                m_k: cute.Tensor, m_o: cute.Tensor, m_lse: cute.Tensor, s_q: cute.Tensor,
-                s_k: cute.Tensor, s_v: cute.Tensor, pipeline_q, pipeline_k, pipeline_v,
-                sinks: Optional[cute.Tensor], m_q_segments: Optional[cute.Tensor],
-                m_kv_segments: Optional[cute.Tensor], q_seq_lengths: Optional[cute.Tensor],
-                kv_seq_lengths: Optional[cute.Tensor], q_start: Optional[cute.Tensor],
+    def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, mQ: cute.Tensor,
+                mK: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor,
+                sK: cute.Tensor, sV: cute.Tensor, pipeline_q, pipeline_k, pipeline_v,
+                mSinks: Optional[cute.Tensor], mQSegmentIds: Optional[cute.Tensor],
+                mKVSegmentIds: Optional[cute.Tensor], mQSeqLengths: Optional[cute.Tensor],
+                mKVSeqLengths: Optional[cute.Tensor], mQStart: Optional[cute.Tensor],
                 num_m_blocks: Int32, num_tiles: Int32, tiled_mma_epilogue: Optional[cute.TiledMma],
-                tma_o: Optional[cute.CopyAtom], m_o_tma: Optional[cute.Tensor], s_o: Optional[cute.Tensor]):
+                tma_o: Optional[cute.CopyAtom], mO_tma: Optional[cute.Tensor], sO: Optional[cute.Tensor]):
         """Consumer warpgroups: S = QK^T, mask, online softmax, O += PV, epilogue."""
-        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
-        warpgroup_index = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        tidx = cute.arch.thread_idx()[0] - wgmma.WARP_GROUP
+        warpgroup_index = cute.arch.make_warp_uniform(tidx // wgmma.WARP_GROUP)
         thread_mma_qk = tiled_mma_qk.get_slice(tidx)
         thread_mma_pv = tiled_mma_pv.get_slice(tidx)
-        warpgroup_mma_qk = tiled_mma_qk.get_slice(warpgroup_index * THREADS_PER_WARPGROUP)
-        warpgroup_mma_pv = tiled_mma_pv.get_slice(warpgroup_index * THREADS_PER_WARPGROUP)
+        warpgroup_mma_qk = tiled_mma_qk.get_slice(warpgroup_index * wgmma.WARP_GROUP)
+        warpgroup_mma_pv = tiled_mma_pv.get_slice(warpgroup_index * wgmma.WARP_GROUP)
 
         # V^T view (Dv, tile_n, stages) of the K-major V buffer: the MN-major B operand of P V.
-        s_vt = cute.composition(s_v, cute.make_ordered_layout(
+        s_vt = cute.composition(sV, cute.make_ordered_layout(
             (self.v_head_dim, self.tile_n, self.num_stages), order=(1, 0, 2)))
-        frag_q = warpgroup_mma_qk.make_fragment_A(warpgroup_mma_qk.partition_A(s_q))
-        frag_k = warpgroup_mma_qk.make_fragment_B(warpgroup_mma_qk.partition_B(s_k))
+        frag_q = warpgroup_mma_qk.make_fragment_A(warpgroup_mma_qk.partition_A(sQ))
+        frag_k = warpgroup_mma_qk.make_fragment_B(warpgroup_mma_qk.partition_B(sK))
         frag_vt = warpgroup_mma_pv.make_fragment_B(warpgroup_mma_pv.partition_B(s_vt))
         frag_p = warpgroup_mma_pv.make_fragment_A(
             warpgroup_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
@@ -535,11 +471,11 @@ class Sm90ForwardKernel:
             warpgroup_mma_pv.partition_shape_C((self.tile_m, self.v_head_dim)), Float32)
         acc_s_shape = warpgroup_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
 
-        coords_s = _accumulator_mn(thread_mma_qk.partition_C(
+        coords_s = wgmma.accumulator_mn(thread_mma_qk.partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        coords_o = _accumulator_mn(thread_mma_pv.partition_C(
+        coords_o = wgmma.accumulator_mn(thread_mma_pv.partition_C(
             cute.make_identity_tensor((self.tile_m, self.v_head_dim))))
-        acc_o_mn = _accumulator_mn(acc_o)
+        acc_o_mn = wgmma.accumulator_mn(acc_o)
         num_rows = cute.size(acc_o_mn, mode=[0])
         row_max, row_sum = online_softmax.OnlineSoftmax.new_state(num_rows)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
@@ -554,14 +490,14 @@ class Sm90ForwardKernel:
         wave = Int32(0)
         while tile < num_tiles:
             m_block, head, batch_index = tile_scheduler.tile_coordinates(
-                tile, num_m_blocks, m_q.shape[2], m_q.shape[3], self.mask.causal)
+                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal)
             row_start, q_len, kv_len, offset, first, end = self.tile_bounds(
-                m_block, batch_index, m_q.shape[0], m_k.shape[0], q_seq_lengths, kv_seq_lengths, q_start)
+                m_block, batch_index, mQ.shape[0], mK.shape[0], mQSeqLengths, mKVSeqLengths, mQStart)
             q_segments = None
             kv_segments = None
-            if cutlass.const_expr(m_q_segments is not None):
-                q_segments = m_q_segments[None, batch_index]
-                kv_segments = m_kv_segments[None, batch_index]
+            if cutlass.const_expr(mQSegmentIds is not None):
+                q_segments = mQSegmentIds[None, batch_index]
+                kv_segments = mKVSegmentIds[None, batch_index]
 
             online_softmax.OnlineSoftmax.reset(row_max, row_sum)
             acc_o.fill(0.0)
@@ -583,7 +519,7 @@ class Sm90ForwardKernel:
                 pipeline_k.consumer_wait(kv_state)
                 if cutlass.const_expr(self.options.schedule_first_block):
                     self.scheduler_wait(warpgroup_index)
-                _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
+                wgmma.gemm_group(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
                 if cutlass.const_expr(self.options.schedule_first_block):
                     self.scheduler_signal(warpgroup_index)
                 warpgroup.wait_group(0)
@@ -593,7 +529,7 @@ class Sm90ForwardKernel:
                         pipeline_q.consumer_release(q_state)
                 self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1, row_start, kv_len,
                                              q_len, offset, m_block * self.tile_m, q_segments, kv_segments)
-                frag_p.store(_accumulator_as_operand_a(acc_s).load().to(self.dtype))
+                frag_p.store(wgmma.accumulator_as_operand_a(acc_s).load().to(self.dtype))
                 kv_state = _advanced(kv_state)
                 # Steady state: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are in flight together; the
                 # softmax of S_j runs while P V still computes (intra-warpgroup overlap), and the
@@ -625,7 +561,7 @@ class Sm90ForwardKernel:
                             i, None, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
                             row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
                 pipeline_v.consumer_wait(v_state)
-                _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
+                wgmma.gemm_group(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
                 warpgroup.wait_group(0)
                 pipeline_v.consumer_release(v_state)
                 v_state = _advanced(v_state)
@@ -637,21 +573,21 @@ class Sm90ForwardKernel:
             q_state = _advanced(q_state)
 
             sink_logit = None
-            if cutlass.const_expr(sinks is not None):
-                sink_logit = Float32(sinks[head])
+            if cutlass.const_expr(mSinks is not None):
+                sink_logit = Float32(mSinks[head])
             self.softmax.finalize(row_max, row_sum, sink_logit, lse_rows, output_scale)
             online_softmax.rescale_rows(acc_o_mn, output_scale, False)
             if cutlass.const_expr(self.options.tma_store):
-                self.store_tile_through_shared(acc_o, tiled_mma_epilogue, tma_o, m_o_tma, s_o,
+                self.store_tile_through_shared(acc_o, tiled_mma_epilogue, tma_o, mO_tma, sO,
                                                warpgroup_index, m_block, head, batch_index)
-                self.store_lse(coords_o, lse_rows, m_o, m_lse, m_block, head, batch_index)
+                self.store_lse(coords_o, lse_rows, mO, mLSE, m_block, head, batch_index)
             else:
-                self.store_tile(acc_o, coords_o, lse_rows, m_o, m_lse, thread_mma_pv, m_block, head, batch_index)
+                self.store_tile(acc_o, coords_o, lse_rows, mO, mLSE, thread_mma_pv, m_block, head, batch_index)
             wave += 1
             tile = self.next_tile(tile, wave)
         if cutlass.const_expr(self.options.tma_store):
             # Shared memory must outlive the last TMA store's reads of it.
-            if tidx % THREADS_PER_WARPGROUP == 0:
+            if tidx % wgmma.WARP_GROUP == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
@@ -698,9 +634,9 @@ class Sm90ForwardKernel:
             tiled_mma_qk.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)), Float32)
         pipeline_k.consumer_wait(kv_state)
         self.scheduler_wait(warpgroup_index)
-        _warpgroup_gemm(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, kv_state.index], True)
+        wgmma.gemm_group(tiled_mma_qk, acc_s, frag_q, frag_k[None, None, None, kv_state.index], True)
         pipeline_v.consumer_wait(v_state)
-        _warpgroup_gemm(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
+        wgmma.gemm_group(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
         self.scheduler_signal(warpgroup_index)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
@@ -713,7 +649,7 @@ class Sm90ForwardKernel:
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         online_softmax.rescale_rows(acc_o_mn, row_scale, self.options.rescale_threshold > 0)
-        frag_p.store(_accumulator_as_operand_a(acc_s).load().to(self.dtype))
+        frag_p.store(wgmma.accumulator_as_operand_a(acc_s).load().to(self.dtype))
         v_state = _advanced(v_state)
         kv_state = _advanced(kv_state)
         return v_state, kv_state
@@ -731,8 +667,8 @@ class Sm90ForwardKernel:
         always masks (harmless on a fully visible block); False never (the caller knows it is full).
         """
         if cutlass.const_expr(self.options.softcap is not None):
-            masking.apply_softcap(acc_s, self.options.softcap, self.options.scale)
-        acc_s_mn = _accumulator_mn(acc_s)
+            apply_softcap(acc_s, self.options.softcap, self.options.scale)
+        acc_s_mn = wgmma.accumulator_mn(acc_s)
         if cutlass.const_expr(masked is None):
             if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
                                         kv_len, q_len, offset):
@@ -751,58 +687,58 @@ class Sm90ForwardKernel:
     def scheduler_start(self, warpgroup_index: Int32):
         if cutlass.const_expr(self.pingpong):
             if warpgroup_index == 0:
-                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * THREADS_PER_WARPGROUP)
+                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * wgmma.WARP_GROUP)
 
     @cute.jit
     def scheduler_wait(self, warpgroup_index: Int32):
         if cutlass.const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + warpgroup_index,
-                              number_of_threads=2 * THREADS_PER_WARPGROUP)
+                              number_of_threads=2 * wgmma.WARP_GROUP)
 
     @cute.jit
     def scheduler_signal(self, warpgroup_index: Int32):
         if cutlass.const_expr(self.pingpong):
             if cutlass.const_expr(self.consumer_warpgroups == 2):
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + 1 - warpgroup_index,
-                                         number_of_threads=2 * THREADS_PER_WARPGROUP)
+                                         number_of_threads=2 * wgmma.WARP_GROUP)
             else:
                 next_warpgroup = warpgroup_index + 1
                 if next_warpgroup == self.consumer_warpgroups:
                     next_warpgroup = 0
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + next_warpgroup,
-                                         number_of_threads=2 * THREADS_PER_WARPGROUP)
+                                         number_of_threads=2 * wgmma.WARP_GROUP)
 
     @cute.jit
     def store_tile(self, acc_o: cute.Tensor, coords_o: cute.Tensor, lse_rows: cute.Tensor,
-                   m_o: cute.Tensor, m_lse: cute.Tensor, thread_mma_pv, m_block: Int32, head: Int32,
+                   mO: cute.Tensor, mLSE: cute.Tensor, thread_mma_pv, m_block: Int32, head: Int32,
                    batch_index: Int32):
         """Write this thread's rows of O (in the input dtype) and, from one lane per row, LSE."""
-        rows_left = m_o.shape[0] - m_block * self.tile_m
+        rows_left = mO.shape[0] - m_block * self.tile_m
         out_rows = cute.make_rmem_tensor(acc_o.layout, self.dtype)
         out_rows.store(acc_o.load().to(self.dtype))
-        g_o = cute.local_tile(m_o[None, None, head, batch_index], (self.tile_m, self.v_head_dim), (m_block, 0))
-        t_g_o = _accumulator_mn(thread_mma_pv.partition_C(g_o))
-        out_mn = _accumulator_mn(out_rows)
+        g_o = cute.local_tile(mO[None, None, head, batch_index], (self.tile_m, self.v_head_dim), (m_block, 0))
+        t_g_o = wgmma.accumulator_mn(thread_mma_pv.partition_C(g_o))
+        out_mn = wgmma.accumulator_mn(out_rows)
         for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
             if coords_o[r, 0][0] < rows_left:
                 for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
                     t_g_o[r, c] = out_mn[r, c]
-        self.store_lse(coords_o, lse_rows, m_o, m_lse, m_block, head, batch_index)
+        self.store_lse(coords_o, lse_rows, mO, mLSE, m_block, head, batch_index)
 
     @cute.jit
-    def store_lse(self, coords_o: cute.Tensor, lse_rows: cute.Tensor, m_o: cute.Tensor, m_lse: cute.Tensor,
+    def store_lse(self, coords_o: cute.Tensor, lse_rows: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                   m_block: Int32, head: Int32, batch_index: Int32):
         """LSE of this thread's rows, from the one lane of each quad that holds column 0."""
-        rows_left = m_o.shape[0] - m_block * self.tile_m
+        rows_left = mO.shape[0] - m_block * self.tile_m
         if coords_o[0, 0][1] == 0:
-            g_lse = m_lse[None, head, batch_index]
+            g_lse = mLSE[None, head, batch_index]
             for r in cutlass.range_constexpr(cute.size(lse_rows)):
                 if coords_o[r, 0][0] < rows_left:
                     g_lse[m_block * self.tile_m + coords_o[r, 0][0]] = lse_rows[r]
 
     @cute.jit
     def store_tile_through_shared(self, acc_o: cute.Tensor, tiled_mma_epilogue: cute.TiledMma,
-                                  tma_o: cute.CopyAtom, m_o_tma: cute.Tensor, s_o: cute.Tensor,
+                                  tma_o: cute.CopyAtom, mO_tma: cute.Tensor, sO: cute.Tensor,
                                   warpgroup_index: Int32, m_block: Int32, head: Int32, batch_index: Int32):
         """This warpgroup's 64 rows of O: registers -> its shared buffer (stmatrix) -> TMA store, in
         `store_chunks` column chunks through the one buffer.
@@ -810,19 +746,19 @@ class Sm90ForwardKernel:
         The last store is left in flight; the buffer is reused (next chunk, or next tile) after
         waiting for the TMA unit to have read it. Rows past Sq are clipped by the TMA unit.
         """
-        lane_in_warpgroup = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
+        lane_in_warpgroup = cute.arch.thread_idx()[0] % wgmma.WARP_GROUP
         barrier_id = EPILOGUE_BARRIER + warpgroup_index
         out_rows = cute.make_rmem_tensor(acc_o.layout, self.dtype)
-        s_o_warpgroup = s_o[None, None, warpgroup_index]
+        s_o_warpgroup = sO[None, None, warpgroup_index]
         store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
         tiled_store = cute.make_tiled_copy_C(store_atom, tiled_mma_epilogue)
         thread_store = tiled_store.get_slice(lane_in_warpgroup)
-        g_o_rows = m_o_tma[None, None, head, batch_index]
+        g_o_rows = mO_tma[None, None, head, batch_index]
         for chunk in cutlass.range_constexpr(self.options.store_chunks):
             # The buffer is free once the TMA unit has read the previous store out of it.
             if lane_in_warpgroup == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=wgmma.WARP_GROUP)
             if cutlass.const_expr(chunk == 0):
                 out_rows.store(acc_o.load().to(self.dtype))
             chunk_rows = out_rows
@@ -833,8 +769,8 @@ class Sm90ForwardKernel:
                 chunk_rows = cute.make_rmem_tensor(
                     tiled_mma_epilogue.get_slice(0).partition_shape_C((ROWS_PER_WARPGROUP, self.store_columns)),
                     self.dtype)
-                chunk_mn = _accumulator_mn(chunk_rows)
-                out_mn = _accumulator_mn(out_rows)
+                chunk_mn = wgmma.accumulator_mn(chunk_rows)
+                out_mn = wgmma.accumulator_mn(out_rows)
                 chunk_width = cute.size(chunk_mn, mode=[1])
                 for r in cutlass.range_constexpr(cute.size(chunk_mn, mode=[0])):
                     for c in cutlass.range_constexpr(chunk_width):
@@ -842,7 +778,7 @@ class Sm90ForwardKernel:
             cute.copy(tiled_store, thread_store.retile(chunk_rows), thread_store.partition_D(s_o_warpgroup))
             # stmatrix writes through the generic proxy; the TMA unit reads through the async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=wgmma.WARP_GROUP)
             if lane_in_warpgroup == 0:
                 g_o = cute.local_tile(g_o_rows, (ROWS_PER_WARPGROUP, self.store_columns),
                                       (m_block * self.consumer_warpgroups + warpgroup_index, chunk))
@@ -853,13 +789,12 @@ class Sm90ForwardKernel:
 
 
 # --------------------------------------------------------------------------------------------------
-# JAX entry points (called by fa4_jax/lowering/cuda.py).
+# The kernel module's face (what fa4_jax/lowering/cuda.py calls).
 
-def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape, dtype) -> Optional[str]:
+def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    reason = (support.shape_unsupported_reason("sm90", query_shape, key_shape, value_shape, dtype,
-                                                     SUPPORTED_HEAD_DIMS)
-              or support.scale_unsupported_reason("sm90", config))
+    reason = (host.shape_unsupported_reason("sm90", problem, SUPPORTED_HEAD_DIMS)
+              or host.scale_unsupported_reason("sm90", config))
     if reason is not None:
         return reason
     if config.has_q_start:
@@ -886,26 +821,28 @@ def tuned_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape, sof
     return {}
 
 
-def kernel_options(config: AttentionConfig, query_shape, key_shape, value_shape, dtype,
-                   sm_count: Optional[int] = None) -> KernelOptions:
-    """The static kernel configuration for one call (also what the compile test builds)."""
+def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[int] = None,
+            **overrides) -> KernelOptions:
+    """The static kernel configuration for one call, the tuned defaults with `overrides` (KernelOptions
+    fields, for tests and tuning sweeps) on top; also what the compile tests build."""
     mask = masking.MaskShape.from_config(config)
-    softcap = None if config.softcap is None else float(config.softcap)
+    softcap_value = None if config.softcap is None else float(config.softcap)
+    tuned = tuned_overrides(problem.head_dim, problem.v_head_dim, mask, softcap_value, problem.q_len)
     return KernelOptions(
-        dtype_name=getattr(dtype, "name", str(dtype)),
-        head_dim=query_shape[-1],
-        v_head_dim=value_shape[-1],
-        group=query_shape[2] // key_shape[2],
+        dtype_name=problem.dtype,
+        head_dim=problem.head_dim,
+        v_head_dim=problem.v_head_dim,
+        group=problem.group,
         scale=float(config.scale),
         mask=mask,
-        softcap=softcap,
+        softcap=softcap_value,
         has_sinks=config.has_sinks,
         has_q_lengths=config.has_q_seq_lengths,
         has_kv_lengths=config.has_kv_seq_lengths,
         has_q_start=config.has_q_start,
         q_total=config.q_total if config.has_q_start else None,
-        sm_count=forward_launch.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
-        **tuned_overrides(query_shape[-1], value_shape[-1], mask, softcap, query_shape[1]),
+        sm_count=host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
+        **{**tuned, **overrides},
     )
 
 
@@ -914,14 +851,6 @@ def _kernel(options: KernelOptions) -> Sm90ForwardKernel:
     return Sm90ForwardKernel(options)
 
 
-def attention_forward(query, key, value, optional: dict, config: AttentionConfig):
+def run(options: KernelOptions, query, key, value, optional: dict):
     """(out [B, Sq, Hq, Dv] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit."""
-    return forward_with_options(query, key, value, optional, config)
-
-
-def forward_with_options(query, key, value, optional: dict, config: AttentionConfig, **overrides):
-    """`attention_forward` with KernelOptions fields overridden (rescale_threshold, poly_exp2_every)."""
-    options = dataclasses.replace(
-        kernel_options(config, query.shape, key.shape, value.shape, query.dtype), **overrides)
-    return forward_launch.launch(_kernel(options), "fa4_jax.sm90_forward", options,
-                                 query, key, value, optional)
+    return host.launch_forward(_kernel(options), options, query, key, value, optional)

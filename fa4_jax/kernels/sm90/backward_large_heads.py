@@ -1,11 +1,11 @@
 """Hopper (sm_90a) attention backward for head dims 192 and 256: dQ, dK, dV in CuTe DSL.
 
-sm90_backward.py keeps dK and dV of 64 keys per consumer warp group in registers: at D = 256 that is
+backward.py keeps dK and dV of 64 keys per consumer warp group in registers: at D = 256 that is
 256 fp32 registers per thread before a single score, more than a thread has. This kernel uses the
 layout FA3 uses for large heads:
 
 - a CTA owns one block of TILE_N = 64 keys of one KV head and walks the query blocks (TILE_M = 64
-  rows) of every query head of its group, as sm90_backward does;
+  rows) of every query head of its group, as backward.py does;
 - the two consumer warp groups split the head dimension, not the keys: group g accumulates
   dK[:, g D/2 : (g+1) D/2] and the same columns of dV for all 64 keys. Per thread that is
   2 x 64 x D/2 / 128 = D/2 fp32 registers (128 at D = 256, 96 at D = 192);
@@ -18,7 +18,7 @@ layout FA3 uses for large heads:
   one 16-byte store per 4 values and one address per thread, and added into the fp32 accumulator by
   one bulk reduce-add (`cp.reduce.async.bulk`, 64 x D x 4 contiguous bytes) that a writer warp of the
   producer warp group issues (deterministic: in key block order, waited for by the writer alone;
-  the turns are ordered_reduction.py's, as in sm90_backward).
+  the turns are common/ordered_reduction.py's, as in backward.py).
   The accumulator is therefore kept in that order, [B, Hq, query block, 64 x D], and the
   postprocess (`dq_from_accumulator`) puts rows and columns back while it scales and casts. A
   swizzled [64, D/2] staging tile for a TMA tensor reduce would need 16 swizzled addresses per
@@ -33,12 +33,11 @@ block i + 1 while the other still reads block i); the dQ staging 64 x D x 4. At 
 each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the struct.)
 
 Preprocess (dPsum, the LSE in the exp2 domain) and postprocess (dQ scale and cast, the sinks
-gradient) are sm90_backward's.
+gradient) are backward_common's, shared with backward.py.
 
 `Tuning` holds two candidates, both off by default so that what ships is what was measured:
-`diagonal_first` (sm90_backward's deterministic turn order; here deterministic dQ turns still go
-lowest key block first) and `stagger=False` (sm90_backward measured its stagger slower and deleted
-it). Their predictions and the device command that measures them are in
+`diagonal_first` (backward.py's deterministic turn order; here deterministic dQ turns still go
+lowest key block first) and `stagger=False` (backward.py walks without a stagger). Their predictions and the device command that measures them are in
 docs/sm90_backward_tuning.md, section "Large head dims: the prepared candidates".
 """
 
@@ -47,27 +46,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import jax.numpy as jnp
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.kernels import masking, ordered_reduction, sm90_backward, support
-from fa4_jax.kernels.sm90_backward import (K_MAJOR, LOG2_E, MN_MAJOR, WARP_GROUP, gemm,
-                                           k_major_layout, swizzle_columns, transpose_view)
-from fa4_jax.kernels.sm90_forward import _accumulator_mn
+from fa4_jax.kernels import host
+from fa4_jax.kernels.common import masking, ordered_reduction
+from fa4_jax.kernels.sm90 import backward_common
+from fa4_jax.kernels.sm90.backward_common import TILE_M, BackwardOptions, Sm90BackwardBase
+from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, accumulator_mn, gemm, k_major_layout,
+                                        swizzle_columns, transpose_view)
 
 SUPPORTED_HEAD_DIMS = (192, 256)
-TILE_M = sm90_backward.TILE_M   # query rows per block (the preprocess pads the row statistics to it)
 TILE_N = 64                     # keys per CTA
-SHARED_MEMORY_BYTES = sm90_backward.SHARED_MEMORY_BYTES
 PDS_READY_BARRIER = 1           # both groups' halves of P and dS are in shared memory
 PDS_BUFFERS = 2
 
@@ -75,18 +73,18 @@ PDS_BUFFERS = 2
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Choices that change the speed, not the function computed (deterministic dQ keeps one fixed
-    fp32 summation order in either turn order). DEFAULT_TUNING is the code measured on the H200 at
-    rev 50d127d; the other settings are candidates waiting for their measurement (prediction and
-    device command in docs/sm90_backward_tuning.md, "Large head dims: the prepared candidates").
+    fp32 summation order in either turn order). DEFAULT_TUNING is the code measured on the H200; the
+    other settings are candidates waiting for their measurement (prediction and device command in
+    docs/sm90_backward_tuning.md, "Large head dims: the prepared candidates").
 
     diagonal_first: deterministic mode takes the dQ turns of a tile highest key block first, and the
-      key blocks of a head launch highest first (sm90_backward's order). Under a causal mask key
+      key blocks of a head launch highest first (backward.py's order). Under a causal mask key
       block n + 1 reaches every tile one step before key block n, so the turn order is the arrival
       order; lowest first, key block n waits ~n steps at its first tile. A CTA still waits only for
       CTAs launched before it.
     stagger: key block n starts its walk n query blocks in, so the CTAs running together add into
-      different dQ tiles (ignored in deterministic mode, which walks in plain order). sm90_backward
-      measured its stagger 0-7 % slower and deleted it.
+      different dQ tiles (ignored in deterministic mode, which walks in plain order). Whether it pays
+      here is open: backward.py walks without one (docs/sm90_backward_tuning.md has its measurement).
     """
     diagonal_first: bool = False
     stagger: bool = True
@@ -95,13 +93,11 @@ class Tuning:
 DEFAULT_TUNING = Tuning()
 
 
-def unsupported_reason(config: AttentionConfig, query_shape, key_shape, value_shape,
-                       dtype) -> Optional[str]:
+def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    reason = (support.shape_unsupported_reason("sm90 large-head backward", query_shape, key_shape,
-                                                      value_shape, jnp.dtype(dtype), SUPPORTED_HEAD_DIMS)
-              or support.scale_unsupported_reason("sm90 large-head backward", config)
-              or sm90_backward.grid_unsupported_reason("sm90 large-head backward", key_shape))
+    reason = (host.shape_unsupported_reason("sm90 large-head backward", problem, SUPPORTED_HEAD_DIMS)
+              or host.scale_unsupported_reason("sm90 large-head backward", config)
+              or host.grid_unsupported_reason("sm90 large-head backward", problem))
     if reason is not None:
         return reason
     if config.has_q_start:
@@ -115,49 +111,27 @@ def query_stages(head_dim: int) -> int:
     return 2 if head_dim <= 192 else 1
 
 
-def _ceil_div(a, b):
-    return (a + b - 1) // b
-
-
-class Sm90LargeHeadBackwardKernel:
-    """Static configuration of one backward kernel; `__call__` is the host-side launcher."""
+class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
+    """The backward kernel for head dims 192 and 256; `__call__` is the host-side launcher."""
 
     def __str__(self):
         # The DSL names the compiled kernel after str(self): a fixed name instead of the default
         # repr (module path and address), so profiles show it and moving the class renames nothing.
         return "fa4_jax_sm90_backward_large_heads"
 
-    def __init__(self, dtype_name, head_dim, group, scale, causal, window_left, window_right,
-                 softcap, has_segment_ids, has_q_seq_lengths, has_kv_seq_lengths, q_total,
-                 deterministic, tuning: Tuning = DEFAULT_TUNING):
-        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
-        self.head_dim = head_dim
-        self.half_dim = head_dim // 2
-        self.group = group
-        self.scale = scale
-        self.softcap = softcap
-        self.has_segment_ids = has_segment_ids
-        self.has_q_seq_lengths = has_q_seq_lengths
-        self.has_kv_seq_lengths = has_kv_seq_lengths
-        self.q_total = q_total
-        self.deterministic = deterministic
+    def __init__(self, options: BackwardOptions):
+        super().__init__(options)
+        self.half_dim = self.head_dim // 2
         # Deterministic mode needs the plain walk (with a stagger the turns would wait).
-        self.stagger = tuning.stagger and not deterministic
-        self.diagonal_first = deterministic and tuning.diagonal_first
-        self.tile_m = TILE_M
+        self.stagger = options.tuning.stagger and not self.deterministic
+        self.diagonal_first = self.deterministic and options.tuning.diagonal_first
         self.tile_n = TILE_N
-        self.stages = query_stages(head_dim)
-        if self.shared_memory_bytes() > SHARED_MEMORY_BYTES:
-            raise ValueError(f"head dim {head_dim} needs {self.shared_memory_bytes()} bytes of shared "
-                             f"memory; sm_90 has {SHARED_MEMORY_BYTES}")
+        self.stages = query_stages(self.head_dim)
+        self.check_shared_memory()
         self.num_threads = WARP_GROUP * 3
         self.consumer_threads = WARP_GROUP * 2
         self.producer_registers = 24
         self.consumer_registers = 240
-        self.mask = masking.MaskShape(causal=causal, window_left=window_left,
-                                      window_right=window_right, has_q_lengths=has_q_seq_lengths,
-                                      has_segments=has_segment_ids)
-        self.scale_log2 = scale * LOG2_E
 
     def shared_memory_bytes(self):
         """What `SharedStorage` takes, member by member with its alignment (mbarriers first)."""
@@ -168,18 +142,12 @@ class Sm90LargeHeadBackwardKernel:
         members = [q_ring, q_ring, key_tile, key_tile, pds, pds, self.tile_m * self.head_dim * 4]
         offset = 8 * (2 * self.stages + 2 + 2)
         for size in members:
-            offset = _ceil_div(offset, 1024) * 1024 + size
-        return _ceil_div(offset, 1024) * 1024
+            offset = host.ceil_div(offset, 1024) * 1024 + size
+        return host.ceil_div(offset, 1024) * 1024
 
-    # Shared with the 64 / 96 / 128 kernel: they only read the attributes set above. The producer
-    # (K and V once, then Q and dO of every query block into the ring) runs without the row
-    # statistics' staging: this kernel reads LSE and dPsum from global memory.
+    # The producer (backward_common) runs without the row statistics' staging: this kernel reads LSE
+    # and dPsum from global memory.
     staged_row_stats = False
-    _probabilities = sm90_backward.Sm90BackwardKernel._probabilities
-    _ds_over_dp = sm90_backward.Sm90BackwardKernel._ds_over_dp
-    _softcap_slope = sm90_backward.Sm90BackwardKernel._softcap_slope
-    _store_dkv_tma = sm90_backward.Sm90BackwardKernel._store_dkv_tma
-    _produce = sm90_backward.Sm90BackwardKernel._produce
 
     # -------------------------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -214,8 +182,8 @@ class Sm90LargeHeadBackwardKernel:
         return q_layout, k_layout, v_layout, pds_layout
 
     @cute.jit
-    def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
-                 mdQacc, mSem, mdK, mdV):
+    def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
+                 mdQacc, mSemaphores, mdK, mdV):
         # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
         # mdQacc stays [B, Hq, query block, 64 x D] (see `dq_from_accumulator`).
         qkv_order = [1, 3, 2, 0]
@@ -267,15 +235,15 @@ class Sm90LargeHeadBackwardKernel:
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
                     tma_v, tma_mV, mdQacc, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mdPsum,
-                    mQSeg, mKVSeg, mQLen, mKVLen, mSem, mQ.shape[0], q_layout, k_layout, v_layout,
+                    mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mSemaphores, mQ.shape[0], q_layout, k_layout, v_layout,
                     pds_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
-               mdQacc, tma_dk, mdK, tma_dv, mdV, mLSE, mdPsum, mQSeg, mKVSeg, mQLen, mKVLen,
-               mSem, q_len_static, q_layout, k_layout, v_layout, pds_layout):
+               mdQacc, tma_dk, mdK, tma_dv, mdV, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
+               mSemaphores, q_len_static, q_layout, k_layout, v_layout, pds_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         if const_expr(self.diagonal_first):
@@ -311,9 +279,9 @@ class Sm90LargeHeadBackwardKernel:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Geometry as in sm90_backward: global row i sits at key position i + offset.
-        q_len, kv_len, offset = masking.batch_extents(batch, q_len_static, cute.size(mK, mode=[0]), mQLen,
-                                                      mKVLen, self.q_total)
+        # Geometry as in backward.py: global row i sits at key position i + offset.
+        q_len, kv_len, offset = masking.batch_extents(batch, q_len_static, cute.size(mK, mode=[0]), mQSeqLengths,
+                                                      mKVSeqLengths, self.q_total)
         num_m_blocks = cute.ceil_div(q_len_static, self.tile_m)
         m_lo, m_hi = masking.query_block_range(self.mask, n_block, self.tile_m, self.tile_n, kv_len,
                                                offset, num_m_blocks)
@@ -327,12 +295,12 @@ class Sm90LargeHeadBackwardKernel:
                               None, None, None, None, query_pipe, key_pipe, n_block, kv_head, batch,
                               m_lo, m_count, iterations)
             if warp_idx == 1:
-                self._write_dq(dq_pipe, sdQ, mdQacc, mSem, n_block, kv_head, batch, m_lo, m_count,
+                self._write_dq(dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
                                iterations, kv_len, offset)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
-                          key_pipe, dq_pipe, mLSE, mdPsum, mQSeg, mKVSeg,
+                          key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds,
                           (tma_dk, mdK, tma_dv, mdV), tidx - WARP_GROUP, n_block, kv_head, batch,
                           m_lo, m_count, iterations, offset, kv_len, q_len)
 
@@ -347,7 +315,7 @@ class Sm90LargeHeadBackwardKernel:
 
     @cute.jit
     def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
-                 key_pipe, dq_pipe, mLSE, mdPsum, mQSeg, mKVSeg, dkv_store, tidx, n_block, kv_head,
+                 key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, dkv_store, tidx, n_block, kv_head,
                  batch, m_lo, m_count, iterations, offset, kv_len, q_len):
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
@@ -380,7 +348,7 @@ class Sm90LargeHeadBackwardKernel:
         acc_dV.fill(0.0)
 
         # (row, key) coordinates of this thread's S elements, viewed (rows, keys) for the masks.
-        coords = _accumulator_mn(thr_sdp.partition_C(
+        coords = accumulator_mn(thr_sdp.partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n))))
         rows = cute.size(coords, mode=[0])
         key_base = n_block * self.tile_n
@@ -415,13 +383,13 @@ class Sm90LargeHeadBackwardKernel:
                 dpsum[r] = mdPsum[row_base + coords[r, 0][0], q_head, batch]
 
             warpgroup.wait_group(1)
-            scores = _accumulator_mn(acc_s)
+            scores = accumulator_mn(acc_s)
             self._probabilities(acc_s, scores, coords, lse, n_block, row_base, row_base, key_base,
-                                kv_len, q_len, offset, mQSeg, mKVSeg, batch)
+                                kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
             self._round_into(acc_s, tPsP[None, None, None, buffer])
 
             warpgroup.wait_group(0)
-            self._ds_over_dp(scores, _accumulator_mn(acc_dp), dpsum, lse)
+            self._ds_over_dp(scores, accumulator_mn(acc_dp), dpsum, lse)
             self._round_into(acc_dp, tdSsdS[None, None, None, buffer])
 
             # Both groups' halves of P and dS in shared memory before either reads the whole tile.
@@ -461,7 +429,7 @@ class Sm90LargeHeadBackwardKernel:
         cute.autovec_copy(rounded, destination)
 
     @cute.jit
-    def _write_dq(self, dq_pipe, sdQ, mdQacc, mSem, n_block, kv_head, batch, m_lo, m_count,
+    def _write_dq(self, dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
                   iterations, kv_len, offset):
         """The dQ writer warp: per query block, wait for the staged dQ, add it into the fp32
         accumulator with one bulk reduce, free the buffer once the copy engine has read it.
@@ -479,7 +447,7 @@ class Sm90LargeHeadBackwardKernel:
                 turn = ordered_reduction.key_block_turn(
                     self.mask, n_block, m_block * self.tile_m, self.tile_m, self.tile_n, kv_len,
                     offset, highest_first=self.diagonal_first)
-                flag = ordered_reduction.wait_for_turn(mSem, (batch, q_head, m_block), turn, lane)
+                flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), turn, lane)
             if lane == 0:
                 primitives.cp_reduce_async_bulk_global_shared_cta(
                     destination, sdQ.iterator, tile_bytes, op=primitives.CpReduceOp.ADD,
@@ -495,51 +463,23 @@ class Sm90LargeHeadBackwardKernel:
 # ----------------------------------------------------------------------------------------------------
 
 
-def make_kernel(config: AttentionConfig, dtype_name: str, head_dim: int, group: int,
-                tuning: Tuning = DEFAULT_TUNING):
-    """The configured kernel object (its `__call__` is the cute.jit launcher)."""
-    return Sm90LargeHeadBackwardKernel(
-        dtype_name, head_dim, group, config.scale, config.causal, config.window_left,
-        config.window_right, config.softcap, config.has_segment_ids, config.has_q_seq_lengths,
-        config.has_kv_seq_lengths, config.q_total, config.deterministic, tuning)
+# The launcher's optional inputs after dPsum, by name (absent ones None).
+OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths")
 
 
-def _compile_key(config: AttentionConfig, dtype_name, head_dim, group, tuning: Tuning):
-    return ("fa4_jax.sm90_backward_large_heads", dtype_name, head_dim, group,
-            config.scale, config.causal, config.window_left, config.window_right, config.softcap,
-            config.has_segment_ids, config.has_q_seq_lengths, config.has_kv_seq_lengths,
-            config.q_total, config.deterministic, tuning)
+def dq_accumulator_shape(batch, padded_rows, q_heads, head_dim):
+    """The fp32 dQ accumulator in the kernel's staging order: [B, Hq, query block, 64 x D]."""
+    return (batch, q_heads, padded_rows // TILE_M, TILE_M * head_dim)
 
 
-def kernel_arguments(query, key, value, d_out, lse_log2, dpsum, optional, dq_accum, semaphores):
-    """The launcher's arguments after the stream, in its order (also what the compile test fakes)."""
-    return (query, key, value, d_out, lse_log2, dpsum, optional.get("q_segment_ids"),
-            optional.get("kv_segment_ids"), optional.get("q_seq_lengths"),
-            optional.get("kv_seq_lengths"), dq_accum, semaphores)
+def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
+    """The static kernel configuration for one call (`tuning`: this kernel's speed choices)."""
+    return BackwardOptions.of(config, problem, tuning)
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
-    """Fake tensors in the launcher's order (after the stream, outputs dK, dV last), for compiling
-    without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
-    element = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
-    padded = _ceil_div(q_len, TILE_M) * TILE_M
-    fake = sm90_backward.fake_tensor
-    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
-    optional = {
-        "q_segment_ids": fake(Int32, (batch, q_len)) if config.has_segment_ids else None,
-        "kv_segment_ids": fake(Int32, (batch, kv_len)) if config.has_segment_ids else None,
-        "q_seq_lengths": fake(Int32, (batch,)) if config.has_q_seq_lengths else None,
-        "kv_seq_lengths": fake(Int32, (batch,)) if config.has_kv_seq_lengths else None,
-    }
-    semaphores = (fake(Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic
-                  else None)
-    inputs = kernel_arguments(
-        fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
-        fake(element, query_shape), fake(Float32, (batch, q_heads, padded)),
-        fake(Float32, (batch, q_heads, padded)), optional,
-        fake(Float32, (batch, q_heads, padded // TILE_M, TILE_M * head_dim)), semaphores)
-    return [*inputs, fake(element, key_shape), fake(element, key_shape)]
+    """Fake tensors in the launcher's order, for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape)
 
 
 def dq_from_accumulator(dq_accum, q_len: int):
@@ -557,34 +497,8 @@ def dq_from_accumulator(dq_accum, q_len: int):
     return rows_columns.reshape(batch, blocks * TILE_M, heads, head_dim)[:, :q_len]
 
 
-def attention_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
+def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config)
-
-
-def backward_with_options(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig,
-                          tuning: Tuning = DEFAULT_TUNING):
-    """`attention_backward` with the kernel's `Tuning` exposed (tests and benchmarks)."""
-    reason = unsupported_reason(config, query.shape, key.shape, value.shape, query.dtype)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    batch, q_len, q_heads, head_dim = query.shape
-    group = q_heads // key.shape[2]
-    dtype_name = jnp.dtype(query.dtype).name
-    d_out = d_out.astype(query.dtype)
-    dpsum, lse_log2 = sm90_backward._preprocess(out, lse, d_out, d_lse)
-    padded = dpsum.shape[-1]
-    dq_accum = jnp.zeros((batch, q_heads, padded // TILE_M, TILE_M * head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32)
-                  if config.deterministic else None)
-
-    kernel = make_kernel(config, dtype_name, head_dim, group, tuning)
-    inputs = kernel_arguments(query, key, value, d_out, lse_log2, dpsum, optional, dq_accum,
-                              semaphores)
-    dq_accum, d_key, d_value = sm90_backward.launch(
-        kernel, _compile_key(config, dtype_name, head_dim, group, tuning), inputs, key, value, query.dtype)
-    d_query = (dq_from_accumulator(dq_accum, q_len) * config.scale).astype(query.dtype)
-    d_sinks = None
-    if config.has_sinks:
-        d_sinks = sm90_backward._sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
-    return d_query, d_key, d_value, d_sinks
+    return backward_common.run_backward(Sm90LargeHeadBackwardKernel(options), options, query, key, value, out,
+                                        lse, d_out, d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape,
+                                        dq_from_accumulator)

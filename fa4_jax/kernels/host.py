@@ -1,0 +1,199 @@
+"""The host side every CuTe kernel shares: the `Problem` a call poses, the checks no kernel can pass
+whatever its design (dtypes, shapes, scale, grid limits), the element-type map, fake tensors for
+compiling without a GPU, and the `cutlass_call` launches with their compile keys and disk cache.
+
+Importing this module imports no cutlass (the dispatch asks kernels' `unsupported_reason` through it on
+machines without the DSL); the functions that need it import it when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+KERNEL_DTYPES = ("bfloat16", "float16")
+MAX_GRID_Y_Z = 65535   # CUDA's limit on gridDim.y and gridDim.z (gridDim.x allows 2^31 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The shapes and input type of one attention call: what a kernel decides on besides the
+    `AttentionConfig`. Shapes are [B, Sq, Hq, D], [B, Sk, Hkv, D], [B, Sk, Hkv, Dv]."""
+
+    query: tuple
+    key: tuple
+    value: tuple
+    dtype: str
+
+    @classmethod
+    def of(cls, query, key, value) -> "Problem":
+        """From arrays or abstract values (anything with `.shape` and `.dtype`)."""
+        return cls(tuple(query.shape), tuple(key.shape), tuple(value.shape), jnp.dtype(query.dtype).name)
+
+    batch = property(lambda self: self.query[0])
+    q_len = property(lambda self: self.query[1])
+    q_heads = property(lambda self: self.query[2])
+    head_dim = property(lambda self: self.query[3])
+    kv_len = property(lambda self: self.key[1])
+    kv_heads = property(lambda self: self.key[2])
+    v_head_dim = property(lambda self: self.value[3])
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.q_heads // self.kv_heads
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def cutlass_dtype(name: str):
+    """The DSL element type of a kernel input dtype name ("bfloat16" / "float16")."""
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def shape_unsupported_reason(kernel_name: str, problem: Problem, head_dims) -> Optional[str]:
+    """What a kernel (forward or backward, with its own head dims) cannot take about dtypes and shapes,
+    or None: the one shape check behind every kernel's `unsupported_reason`."""
+    if problem.dtype not in KERNEL_DTYPES:
+        return f"the {kernel_name} kernel takes bfloat16 or float16 inputs, not {problem.dtype}"
+    if problem.head_dim not in head_dims:
+        return f"the {kernel_name} kernel takes head dims {head_dims}, not {problem.head_dim}"
+    if problem.v_head_dim != problem.head_dim:
+        return (f"the {kernel_name} kernel needs the value head dim ({problem.v_head_dim}) to equal the "
+                f"query/key head dim ({problem.head_dim})")
+    if problem.q_heads % problem.kv_heads != 0:
+        return f"query heads ({problem.q_heads}) must be a multiple of key/value heads ({problem.kv_heads})"
+    if problem.batch == 0 or problem.q_len == 0 or problem.kv_len == 0:
+        return f"the {kernel_name} kernel needs non-empty batch and sequence axes"
+    return None
+
+
+def scale_unsupported_reason(kernel_name: str, config) -> Optional[str]:
+    """Why a kernel (forward or backward) cannot take `config.scale`, or None.
+
+    Without a softcap the kernels fold the scale into the exp2 of the raw logits: the online softmax
+    keeps the row maximum of the unscaled logits (its rescale test (new - old) * scale_log2 > threshold
+    never passes from -inf when scale < 0, so the maximum stays -inf and LSE comes out -inf), and masked
+    logits (-inf) times the scale give +inf for scale < 0 and NaN for scale 0. A softcap scales the
+    logits before the softmax, whose own scale is then log2 e, so any scale works with one."""
+    if config.softcap is None and not config.scale > 0:
+        return f"the {kernel_name} kernel needs a positive scale unless a softcap is set (got {config.scale})"
+    return None
+
+
+def grid_unsupported_reason(kernel_name: str, problem: Problem) -> Optional[str]:
+    """What a (key blocks, key/value heads, batch) grid cannot take: more than MAX_GRID_Y_Z heads or
+    batch elements fail to launch. None when it fits."""
+    for axis, what, size in (("y", "key/value heads", problem.kv_heads), ("z", "batch elements", problem.batch)):
+        if size > MAX_GRID_Y_Z:
+            return (f"the {kernel_name} kernel launches one CTA per (key block, key/value head, batch element), "
+                    f"and {size} {what} exceed CUDA's grid limit of {MAX_GRID_Y_Z} (gridDim.{axis})")
+    return None
+
+
+def sm_count(default: int) -> int:
+    """Streaming multiprocessors of the local GPU (sizes a persistent grid); `default` without one,
+    e.g. when compiling on a CPU."""
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+        return int(getattr(device, "core_count", default))
+    except (RuntimeError, IndexError):
+        return default
+
+
+def fake_tensor(dtype, dims):
+    """A row-major fake tensor of DSL element type `dtype`, for compiling without a GPU."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(dtype, dims, stride_order=tuple(range(len(dims)))[::-1], assumed_align=16)
+
+
+class OptionalTensors(NamedTuple):
+    """The optional operands of a forward kernel, by name (None when absent), in the order its
+    launcher takes them after (query, key, value); also how kernel code passes them between roles."""
+
+    sinks: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    q_seq_lengths: Any = None
+    kv_seq_lengths: Any = None
+    q_start: Any = None
+
+
+FORWARD_OPTIONAL = OptionalTensors._fields
+
+
+def launch_forward(kernel, options, query, key, value, optional: dict):
+    """Run a forward kernel through `cutlass_call`: (out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32).
+
+    The kernel's inputs after the stream are (query, key, value, *FORWARD_OPTIONAL), absent ones None.
+    `options` (hashable) selects the compiled variant, so (kernel name, options) is the compile key.
+    """
+    from cutlass.jax import cutlass_call
+
+    from fa4_jax.kernels import compile_cache
+
+    batch, q_len, q_heads, _ = query.shape
+    outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
+               jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
+    arguments = (query, key, value) + tuple(optional.get(name) for name in FORWARD_OPTIONAL)
+    compile_key = (str(kernel), options)
+    compile_cache.prepare(kernel, arguments, outputs, compile_key)
+    out, lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
+    return out, lse
+
+
+def forward_fake_arguments(config, shape, dtype_name: str) -> list:
+    """Fake tensors in a forward kernel's argument order (inputs as in `launch_forward`, then out and
+    lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    import cutlass
+
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    element = cutlass_dtype(dtype_name)
+    i32, f32 = cutlass.Int32, cutlass.Float32
+    return [
+        fake_tensor(element, (batch, q_len, q_heads, head_dim)),
+        fake_tensor(element, (batch, kv_len, kv_heads, head_dim)),
+        fake_tensor(element, (batch, kv_len, kv_heads, head_dim)),
+        fake_tensor(f32, (q_heads,)) if config.has_sinks else None,
+        fake_tensor(i32, (batch, q_len)) if config.has_segment_ids else None,
+        fake_tensor(i32, (batch, kv_len)) if config.has_segment_ids else None,
+        fake_tensor(i32, (batch,)) if config.has_q_seq_lengths else None,
+        fake_tensor(i32, (batch,)) if config.has_kv_seq_lengths else None,
+        fake_tensor(i32, (1,)) if config.has_q_start else None,
+        fake_tensor(element, (batch, q_len, q_heads, head_dim)), fake_tensor(f32, (batch, q_heads, q_len)),
+    ]
+
+
+def launch_backward(kernel, options, inputs, key, value, dtype):
+    """Run a backward kernel through `cutlass_call`: (fp32 dQ accumulator, dK, dV in `dtype`).
+
+    `inputs` ends with the dQ accumulator and the deterministic mode's semaphores (None otherwise);
+    the kernel updates both in place (input-output aliases). (kernel name, options) is the compile key."""
+    from cutlass.jax import cutlass_call
+
+    from fa4_jax.kernels import compile_cache
+
+    dq_accum, semaphores = inputs[-2], inputs[-1]
+    dq_index = len(inputs) - 2
+    aliases = {dq_index: 0} if semaphores is None else {dq_index: 0, dq_index + 1: 1}
+    outputs = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32)]
+    if semaphores is not None:
+        outputs.append(jax.ShapeDtypeStruct(semaphores.shape, jnp.int32))
+    outputs += [jax.ShapeDtypeStruct(key.shape, dtype), jax.ShapeDtypeStruct(value.shape, dtype)]
+
+    def run(stream, *arrays):
+        return kernel(stream, *arrays)
+
+    compile_key = (str(kernel), options)
+    compile_cache.prepare(run, inputs, tuple(outputs), compile_key, aliases)
+    results = cutlass_call(run, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
+                           compile_key=compile_key)(*inputs)
+    return results[0], results[-2], results[-1]

@@ -1,0 +1,305 @@
+"""What the two sm90 backward kernels share: their static options, the device code both run
+(`Sm90BackwardBase`: the TMA producer, P recomputed from the stored LSE, dS with the softcap slope,
+the dK / dV store through shared memory) and the JAX side around the kernel call (the preprocess of
+dPsum and the LSE, the sinks gradient, the flow `run` drives).
+
+Three stages, one obvious place each:
+- preprocess (`preprocess`, traceable JAX, one fused reduction): dPsum = rowsum(dO * O) - d_lse, the
+  log-sum-exp moved to the exp2 domain (rows with no visible key get +inf so that P = 0 there), both
+  padded to whole query blocks;
+- the kernel (backward.py for head dims 64-128, backward_large_heads.py for 192 / 256), which adds
+  dQ into an fp32 accumulator and writes dK, dV;
+- postprocess (the kernel module's `finish_dq`, then `sinks_gradient`): dQ scaled and cast.
+
+A subclass of `Sm90BackwardBase` sets, besides what the base's __init__ sets: `tile_n` (keys per CTA),
+`stages` (Q / dO ring depth), `staged_row_stats` (whether the producer copies LSE / dPsum into the
+ring), `consumer_threads`, and `_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head,
+query block) of iteration `it` of a CTA's walk; `_produce` reads those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
+from fa4_jax.kernels.common import masking
+from fa4_jax.kernels.common.softcap import apply_softcap
+
+LOG2_E = math.log2(math.e)
+TILE_M = 64                    # query rows per block, both kernels (the preprocess pads to it)
+SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
+DKV_STORE_BARRIER = 2          # named barrier of the consumers around the dK / dV store
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardOptions:
+    """Everything static about one compiled backward kernel (hashable: with the kernel's name it is
+    the compile key). `tuning` is the kernel module's own `Tuning`."""
+
+    dtype_name: str            # "bfloat16" | "float16"
+    head_dim: int
+    group: int                 # query heads per key/value head
+    scale: float
+    causal: bool
+    window_left: Optional[int]
+    window_right: Optional[int]
+    softcap: Optional[float]
+    has_segment_ids: bool
+    has_q_seq_lengths: bool
+    has_kv_seq_lengths: bool
+    has_q_start: bool
+    q_total: Optional[int]
+    deterministic: bool
+    has_sinks: bool
+    tuning: Any
+
+    @classmethod
+    def of(cls, config: AttentionConfig, problem: host.Problem, tuning) -> "BackwardOptions":
+        return cls(problem.dtype, problem.head_dim, problem.group, config.scale, config.causal,
+                   config.window_left, config.window_right, config.softcap, config.has_segment_ids,
+                   config.has_q_seq_lengths, config.has_kv_seq_lengths, config.has_q_start, config.q_total,
+                   config.deterministic, config.has_sinks, tuning)
+
+
+class Sm90BackwardBase:
+    """The static configuration and the device code both sm90 backward kernels run."""
+
+    def __init__(self, options: BackwardOptions):
+        self.options = options
+        self.dtype = host.cutlass_dtype(options.dtype_name)
+        self.head_dim = options.head_dim
+        self.group = options.group
+        self.scale = options.scale
+        self.softcap = options.softcap
+        self.has_segment_ids = options.has_segment_ids
+        self.has_q_seq_lengths = options.has_q_seq_lengths
+        self.has_kv_seq_lengths = options.has_kv_seq_lengths
+        self.q_total = options.q_total
+        self.deterministic = options.deterministic
+        self.tuning = options.tuning
+        self.tile_m = TILE_M
+        self.mask = masking.MaskShape(causal=options.causal, window_left=options.window_left,
+                                      window_right=options.window_right,
+                                      has_q_lengths=options.has_q_seq_lengths,
+                                      has_segments=options.has_segment_ids)
+        self.scale_log2 = options.scale * LOG2_E
+
+    def check_shared_memory(self):
+        if self.shared_memory_bytes() > SHARED_MEMORY_BYTES:
+            raise ValueError(f"head dim {self.head_dim} needs {self.shared_memory_bytes()} bytes of shared "
+                             f"memory; sm_90 has {SHARED_MEMORY_BYTES}")
+
+    @cute.jit
+    def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, mLSE,
+                 mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
+                 iterations):
+        tile_q = (self.tile_m, self.head_dim)
+        tile_k = (self.tile_n, self.head_dim)
+        gK = cute.local_tile(mK[None, None, kv_head, batch], tile_k, (n_block, 0))
+        gV = cute.local_tile(mV[None, None, kv_head, batch], tile_k, (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        key_pipe.producer_acquire(key_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=key_pipe.producer_get_barrier(key_state))
+
+        query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                   self.stages)
+        for it in cutlass.range(iterations, unroll=1):
+            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+            gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
+            gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tOsdO, tOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1),
+                                                 cute.group_modes(sdO, 0, 2),
+                                                 cute.group_modes(gdO, 0, 2))
+            query_pipe.producer_acquire(query_state)
+            barrier = query_pipe.producer_get_barrier(query_state)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, query_state.index],
+                      tma_bar_ptr=barrier)
+            cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, query_state.index],
+                      tma_bar_ptr=barrier)
+            if const_expr(self.staged_row_stats):
+                # Plain bulk copies are not elected by the compiler: one lane issues them.
+                stats_copy = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32,
+                                                 num_bits_per_copy=self.tile_m * 32)
+                if cute.arch.lane_idx() == 0:
+                    cute.copy(stats_copy,
+                              cute.local_tile(mLSE[None, q_head, batch], (self.tile_m,), (m_block,)),
+                              sLSE[None, query_state.index], mbar_ptr=barrier)
+                    cute.copy(stats_copy,
+                              cute.local_tile(mdPsum[None, q_head, batch], (self.tile_m,),
+                                              (m_block,)),
+                              sdPsum[None, query_state.index], mbar_ptr=barrier)
+            query_state.advance()
+
+    @cute.jit
+    def _probabilities(self, acc_s, scores, coords, lse, n_block, row_start, row_base, key_base,
+                       kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch):
+        """P recomputed in place over the S accumulator `acc_s` (`scores`: its query-major view,
+        `coords` that view's coordinates): softcap, the mask where the block is partial (`row_start`
+        is its first row's global position, `row_base` its first local row), then
+        exp2(S * scale * log2 e - LSE_log2) with the stored LSE. """
+        if const_expr(self.softcap is not None):
+            apply_softcap(acc_s, self.softcap, self.scale)
+        if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
+                                    kv_len, q_len, offset):
+            q_segments = None
+            kv_segments = None
+            if const_expr(self.has_segment_ids):
+                q_segments = mQSegmentIds[batch, None]
+                kv_segments = mKVSegmentIds[batch, None]
+            masking.apply_mask(scores, coords, self.mask, row_start, key_base, kv_len, q_len,
+                               offset, row_base, q_segments, kv_segments)
+        logit_scale = self.scale_log2              # with softcap the scale is already applied
+        if const_expr(self.softcap is not None):
+            logit_scale = LOG2_E
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r], fastmath=True)
+
+    @cute.jit
+    def _ds_over_dp(self, probabilities, grads, dpsum, lse):
+        """dS = P * (dP - dPsum), times the softcap's slope, written over dP (`grads`, query-major
+        like `probabilities`). """
+        for r in cutlass.range_constexpr(cute.size(grads, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(grads, mode=[1])):
+                grad = probabilities[r, c] * (grads[r, c] - dpsum[r])
+                if const_expr(self.softcap is not None):
+                    grad = grad * self._softcap_slope(probabilities[r, c], lse[r])
+                grads[r, c] = grad
+
+    @cute.jit
+    def _softcap_slope(self, probability, lse_log2):
+        """1 - tanh^2 of the capped logit, recovered from P (cheaper than holding it in registers):
+        capped logit = (log2 P + LSE_log2) / log2 e = softcap * tanh. Zero where P is zero."""
+        t = (cute.math.log2(probability, fastmath=True) + lse_log2) * (1.0 / (self.softcap * LOG2_E))
+        slope = 1.0 - t * t
+        if probability == 0.0:
+            slope = Float32(0.0)
+        return slope
+
+    @cute.jit
+    def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
+                       kv_head, batch, tidx):
+        """dK (scaled) and dV rounded into the K and V tiles' shared memory, then one TMA bulk store
+        each; the copy engine clips the rows past the sequence end."""
+        consumers = pipeline.NamedBarrier(barrier_id=DKV_STORE_BARRIER,
+                                          num_threads=self.consumer_threads)
+        consumers.arrive_and_wait()        # both warp groups' last GEMMs have read K and V
+        rounded_dk = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
+        rounded_dk.store((acc_dK.load() * self.scale).to(self.dtype))
+        cute.autovec_copy(rounded_dk, thr_dkv.partition_C(sK))
+        rounded_dv = cute.make_rmem_tensor(acc_dV.layout, self.dtype)
+        rounded_dv.store(acc_dV.load().to(self.dtype))
+        cute.autovec_copy(rounded_dv, thr_dkv.partition_C(sV))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        consumers.arrive_and_wait()
+        if tidx // 32 == 0:
+            tile = (self.tile_n, self.head_dim)
+            gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
+            tdKsdK, tdKgdK = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1),
+                                                   cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(gdK, 0, 2))
+            tdVsdV, tdVgdV = cpasync.tma_partition(tma_dv, 0, cute.make_layout(1),
+                                                   cute.group_modes(sV, 0, 2),
+                                                   cute.group_modes(gdV, 0, 2))
+            cute.copy(tma_dk, tdKsdK, tdKgdK)
+            cute.copy(tma_dv, tdVsdV, tdVgdV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)   # shared memory outlives the reads
+
+
+# ----------------------------------------------------------------------------------------------------
+# JAX side: the preprocess, the kernel call, the postprocess
+# ----------------------------------------------------------------------------------------------------
+
+def padded_rows(q_len):
+    return host.ceil_div(q_len, TILE_M) * TILE_M
+
+
+def preprocess(out, lse, d_out, d_lse):
+    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible)."""
+    batch, q_len, heads, _ = out.shape
+    pad = padded_rows(q_len) - q_len
+    dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        dpsum = dpsum - d_lse.astype(jnp.float32)
+    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2_E).astype(jnp.float32)
+    dpsum = jnp.pad(dpsum, [(0, 0), (0, 0), (0, pad)])
+    lse_log2 = jnp.pad(lse_log2, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
+    return dpsum, lse_log2
+
+
+def sinks_gradient(sinks, lse, dpsum_unpadded):
+    """dsink_h = -sum_{b,i} exp(sink_h - lse_{b,h,i}) * dPsum_{b,h,i}."""
+    p_sink = jnp.exp(sinks[None, :, None] - lse)
+    p_sink = jnp.where(jnp.isneginf(lse), 0.0, p_sink)
+    return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
+
+
+def _fake_optional(name, batch, q_len, kv_len):
+    shape = {"q_segment_ids": (batch, q_len), "kv_segment_ids": (batch, kv_len), "q_seq_lengths": (batch,),
+             "kv_seq_lengths": (batch,), "q_start": (1,)}[name]
+    return host.fake_tensor(cutlass.Int32, shape)
+
+
+def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inputs, dq_accumulator_shape) -> list:
+    """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
+    `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
+    q_heads, head_dim)`, the semaphores, then dK, dV), for compiling without a GPU.
+    shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    element = host.cutlass_dtype(dtype_name)
+    padded = padded_rows(q_len)
+    present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
+               "q_seq_lengths": config.has_q_seq_lengths, "kv_seq_lengths": config.has_kv_seq_lengths,
+               "q_start": config.has_q_start}
+    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    fake = host.fake_tensor
+    return [
+        fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
+        fake(element, query_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
+        *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
+        fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
+        fake(cutlass.Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic else None,
+        fake(element, key_shape), fake(element, key_shape),
+    ]
+
+
+def run_backward(kernel, options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict,
+                 optional_inputs, dq_accumulator_shape, dq_rows):
+    """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `host.launch_backward` (its inputs
+    after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
+    layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient."""
+    batch, q_len, q_heads, head_dim = query.shape
+    d_out = d_out.astype(query.dtype)
+    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse)
+    padded = dpsum.shape[-1]
+    dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
+    semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32) if options.deterministic else None)
+    inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
+              dq_accum, semaphores)
+    dq_accum, d_key, d_value = host.launch_backward(kernel, options, inputs, key, value, query.dtype)
+    d_query = (dq_rows(dq_accum, q_len) * options.scale).astype(query.dtype)
+    d_sinks = None
+    if options.has_sinks:
+        d_sinks = sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
+    return d_query, d_key, d_value, d_sinks

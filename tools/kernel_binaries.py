@@ -1,0 +1,383 @@
+"""Hash the PTX and cubin of every kernel configuration the compile tests build, and compare two trees.
+
+Issue 11 moves the kernel code into a new layout and must not change what any kernel compiles to: the
+PTX and the cubin of every configuration the compile tests build (the whole sm_90a and sm_100a grids,
+slow tests included) are to be byte-identical before and after. This script is that check. `manifest`
+compiles each configuration against one source tree and records the SHA-256 of its PTX and cubin;
+`compare` sets two manifests side by side and fails on any difference.
+
+    python tools/kernel_binaries.py list --tree /path/to/tree
+    python tools/kernel_binaries.py manifest --tree /path/to/tree --out before.json [--jobs 2] [--only REGEX]
+    python tools/kernel_binaries.py compare before.json after.json --out result.json [--normalized]
+
+Strict comparison (the default) asks for equal PTX and cubin bytes. `--normalized` compares the PTX
+with every `kernel_cutlass_...` identifier replaced by one placeholder: before the kernels named
+themselves (b34ac9c) the DSL mangled the kernel object's default repr (module path and address) into
+those names, so only a normalised comparison can span that commit.
+
+Configurations are read from the tree's own test modules (imported with the tree and its tests/ first
+on sys.path), through the names those tests expose: `CONFIGS` and `_COMPILE` (tests/test_kernel_compile_sm90.py,
+one JSON dict of configurations on argv), `CASES` and `_COMPILE` (the two sm90 backward tests, one JSON
+spec on argv, as tests/ptx_checks.compile_ptx passes it), `CASES`, `GRID` and the module's
+`sm100_inspect` (`compile_kernels`, `REPORT_SPECS`) for sm100, and the `_LOWER*` scripts that lower a
+jitted call for CUDA (tests/test_compile_cache.py, tests/test_kernel_compile_sm100.py). Each
+configuration compiles in its own subprocess with its own empty dump directory; one that fails, or
+that leaves other than one PTX and one cubin, fails the manifest. A test module that compiles kernels
+but is not known here fails it too, so a new compile test cannot be left out unnoticed.
+
+Keys are "<test module>::<collection>/<config name>", or "<test module>::<script>" for the lowering
+scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import glob
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+KERNEL_NAME = re.compile(r"kernel_cutlass_\w+")
+ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
+LISTING = "KERNEL_BINARIES_JOBS "   # marks the line of `list --json` output among whatever imports print
+
+# What marks a test module as one that compiles kernels; each such module needs an entry in `_jobs_of`.
+COMPILE_MARKERS = re.compile(r"_COMPILE\b|cute\.compile|compile_kernels|lowering_platforms|build_report")
+
+# test_inapplicable_tuning_leaves_the_ptx_unchanged builds its specs inside the test function, so they
+# are spelled out here: per parametrisation, whether deterministic and the tuning that does not apply.
+LARGE_HEAD_INAPPLICABLE_TUNING = {"unordered_dq": (False, {"diagonal_first": True}),
+                                  "deterministic": (True, {"stagger": False})}
+
+# Runs in the job's subprocess: the tree's own sm100 compile path, for one named spec.
+_SM100_COMPILE = r"""
+import importlib, json, sys
+tests, module_name, named_spec, dump = sys.argv[1:]
+sys.path.insert(0, tests)
+name, spec = json.loads(named_spec)
+importlib.import_module(module_name).sm100_inspect.compile_kernels({name: spec}, dump)
+"""
+
+
+def normalized_ptx(ptx: str) -> str:
+    """The PTX with every kernel symbol name replaced by one placeholder."""
+    return KERNEL_NAME.sub("kernel_cutlass_NAME", ptx)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Listing: the jobs a tree's compile tests make (runs with the tree on sys.path)
+
+def _script_job(key, arch, script, *arguments):
+    return {"key": key, "arch": arch, "kind": "script", "script": script, "arguments": list(arguments)}
+
+
+def _jobs_of(module_name: str, module) -> list:
+    """One job per configuration the test module compiles: how to run it and for which arch."""
+    if module_name == "test_kernel_compile_sm90":
+        return [_script_job(f"{module_name}::CONFIGS/{name}", "sm_90a", module._COMPILE,
+                            json.dumps({name: config}))
+                for name, config in module.CONFIGS.items()]
+    if module_name in ("test_kernel_compile_sm90_backward", "test_kernel_compile_sm90_backward_large_heads"):
+        jobs = [_script_job(f"{module_name}::CASES/{name}", "sm_90a", module._COMPILE,
+                            json.dumps({"dtype": "bfloat16", **spec}))
+                for name, spec in module.CASES.items()]
+        if module_name.endswith("large_heads"):
+            for parameter, (deterministic, inapplicable) in LARGE_HEAD_INAPPLICABLE_TUNING.items():
+                spec = {"dtype": "bfloat16", "config": {"scale": 256 ** -0.5, "causal": True,
+                                                        "deterministic": deterministic},
+                        "shape": [2, 300, 333, 8, 2, 256]}
+                collection = f"test_inapplicable_tuning_leaves_the_ptx_unchanged[{parameter}]"
+                jobs.append(_script_job(f"{module_name}::{collection}/default", "sm_90a", module._COMPILE,
+                                        json.dumps(spec)))
+                jobs.append(_script_job(f"{module_name}::{collection}/tuned", "sm_90a", module._COMPILE,
+                                        json.dumps({**spec, "tuning": inapplicable})))
+        return jobs
+    if module_name == "test_kernel_compile_sm100":
+        collections = {"CASES": module.CASES,
+                       "GRID": {name: spec for specs in module.GRID.values() for name, spec in specs.items()},
+                       "REPORT_SPECS": module.sm100_inspect.REPORT_SPECS}
+        jobs = [{"key": f"{module_name}::{collection}/{name}", "arch": module.sm100_inspect.TARGET,
+                 "kind": "sm100", "module": module_name, "name": name, "spec": spec}
+                for collection, specs in collections.items() for name, spec in specs.items()]
+        return jobs + [_script_job(f"{module_name}::_LOWER", module.sm100_inspect.TARGET, module._LOWER)]
+    if module_name == "test_compile_cache":
+        return [_script_job(f"{module_name}::{script}", "sm_90a", getattr(module, script))
+                for script in sorted(vars(module)) if script.startswith("_LOWER")]
+    raise SystemExit(f"tests/{module_name}.py compiles kernels, but tools/kernel_binaries.py does not know "
+                     "how to build its configurations: add it to _jobs_of")
+
+
+def list_jobs(tree: str) -> dict:
+    """{"fa4_jax": where it was imported from, "jobs": [...]} for the tree, imported from the tree."""
+    tree = os.path.abspath(tree)
+    sys.path[:0] = [tree, os.path.join(tree, "tests")]
+    import fa4_jax
+
+    if not os.path.abspath(fa4_jax.__file__).startswith(tree + os.sep):
+        raise SystemExit(f"fa4_jax imported from {fa4_jax.__file__}, not from the tree {tree}")
+    jobs = []
+    for path in sorted(glob.glob(os.path.join(tree, "tests", "test_*.py"))):
+        with open(path) as handle:
+            if not COMPILE_MARKERS.search(handle.read()):
+                continue
+        module_name = os.path.basename(path)[:-len(".py")]
+        jobs += _jobs_of(module_name, importlib.import_module(module_name))
+    keys = [job["key"] for job in jobs]
+    duplicates = sorted({key for key in keys if keys.count(key) > 1})
+    if duplicates:
+        raise SystemExit(f"configurations named twice: {duplicates}")
+    return {"fa4_jax": os.path.abspath(fa4_jax.__file__), "jobs": jobs}
+
+
+# --------------------------------------------------------------------------------------------------
+# Manifest: compile each job in its own subprocess and hash what it left
+
+def _tree_environment(tree: str) -> dict:
+    """The caller's environment with the tree as the only PYTHONPATH and no DSL or kernel-cache settings."""
+    environment = {name: value for name, value in os.environ.items()
+                   if not name.startswith(("CUTE_DSL_", "FA4_JAX_")) and name != "PYTHONPATH"}
+    environment["PYTHONPATH"] = tree
+    return environment
+
+
+def _job_environment(tree: str, arch: str, directory: str) -> dict:
+    environment = _tree_environment(tree)
+    environment.update(
+        CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx,cubin",
+        CUTE_DSL_DUMP_DIR=os.path.join(directory, "dump"),
+        # The lowering scripts compile through the on-disk kernel cache: an empty one, so they compile.
+        FA4_JAX_CACHE_DIR=os.path.join(directory, "cache"))
+    return environment
+
+
+def _command(tree: str, job: dict, directory: str) -> list:
+    if job["kind"] == "script":
+        return [sys.executable, "-c", job["script"], *job["arguments"]]
+    return [sys.executable, "-c", _SM100_COMPILE, os.path.join(tree, "tests"), job["module"],
+            json.dumps([job["name"], job["spec"]]), os.path.join(directory, "dump")]
+
+
+def run_job(tree: str, job: dict, directory: str) -> dict:
+    """Compile one job into `directory`/dump and return its hashes; raises RuntimeError naming the job."""
+    os.makedirs(os.path.join(directory, "dump"))
+    os.makedirs(os.path.join(directory, "cache"))
+    environment = _job_environment(tree, job["arch"], directory)
+    if job["kind"] == "sm100":
+        # compile_kernels sets CUTE_DSL_KEEP=ptx for its own subprocess; the older switch still adds the
+        # cubin, and it passes through.
+        environment["CUTE_DSL_KEEP_CUBIN"] = "1"
+    start = time.perf_counter()
+    process = subprocess.run(_command(tree, job, directory), env=environment, cwd=directory,
+                             capture_output=True, text=True, timeout=1800)
+    seconds = time.perf_counter() - start
+    if process.returncode != 0:
+        raise RuntimeError(f"{job['key']}: compile failed (exit {process.returncode})\n"
+                           f"{process.stdout[-2000:]}\n{process.stderr[-3000:]}")
+    dump = os.path.join(directory, "dump")
+    ptx_files = sorted(glob.glob(os.path.join(dump, "*.ptx")))
+    cubin_files = sorted(glob.glob(os.path.join(dump, "*.cubin")))
+    if len(ptx_files) != 1 or len(cubin_files) != 1:
+        raise RuntimeError(f"{job['key']}: expected one PTX and one cubin in {dump}, found "
+                           f"{[os.path.basename(path) for path in ptx_files + cubin_files]}")
+    with open(ptx_files[0], "rb") as handle:
+        ptx = handle.read()
+    with open(cubin_files[0], "rb") as handle:
+        cubin = handle.read()
+    text = ptx.decode()
+    return {
+        "arch": job["arch"],
+        "ptx_sha256": sha256(ptx),
+        "cubin_sha256": sha256(cubin),
+        "ptx_normalized_sha256": sha256(normalized_ptx(text).encode()),
+        "ptx_bytes": len(ptx),
+        "cubin_bytes": len(cubin),
+        "entries": ENTRY.findall(text),
+        "compile_seconds": round(seconds, 2),
+    }
+
+
+def _tree_revision(tree: str) -> dict:
+    def git(*arguments):
+        return subprocess.run(["git", "-C", tree, *arguments], capture_output=True, text=True).stdout.strip()
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD") or None, "uncommitted_changes": bool(status)}
+
+
+def manifest(tree: str, out: str, jobs: int, only: str | None, artifacts: str | None) -> int:
+    tree = os.path.abspath(tree)
+    listed = subprocess.run([sys.executable, os.path.abspath(__file__), "list", "--tree", tree, "--json"],
+                            env=_tree_environment(tree), capture_output=True, text=True,
+                            cwd=tempfile.gettempdir())
+    lines = [line for line in listed.stdout.splitlines() if line.startswith(LISTING)]
+    if listed.returncode != 0 or len(lines) != 1:
+        print(f"listing the configurations of {tree} failed\n{listed.stderr[-4000:]}", file=sys.stderr)
+        return 1
+    listing = json.loads(lines[0][len(LISTING):])
+    selected = [job for job in listing["jobs"] if only is None or re.search(only, job["key"])]
+    if not selected:
+        print(f"no configuration matches {only!r}", file=sys.stderr)
+        return 1
+    root = artifacts or tempfile.mkdtemp(prefix="kernel_binaries_")
+    os.makedirs(root, exist_ok=True)
+    print(f"{len(selected)} configurations from {tree}, {jobs} at a time; artifacts in {root}", flush=True)
+    start = time.perf_counter()
+    records, failures = {}, []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_job, tree, job, os.path.join(root, f"{index:04d}")): job
+                   for index, job in enumerate(selected)}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            key = futures[future]["key"]
+            try:
+                records[key] = future.result()
+                print(f"[{done}/{len(selected)}] {key}: {records[key]['compile_seconds']} s", flush=True)
+            except Exception as error:  # every failure is reported, none stops the others
+                failures.append(key)
+                print(f"[{done}/{len(selected)}] FAILED {error}", file=sys.stderr, flush=True)
+    wall = time.perf_counter() - start
+    if artifacts is None:
+        shutil.rmtree(root, ignore_errors=True)
+    if failures:
+        print(f"{len(failures)} configurations failed: {', '.join(sorted(failures))}", file=sys.stderr)
+        return 1
+    result = {
+        "what": "SHA-256 of the PTX and cubin of each configuration the compile tests build "
+                "(tools/kernel_binaries.py manifest)",
+        "tree": tree,
+        **_tree_revision(tree),
+        "fa4_jax": listing["fa4_jax"],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cutlass_dsl": importlib.metadata.version("nvidia-cutlass-dsl"),
+        "python": sys.version.split()[0],
+        "only": only,
+        "jobs": jobs,
+        "wall_seconds": round(wall, 1),
+        "counts": _counts(records),
+        "configs": dict(sorted(records.items())),
+    }
+    _write_json(out, result)
+    print(f"{len(records)} configurations in {wall:.0f} s -> {out}")
+    return 0
+
+
+def _counts(records: dict) -> dict:
+    """Configurations per test module and per target."""
+    counts = {"total": len(records)}
+    for key, record in records.items():
+        module = key.split("::")[0]
+        counts[module] = counts.get(module, 0) + 1
+        counts[record["arch"]] = counts.get(record["arch"], 0) + 1
+    return counts
+
+
+# --------------------------------------------------------------------------------------------------
+# Compare
+
+def compare_manifests(before: dict, after: dict, normalized: bool) -> dict:
+    """Per-configuration verdicts and whether the two manifests are identical in the chosen sense."""
+    fields = ("ptx_normalized_sha256",) if normalized else ("ptx_sha256", "cubin_sha256")
+    verdicts = {}
+    for key in sorted(set(before["configs"]) | set(after["configs"])):
+        if key not in after["configs"]:
+            verdicts[key] = "missing after"
+        elif key not in before["configs"]:
+            verdicts[key] = "missing before"
+        else:
+            differing = [field for field in fields
+                         if before["configs"][key][field] != after["configs"][key][field]]
+            verdicts[key] = "identical" if not differing else "differs: " + ", ".join(differing)
+    tally = {"configs": len(verdicts)}
+    for verdict in verdicts.values():
+        kind = verdict.split(":")[0]
+        tally[kind] = tally.get(kind, 0) + 1
+
+    def side(manifest_):
+        return {name: manifest_.get(name) for name in ("tree", "commit", "uncommitted_changes", "date",
+                                                        "cutlass_dsl", "only")}
+
+    return {
+        "what": "tools/kernel_binaries.py compare: " + (
+            "PTX with kernel_cutlass_* names normalised" if normalized else "PTX and cubin bytes"),
+        "mode": "normalized" if normalized else "strict",
+        "compared_fields": list(fields),
+        "before": side(before),
+        "after": side(after),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cutlass_dsl": importlib.metadata.version("nvidia-cutlass-dsl"),
+        "counts": tally,
+        "identical": all(verdict == "identical" for verdict in verdicts.values()),
+        "verdicts": verdicts,
+    }
+
+
+def compare(before_path: str, after_path: str, out: str, normalized: bool) -> int:
+    with open(before_path) as handle:
+        before = json.load(handle)
+    with open(after_path) as handle:
+        after = json.load(handle)
+    result = compare_manifests(before, after, normalized)
+    _write_json(out, result)
+    for key, verdict in result["verdicts"].items():
+        if verdict != "identical":
+            print(f"{key}: {verdict}")
+    print(f"{result['mode']}: {result['counts']} -> {'identical' if result['identical'] else 'DIFFERENT'}"
+          f" ({out})")
+    return 0 if result["identical"] else 1
+
+
+def _write_json(path: str, data: dict):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=1)
+        handle.write("\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="the configurations a tree's compile tests build")
+    listing.add_argument("--tree", required=True)
+    listing.add_argument("--json", action="store_true", help="the jobs as JSON (what manifest runs)")
+    build = commands.add_parser("manifest", help="compile every configuration and hash its PTX and cubin")
+    build.add_argument("--tree", required=True, help="the source tree (its fa4_jax and tests/)")
+    build.add_argument("--out", required=True)
+    build.add_argument("--jobs", type=int, default=2, help="compiles run at once")
+    build.add_argument("--only", help="only configurations whose key matches this regular expression")
+    build.add_argument("--artifacts", help="keep each compile's PTX and cubin under this directory")
+    check = commands.add_parser("compare", help="compare two manifests; exit 1 on any difference")
+    check.add_argument("before")
+    check.add_argument("after")
+    check.add_argument("--out", required=True)
+    check.add_argument("--normalized", action="store_true",
+                       help="compare the PTX with kernel_cutlass_* names normalised, not PTX and cubin bytes")
+    arguments = parser.parse_args(argv)
+    if arguments.command == "list":
+        listing = list_jobs(arguments.tree)
+        if arguments.json:
+            print(LISTING + json.dumps(listing))
+        else:
+            for job in listing["jobs"]:
+                print(f"{job['arch']}  {job['key']}")
+            print(f"{len(listing['jobs'])} configurations; fa4_jax from {listing['fa4_jax']}")
+        return 0
+    if arguments.command == "manifest":
+        return manifest(arguments.tree, arguments.out, arguments.jobs, arguments.only, arguments.artifacts)
+    return compare(arguments.before, arguments.after, arguments.out, arguments.normalized)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
