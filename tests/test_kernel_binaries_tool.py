@@ -88,8 +88,49 @@ def test_compare_writes_the_result_and_exits_nonzero_on_a_difference(tmp_path, c
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(manifest))
     out = tmp_path / "result.json"
-    assert kernel_binaries.main(["compare", str(paths[0]), str(paths[0]), "--out", str(out)]) == 0
+    assert kernel_binaries.main(["compare", str(paths[0]), str(paths[0]), "--out", str(out), "--recompile", "0"]) == 0
     assert json.loads(out.read_text())["identical"] is True
-    assert kernel_binaries.main(["compare", str(paths[0]), str(paths[1]), "--out", str(out)]) == 1
+    assert kernel_binaries.main(["compare", str(paths[0]), str(paths[1]), "--out", str(out),
+                                "--recompile", "0"]) == 1
     assert "test_a::CASES/d64: differs: cubin_sha256" in capsys.readouterr().out
     assert json.loads(out.read_text())["identical"] is False
+
+
+def _cubin_differs():
+    after = copy.deepcopy(BEFORE)
+    after["configs"]["test_a::CASES/d64"]["cubin_sha256"] = "b" * 64
+    return after
+
+
+def test_a_cubin_that_varies_between_compiles_passes_when_both_trees_produce_a_common_one():
+    before, after = BEFORE, _cubin_differs()
+    original = before["configs"]["test_a::CASES/d64"]["cubin_sha256"]
+    asked = []
+
+    def both_variants(manifest, key):
+        asked.append(key)
+        return [original, "b" * 64]
+
+    result = kernel_binaries.compare_manifests(before, after, normalized=False, cubin_variants=both_variants)
+    assert result["identical"] and asked == ["test_a::CASES/d64"] * 2
+    assert result["verdicts"]["test_a::CASES/d64"].startswith("identical after recompiling")
+    assert result["cubin_variants"]["test_a::CASES/d64"]["common"] == sorted([original, "b" * 64])
+
+
+def test_a_cubin_each_tree_always_compiles_its_own_way_still_differs():
+    result = kernel_binaries.compare_manifests(BEFORE, _cubin_differs(), normalized=False,
+                                               cubin_variants=lambda manifest, key: [])
+    assert not result["identical"]
+    assert result["verdicts"]["test_a::CASES/d64"] == "differs: cubin_sha256"
+    assert result["cubin_variants"]["test_a::CASES/d64"]["common"] == []
+
+
+def test_no_recompiling_where_the_ptx_differs():
+    after = _cubin_differs()
+    after["configs"]["test_a::CASES/d64"]["ptx_sha256"] = "c" * 64
+
+    def never(manifest, key):
+        raise AssertionError("recompiled although the PTX differs")
+
+    result = kernel_binaries.compare_manifests(BEFORE, after, normalized=False, cubin_variants=never)
+    assert result["verdicts"]["test_a::CASES/d64"] == "differs: ptx_sha256, cubin_sha256"
