@@ -172,22 +172,26 @@ def forward_fake_arguments(config, shape, dtype_name: str) -> list:
     ]
 
 
-def launch_backward(kernel, options, inputs, key, value, dtype):
-    """Run a backward kernel through `cutlass_call`: (fp32 dQ accumulator, dK, dV in `dtype`).
+def launch_backward(kernel, options, inputs, key, value, dtype, dkv_accumulators: bool = False):
+    """Run a backward kernel through `cutlass_call`: (fp32 dQ accumulator, dK, dV).
 
     `inputs` ends with the dQ accumulator and the deterministic mode's semaphores (None otherwise);
-    the kernel updates both in place (input-output aliases). (kernel name, options) is the compile key."""
+    the kernel updates both in place (input-output aliases). dK and dV are outputs in `dtype`, or with
+    `dkv_accumulators` fp32 accumulators, zeroed here, appended to the inputs and updated in place like
+    dQ (the caller casts them). (kernel name, options) is the compile key."""
     from cutlass.jax import cutlass_call
 
     from fa4_jax.kernels import compile_cache
 
-    dq_accum, semaphores = inputs[-2], inputs[-1]
     dq_index = len(inputs) - 2
-    aliases = {dq_index: 0} if semaphores is None else {dq_index: 0, dq_index + 1: 1}
-    outputs = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32)]
-    if semaphores is not None:
-        outputs.append(jax.ShapeDtypeStruct(semaphores.shape, jnp.int32))
-    outputs += [jax.ShapeDtypeStruct(key.shape, dtype), jax.ShapeDtypeStruct(value.shape, dtype)]
+    if dkv_accumulators:
+        inputs = (*inputs, jnp.zeros(key.shape, jnp.float32), jnp.zeros(value.shape, jnp.float32))
+    # The inputs the kernel updates in place: dQ, the semaphores where present, dK and dV with accumulators.
+    updated = [index for index in range(dq_index, len(inputs)) if inputs[index] is not None]
+    aliases = {index: output for output, index in enumerate(updated)}
+    outputs = [jax.ShapeDtypeStruct(inputs[index].shape, inputs[index].dtype) for index in updated]
+    if not dkv_accumulators:
+        outputs += [jax.ShapeDtypeStruct(key.shape, dtype), jax.ShapeDtypeStruct(value.shape, dtype)]
 
     def run(stream, *arrays):
         return kernel(stream, *arrays)

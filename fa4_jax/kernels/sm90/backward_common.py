@@ -63,13 +63,16 @@ class BackwardOptions:
     deterministic: bool
     has_sinks: bool
     tuning: Any
+    # CTAs that share a (key block, KV head, batch), each adding fp32 partial dK / dV (backward.py's
+    # head splits, resolved from its Tuning by its `options`); the large-head kernel takes only 1.
+    head_splits: int = 1
 
     @classmethod
-    def of(cls, config: AttentionConfig, problem: host.Problem, tuning) -> "BackwardOptions":
+    def of(cls, config: AttentionConfig, problem: host.Problem, tuning, head_splits: int = 1) -> "BackwardOptions":
         return cls(problem.dtype, problem.head_dim, problem.group, config.scale, config.causal,
                    config.window_left, config.window_right, config.softcap, config.has_segment_ids,
                    config.has_q_seq_lengths, config.has_kv_seq_lengths, config.has_q_start, config.q_total,
-                   config.deterministic, config.has_sinks, tuning)
+                   config.deterministic, config.has_sinks, tuning, head_splits)
 
 
 class Sm90BackwardBase:
@@ -261,11 +264,12 @@ def _fake_optional(name, batch, q_len, kv_len):
     return host.fake_tensor(cutlass.Int32, shape)
 
 
-def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inputs, dq_accumulator_shape) -> list:
+def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inputs, dq_accumulator_shape,
+                   fp32_dkv: bool = False) -> list:
     """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
     `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
-    q_heads, head_dim)`, the semaphores, then dK, dV), for compiling without a GPU.
-    shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    q_heads, head_dim)`, the semaphores, then dK, dV: in the input type, or fp32 accumulators with
+    `fp32_dkv`), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
     batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
     element = host.cutlass_dtype(dtype_name)
     padded = padded_rows(q_len)
@@ -280,7 +284,7 @@ def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inp
         *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
         fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
         fake(cutlass.Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic else None,
-        fake(element, key_shape), fake(element, key_shape),
+        *(fake(Float32 if fp32_dkv else element, key_shape) for _ in range(2)),
     ]
 
 
@@ -288,7 +292,8 @@ def run_backward(kernel, options: BackwardOptions, query, key, value, out, lse, 
                  optional_inputs, dq_accumulator_shape, dq_rows):
     """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `host.launch_backward` (its inputs
     after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
-    layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient."""
+    layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient.
+    With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here."""
     batch, q_len, q_heads, head_dim = query.shape
     d_out = d_out.astype(query.dtype)
     dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse)
@@ -297,7 +302,9 @@ def run_backward(kernel, options: BackwardOptions, query, key, value, out, lse, 
     semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32) if options.deterministic else None)
     inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
               dq_accum, semaphores)
-    dq_accum, d_key, d_value = host.launch_backward(kernel, options, inputs, key, value, query.dtype)
+    dq_accum, d_key, d_value = host.launch_backward(kernel, options, inputs, key, value, query.dtype,
+                                                    dkv_accumulators=options.head_splits > 1)
+    d_key, d_value = d_key.astype(query.dtype), d_value.astype(query.dtype)   # no-ops unless accumulated
     d_query = (dq_rows(dq_accum, q_len) * options.scale).astype(query.dtype)
     d_sinks = None
     if options.has_sinks:

@@ -121,6 +121,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
     def __init__(self, options: BackwardOptions):
         super().__init__(options)
+        if options.head_splits != 1:
+            raise ValueError(f"the large-head backward does not split heads (head_splits={options.head_splits})")
         self.half_dim = self.head_dim // 2
         # Deterministic mode needs the plain walk (with a stagger the turns would wait).
         self.stagger = options.tuning.stagger and not self.deterministic
