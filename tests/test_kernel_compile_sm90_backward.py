@@ -2,7 +2,8 @@
 
 The PTX must hold the instructions that make the design real: `wgmma.mma_async` (tensor cores),
 `cp.async.bulk.tensor` (TMA loads), `setmaxnreg` (producer/consumer register split) and the TMA bulk
-reduction that adds dQ into global memory; the query ring's empty mbarriers must expect the
+reductions that add dQ into global memory (with head splits, dK and dV too, and no dK / dV store);
+the query ring's empty mbarriers must expect the
 arrivals the tuning makes (one lane per consumer warp, or every consumer thread); and ptxas (when
 installed) must report no spills.
 Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import.
@@ -10,6 +11,7 @@ Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -20,6 +22,7 @@ from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm90 import backward as sm90_backward  # noqa: E402
+from fa4_jax.kernels.sm90.wgmma import swizzle_columns  # noqa: E402
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,15 +41,16 @@ config = AttentionConfig(**spec["config"])
 batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
 problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
                        (batch, kv_len, kv_heads, head_dim), spec["dtype"])
-tuning = sm90_backward.Tuning(**spec.get("tuning", {}))
+tuning = sm90_backward.Tuning(**spec.get("tuning", {}), head_splits=spec.get("head_splits", 1))
 kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
-             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"]))
+             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits))
 """
 
 # The default tuning everywhere: D 64 / 96 / 128, causal, GQA, deterministic, and the configurations
 # short of registers (softcap, segment ids), where `Sm90BackwardKernel` drops early dV, staged row
-# statistics and the TMA dK / dV store.
+# statistics and the TMA dK / dV store. Unsplit unless a case says `head_splits` (the compile does not
+# ask `head_splits_for`, so these configurations stay the ones they were before head splits).
 CASES = {
     "d128": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128]),
     "d128-causal-gqa": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 512, 8, 2, 128]),
@@ -76,15 +80,55 @@ CASES = {
     # Compiled (the path exists) though unsupported_reason still refuses it until it runs on a GPU.
     "sharded-query": dict(config=dict(scale=128 ** -0.5, causal=True, has_q_start=True, q_total=1024),
                           shape=[1, 256, 1024, 4, 4, 128]),
+    # Head splits: fp32 partial dK / dV reduce-added, on GQA; deterministic with two; and the
+    # configurations short of registers, which take head splits too.
+    "d128-causal-gqa-head-splits-2": dict(config=dict(scale=128 ** -0.5, causal=True),
+                                          shape=[2, 300, 333, 8, 2, 128], head_splits=2),
+    "d128-gqa-head-splits-4": dict(config=dict(scale=128 ** -0.5), shape=[2, 197, 333, 8, 2, 128],
+                                   head_splits=4),
+    "d96-causal-mqa-head-splits-4-fp16": dict(config=dict(scale=96 ** -0.5, causal=True),
+                                              shape=[1, 300, 300, 8, 1, 96], head_splits=4, dtype="float16"),
+    "d64-causal-gqa-head-splits-4": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 300, 8, 2, 64],
+                                         head_splits=4),
+    "d128-gqa-deterministic-head-splits-2": dict(
+        config=dict(scale=128 ** -0.5, causal=True, deterministic=True), shape=[2, 256, 512, 8, 2, 128],
+        head_splits=2),
+    "d128-softcap-window-head-splits-2": dict(
+        config=dict(scale=1.0, softcap=5.0, window_left=64, window_right=32), shape=[1, 200, 333, 8, 2, 128],
+        head_splits=2),
+    # The other launch order (key block slowest), alone, and deterministic with head splits (where it
+    # is ignored: the key block stays on grid x).
+    "d128-causal-gqa-key-blocks-outer": dict(config=dict(scale=128 ** -0.5, causal=True),
+                                             shape=[2, 256, 512, 8, 2, 128], tuning=dict(key_blocks_outer=True)),
+    "d64-deterministic-key-blocks-outer-head-splits-2": dict(
+        config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
+        tuning=dict(key_blocks_outer=True), head_splits=2),
+    "d128-segments-lengths-head-splits-4": dict(
+        config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
+        shape=[2, 197, 333, 8, 2, 128], head_splits=4),
 }
 
 
+def _problem(shape, dtype="bfloat16"):
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    return host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+                        (batch, kv_len, kv_heads, head_dim), dtype)
+
+
 def _kernel(spec):
-    batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
-    problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
-                           (batch, kv_len, kv_heads, head_dim), spec.get("dtype", "bfloat16"))
+    tuning = sm90_backward.Tuning(**spec.get("tuning", {}), head_splits=spec.get("head_splits", 1))
     return sm90_backward.Sm90BackwardKernel(sm90_backward.options(
-        AttentionConfig(**spec["config"]), problem, sm90_backward.Tuning(**spec.get("tuning", {}))))
+        AttentionConfig(**spec["config"]), _problem(spec["shape"], spec.get("dtype", "bfloat16")), tuning))
+
+
+def _bulk_reduce_count(head_dim, head_splits):
+    """TMA reduce-adds in the PTX: one per 128-byte-swizzle-wide column block (fewer columns where the
+    width does not divide by them) of the dQ halves, and with head splits of dK and dV too."""
+    dq_half = head_dim // 2
+    count = 2 * dq_half // swizzle_columns(dq_half, 32)
+    if head_splits > 1:
+        count += 2 * head_dim // swizzle_columns(head_dim, 32)
+    return count
 
 
 def _query_release_counts(ptx):
@@ -116,10 +160,15 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
     assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
-    if kernel.tma_dkv_store:   # the tuning as the kernel applies it to this config
-        # 4d, or 3d where a batch of one drops its mode.
-        assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx), "no TMA store of dK / dV"
+    # 4d, or 3d where a batch of one drops its mode.
+    dkv_store = re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
+    if kernel.head_splits > 1:
+        assert not dkv_store, "head splits add dK / dV, they do not store them"
+    elif kernel.tma_dkv_store:   # the tuning as the kernel applies it to this config
+        assert dkv_store, "no TMA store of dK / dV"
     assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add\.", ptx)
+    assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits), len(reduces)
     assert not re.search(r"red(\.[a-z]+)*\.global(\.[a-z0-9]+)*\.add\.f32", ptx), "per-element dQ red.add"
     # The dQ turns (ordered_reduction): an acquire spin and a release add, in deterministic mode only.
     deterministic = CASES[name]["config"].get("deterministic", False)
@@ -127,9 +176,47 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
     assert bool(re.search(r"red(\.[a-z]+)*\.release", ptx)) == deterministic
     if deterministic:
         # The dQ turn order is highest key block first, launched in that order.
-        assert "%nctaid.x" in ptx, "key block not taken from the end of the grid"
+        axis = "z" if kernel.key_blocks_outer else "x"
+        assert f"%nctaid.{axis}" in ptx, "key block not taken from the end of the grid"
     assert ".local" not in ptx, "local memory in the PTX"
     ptxas = find_ptxas()
     if ptxas is None:
         pytest.skip("ptxas not installed: the PTX was checked, spills were not")
     assert_no_spills(ptxas, path, name)
+
+
+@pytest.mark.parametrize("head_splits,deterministic", [(3, False), (8, True), (4, True), (0, False)])
+def test_head_splits_the_kernel_cannot_do_are_refused(head_splits, deterministic):
+    """A split must divide the group (here 8); deterministic mode takes at most 2, whose two partial
+    sums add onto zero in either order to the same bits. `options` refuses them, and so does the
+    kernel's constructor given such options directly."""
+    config = AttentionConfig(scale=0.125, causal=True, deterministic=deterministic)
+    problem = _problem([1, 256, 256, 8, 1, 64])
+    with pytest.raises(ValueError, match="head_splits"):
+        sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=head_splits))
+    options = dataclasses.replace(sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=1)),
+                                  head_splits=head_splits)
+    with pytest.raises(ValueError, match="head_splits"):
+        sm90_backward.Sm90BackwardKernel(options)
+
+
+def test_a_split_past_the_grid_limit_is_refused_by_options():
+    """kv_heads * head_splits is gridDim.y: a forced split past CUDA's limit fails in `options`, before
+    any compile, and `head_splits_for` never chooses one."""
+    problem = _problem([1, 128, 128, 4 * 40000, 40000, 64])
+    config = AttentionConfig(scale=0.125)
+    assert sm90_backward.unsupported_reason(config, problem) is None
+    with pytest.raises(ValueError, match="gridDim.y"):
+        sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=2))
+    assert 40000 * sm90_backward.options(config, problem).head_splits <= host.MAX_GRID_Y_Z
+
+
+def test_the_resolved_split_is_the_compile_key():
+    """`options` resolves head_splits=None into the options (the compile key) and leaves the tuning's
+    None there, so a forced split and the same split chosen compile once."""
+    config = AttentionConfig(scale=128 ** -0.5, causal=True)
+    problem = _problem([8, 2048, 2048, 16, 1, 128])
+    chosen = sm90_backward.options(config, problem)
+    assert chosen.head_splits > 1 and chosen.tuning.head_splits is None
+    assert sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=chosen.head_splits)) == chosen
+    assert sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=1)).head_splits == 1

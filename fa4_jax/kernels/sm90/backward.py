@@ -25,11 +25,24 @@ because under a causal mask key block n starts at query block ~2n, so key block 
 tile two steps before key block n: the turn order is the arrival order and nobody waits (lowest
 first, key block n would wait ~2n steps at its first tile). The key blocks of a head
 launch highest first too, so a CTA only ever waits for CTAs launched before it (no deadlock).
+
+Head splits (`options.head_splits` > 1, for GQA / MQA): with few KV heads one CTA per (key block,
+KV head, batch) leaves SMs idle, and under a causal mask the key blocks' walks differ in length by up
+to 2x, so a single wave lasts as long as its longest CTA. Then `head_splits` CTAs share each (key
+block, KV head, batch): grid y is kv_heads * head_splits, and CTA (n, kv_head * head_splits + s, b)
+walks query heads kv_head * group + s * group / head_splits onwards (group / head_splits of them, in
+the unsplit order). Its dK, dV are partial sums: it stages them in fp32 over the Q / dO rings and the
+K / V tiles, which nothing reads after the last query block, and adds them with TMA bulk reduce-adds
+into zeroed fp32 accumulators that the JAX side then casts. `head_splits_for` picks the split when
+`Tuning.head_splits` is None. Deterministic mode takes at most 2: two fp32 addends onto zero give the
+same bits in either order (0 + a + b == 0 + b + a), three or more do not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 from typing import Optional
 
 import cutlass
@@ -75,11 +88,23 @@ class Tuning:
       loads of the staged LSE / dPsum) are ordered before the producer's next copy into the stage by
       that thread's own arrive, not through the dS named barrier and another lane's arrive. Off until
       measured: the candidate for the racecheck WAR reports (docs/sm90_backward_tuning.md).
+    head_splits: CTAs that share a (key block, KV head, batch), each walking group / head_splits of
+      its query heads and adding fp32 partial dK / dV (the module docstring says how). None:
+      `head_splits_for` chooses (in `options`, where the shapes are known); a number forces it
+      (benchmark sweeps, tests). It changes the fp32 summation order of dK and dV too.
+    key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
+      (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
+      key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
+      on the H200 below head_splits_for's split in the normal order on two of three GQA / MQA rows
+      (docs/sm90_backward_tuning.md). Deterministic mode ignores it: its turn order launches the
+      highest key block first, so the grid would start with every head's shortest walk.
     """
     early_dv: bool = True
     staged_row_stats: bool = True
     tma_dkv_store: bool = True
     per_thread_query_release: bool = False
+    head_splits: Optional[int] = None
+    key_blocks_outer: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -104,6 +129,7 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
 
 DS_READY_BARRIER = 1
 DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
+DETERMINISTIC_HEAD_SPLITS = 2   # fp32 partial sums that add onto zero in an order-free way
 
 
 class Sm90BackwardKernel(Sm90BackwardBase):
@@ -124,15 +150,34 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.early_dv = tuning.early_dv and not register_bound
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
+        self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
+        self.head_splits = options.head_splits
         self.has_q_start = options.has_q_start
         self.tile_n = TILE_N
         self.stages = QUERY_STAGES
         self.check_shared_memory()
+        if self.head_splits != 1:
+            self._check_head_splits()
         self.num_consumer_groups = 2
         self.num_threads = WARP_GROUP * (1 + self.num_consumer_groups)
         self.consumer_threads = WARP_GROUP * self.num_consumer_groups
         self.producer_registers = 24
         self.consumer_registers = 240
+
+    def _check_head_splits(self):
+        """Refuse a head split the kernel cannot do, and check the shared memory its fp32 dK / dV
+        staging reuses: [tile_n, D] fp32 over the Q and dO rings, the same over K and V."""
+        reason = head_splits_reason(self.head_splits, self.group, self.deterministic)
+        if reason is not None:
+            raise ValueError(reason)
+        element = self.dtype.width // 8
+        q_ring = self.stages * self.tile_m * self.head_dim * element
+        key_tile = self.tile_n * self.head_dim * element
+        partial = self.tile_n * self.head_dim * 4
+        # SharedStorage's sQ, sdO, sK, sV are consecutive 1024-byte aligned members: sizes in whole
+        # KiB leave no gap, so sQ + sdO and sK + sV are each one fp32 tile.
+        assert q_ring % 1024 == 0 and key_tile % 1024 == 0, (q_ring, key_tile)
+        assert 2 * q_ring == partial == 2 * key_tile, (q_ring, key_tile, partial)
 
     def shared_memory_bytes(self):
         """What `SharedStorage` takes, member by member with its alignment: the mbarriers, Q and dO
@@ -182,6 +227,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                                    swizzle_columns(d // 2, 32))
         return q_layout, k_layout, v_layout, ds_layout, dq_layout
 
+    def _dkv_partial_layout(self):
+        """Head splits: a [tile_n, D] fp32 dK or dV partial in shared memory for the TMA reduce-add,
+        128-byte swizzled (32 fp32 columns) like the dQ staging."""
+        return k_major_layout(Float32, self.tile_n, self.head_dim, None, swizzle_columns(self.head_dim, 32))
+
     @cute.jit
     def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
                  mQStart, mdQacc, mSemaphores, mdK, mdV):
@@ -210,7 +260,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
             (self.tile_m, self.head_dim // 2))
         tma_dk, tma_mdK, tma_dv, tma_mdV = None, None, None, None
-        if const_expr(self.tma_dkv_store):
+        if const_expr(self.head_splits > 1):
+            # mdK, mdV are the fp32 accumulators the CTAs of a head split add their partials into.
+            partial_layout = self._dkv_partial_layout()
+            tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdK, partial_layout, (self.tile_n, self.head_dim))
+            tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdV, partial_layout, (self.tile_n, self.head_dim))
+        elif const_expr(self.tma_dkv_store):
             tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mdK, k_layout, (self.tile_n, self.head_dim))
             tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
@@ -243,6 +300,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             SharedStorage.size_in_bytes(), self.shared_memory_bytes())
         num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
+        if const_expr(self.head_splits > 1):
+            grid = (num_n_blocks, cute.size(mK, mode=[2]) * self.head_splits, cute.size(mK, mode=[3]))
+        if const_expr(self.key_blocks_outer):
+            grid = (cute.size(mK, mode=[2]) * self.head_splits, cute.size(mK, mode=[3]), num_n_blocks)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
                     tma_v, tma_mV, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mSemaphores, mdK,
                     mdV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mQ.shape[0],
@@ -259,6 +320,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         n_block, kv_head, batch = cute.arch.block_idx()
         if const_expr(self.deterministic):
             n_block = cute.arch.grid_dim()[0] - 1 - n_block      # launched in dQ turn order
+        if const_expr(self.key_blocks_outer):        # the other launch order, instead
+            kv_head, batch, n_block = cute.arch.block_idx()
+            if const_expr(self.deterministic):
+                n_block = cute.arch.grid_dim()[2] - 1 - n_block
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group = cute.arch.make_warp_uniform(tidx // WARP_GROUP)
 
@@ -312,6 +377,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                                                offset + q_start, num_m_blocks)
         m_count = m_hi - m_lo
         iterations = m_count * self.group
+        if const_expr(self.head_splits > 1):
+            # Grid y is kv_head * head_splits + split; `_query_block` offsets the heads by the split.
+            kv_head = kv_head // self.head_splits
+            iterations = m_count * (self.group // self.head_splits)
 
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(self.producer_registers)
@@ -466,7 +535,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             dq_pipe.producer_commit(dq_state)
             dq_state.advance()
 
-        if const_expr(self.tma_dkv_store):
+        if const_expr(self.head_splits > 1):
+            self._add_dkv_partials(acc_dK, acc_dV, sQ, sK, *dkv_store, thr_dkv, n_block, kv_head, batch,
+                                   tidx)
+        elif const_expr(self.tma_dkv_store):
             self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
                                 tidx)
         else:
@@ -476,8 +548,13 @@ class Sm90BackwardKernel(Sm90BackwardBase):
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
         """(query head, query block) of iteration `it`: the group's heads in turn, each over the query
         blocks this key block sees, lowest first. (`n_block` is unused here; the large-head kernel,
-        which shares `_produce`, staggers its walk by it.)"""
+        which shares `_produce`, staggers its walk by it.) With head splits the walk covers this
+        CTA's share of the group: its split, grid y modulo head_splits, offsets the heads."""
         step = it % m_count
+        if const_expr(self.head_splits > 1):
+            split = cute.arch.block_idx()[0 if self.key_blocks_outer else 1] % self.head_splits
+            first_head = kv_head * self.group + split * (self.group // self.head_splits)
+            return first_head + it // m_count, m_lo + step
         return kv_head * self.group + it // m_count, m_lo + step
 
     @cute.jit
@@ -522,6 +599,42 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             dq_state.advance()
 
     @cute.jit
+    def _add_dkv_partials(self, acc_dK, acc_dV, sQ, sK, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
+                          kv_head, batch, tidx):
+        """Head splits: this CTA's dK (scaled) and dV, partial sums over its share of the group's query
+        heads, staged in fp32 over the Q + dO rings (dK) and the K + V tiles (dV), then added into
+        the fp32 accumulators with one TMA bulk reduce-add each; the copy engine clips the rows past
+        the sequence end. Nothing reads those buffers any more: every TMA load into them was waited
+        for by the consumers' last full-barrier waits, and every wgmma reading them was waited for
+        (wait_group 0) before the barrier below."""
+        consumers = pipeline.NamedBarrier(barrier_id=backward_common.DKV_STORE_BARRIER,
+                                          num_threads=self.consumer_threads)
+        consumers.arrive_and_wait()        # both warp groups' last GEMMs have read Q, dO, K and V
+        layout = self._dkv_partial_layout()
+        sdK = cute.make_tensor(cute.recast_ptr(sQ.iterator, layout.inner, dtype=Float32), layout.outer)
+        sdV = cute.make_tensor(cute.recast_ptr(sK.iterator, layout.inner, dtype=Float32), layout.outer)
+        acc_dK.store(acc_dK.load() * self.scale)
+        cute.autovec_copy(acc_dK, thr_dkv.partition_C(sdK))
+        cute.autovec_copy(acc_dV, thr_dkv.partition_C(sdV))
+        # The generic-proxy stores must be visible to the copy engine (async proxy) before it reads.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        consumers.arrive_and_wait()
+        if tidx // 32 == 0:
+            tile = (self.tile_n, self.head_dim)
+            gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
+            tdKsdK, tdKgdK = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1),
+                                                   cute.group_modes(sdK, 0, 2),
+                                                   cute.group_modes(gdK, 0, 2))
+            tdVsdV, tdVgdV = cpasync.tma_partition(tma_dv, 0, cute.make_layout(1),
+                                                   cute.group_modes(sdV, 0, 2),
+                                                   cute.group_modes(gdV, 0, 2))
+            cute.copy(tma_dk, tdKsdK, tdKgdK)
+            cute.copy(tma_dv, tdVsdV, tdVgdV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)   # shared memory outlives the reads
+
+    @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len):
         tile = (self.tile_n, self.head_dim)
         gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
@@ -554,14 +667,104 @@ def _dq_rows(dq_accum, q_len):
     return dq_accum[:, :q_len]
 
 
+def head_splits_reason(head_splits: int, group: int, deterministic: bool, kv_heads: Optional[int] = None,
+                       kv_len: Optional[int] = None, key_blocks_outer: bool = False) -> Optional[str]:
+    """Why the kernel cannot take `head_splits` (and, given the shapes, the grid it makes), or None."""
+    if head_splits < 1 or group % head_splits:
+        return f"head_splits={head_splits} must divide the group of {group} query heads per KV head"
+    if deterministic and head_splits > DETERMINISTIC_HEAD_SPLITS:
+        return (f"deterministic=True takes head_splits <= {DETERMINISTIC_HEAD_SPLITS} (got {head_splits}): "
+                "more fp32 partial sums of dK / dV would add in the order the CTAs finish")
+    if kv_heads is not None and not key_blocks_outer and kv_heads * head_splits > host.MAX_GRID_Y_Z:
+        return (f"{kv_heads} key/value heads x head_splits={head_splits} exceed CUDA's grid limit of "
+                f"{host.MAX_GRID_Y_Z} (gridDim.y)")
+    if kv_len is not None and key_blocks_outer and host.ceil_div(kv_len, TILE_N) > host.MAX_GRID_Y_Z:
+        return (f"key_blocks_outer launches the key blocks on gridDim.z: {kv_len} keys make more than "
+                f"CUDA's limit of {host.MAX_GRID_Y_Z} blocks of {TILE_N}")
+    return None
+
+
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
-    """The static kernel configuration for one call (`tuning`: this kernel's speed choices)."""
-    return BackwardOptions.of(config, problem, tuning)
+    """The static kernel configuration for one call (`tuning`: this kernel's speed choices).
+
+    `tuning.head_splits` None is resolved here, where the shapes are known, by `head_splits_for` (on
+    the local GPU's SM count); the options carry the resolved count and the tuning with head_splits
+    None, so a forced split and the same split chosen share one compile key. A forced split the
+    kernel or CUDA's grid cannot take raises ValueError."""
+    key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
+    head_splits = tuning.head_splits
+    if head_splits is None:
+        head_splits = head_splits_for(problem.batch, problem.kv_heads, problem.group, problem.q_len,
+                                      problem.kv_len, host.sm_count(DEFAULT_SM_COUNT), config.deterministic,
+                                      masking.MaskShape.from_config(config), key_blocks_outer)
+    reason = head_splits_reason(head_splits, problem.group, config.deterministic, problem.kv_heads,
+                                problem.kv_len, key_blocks_outer)
+    if reason is not None:
+        raise ValueError(reason)
+    return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None), head_splits)
 
 
-def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
-    """Fake tensors in the launcher's order, for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape)
+# The cost model of `head_splits_for`, in units of one query block of one head (5 GEMMs of
+# 64 x 128 x D): first guesses, which the H200 sweep of docs/sm90_backward_tuning.md checked.
+CTA_OVERHEAD_BLOCKS = 2     # per CTA: the K / V load, filling and draining the pipeline, the dK / dV store
+PARTIAL_ADD_BLOCKS = 1      # per CTA with head splits, on top: fp32 dK / dV staged and reduce-added
+SPLIT_GAIN = 0.03           # a larger split is taken only if it predicts at least 3 % less time
+BALANCED_WAVES = 16         # a grid this many waves deep is left unsplit: its tail is short already
+DEFAULT_SM_COUNT = 132      # H100 / H200 SXM: the guess where JAX sees no GPU (compiling on a CPU host)
+
+
+@functools.lru_cache(maxsize=256)
+def head_splits_for(batch, kv_heads, group, q_len, kv_len, sm_count, deterministic,
+                    mask: masking.MaskShape, key_blocks_outer: bool = False) -> int:
+    """How many CTAs share each (key block, KV head, batch) when `Tuning.head_splits` is None.
+
+    Why split: the kernel fits one CTA per SM (it takes nearly all shared memory), and one CTA per
+    (key block, KV head, batch) is few CTAs with few KV heads; under a causal mask, moreover, key
+    block n walks only the query blocks from ~2n on, so CTAs differ up to 2x and a single wave lasts
+    as long as the longest. Splitting divides every CTA's walk by the split, at the price of one more
+    K / V load and an fp32 dK / dV reduce-add per CTA; where the grid already fills whole waves with
+    equal CTAs (MHA, or MQA without a mask at 128 CTAs on 132 SMs) it buys nothing.
+    How: for each allowed split (a divisor of the group; at most DETERMINISTIC_HEAD_SPLITS when
+    deterministic; grid y within CUDA's limit), predict the time by giving the CTAs, in launch order,
+    each to the SM that frees first (`key_blocks_outer`: the order that option launches in), a
+    CTA costing its query blocks (the kernel's own `masking.query_block_range`) times its heads plus
+    the overheads above; the smallest split within SPLIT_GAIN of the fastest wins, so a guess that
+    barely pays is not taken."""
+    if group == 1:
+        return 1
+    key_blocks = host.ceil_div(kv_len, TILE_N)
+    if key_blocks * kv_heads * batch >= BALANCED_WAVES * sm_count:
+        return 1
+    num_m_blocks = host.ceil_div(q_len, backward_common.TILE_M)
+    walks = []                  # query blocks per key block, in launch order
+    for x in range(key_blocks):
+        n_block = key_blocks - 1 - x if deterministic else x
+        first, end = masking.query_block_range(mask, n_block, backward_common.TILE_M, TILE_N, kv_len,
+                                               kv_len - q_len, num_m_blocks)
+        walks.append(end - first)
+    limit = DETERMINISTIC_HEAD_SPLITS if deterministic else group
+    allowed = [splits for splits in range(1, limit + 1)
+               if group % splits == 0 and kv_heads * splits <= host.MAX_GRID_Y_Z]
+    predicted = {}
+    for splits in allowed:
+        overhead = CTA_OVERHEAD_BLOCKS + (PARTIAL_ADD_BLOCKS if splits > 1 else 0)
+        costs = [walk * (group // splits) + overhead for walk in walks]
+        free_at = [0] * sm_count        # a heap: when each SM takes its next CTA
+        slices = kv_heads * splits * batch
+        launched = ([cost for cost in costs for _ in range(slices)] if key_blocks_outer
+                    else costs * slices)
+        for cost in launched:
+            heapq.heapreplace(free_at, free_at[0] + cost)
+        predicted[splits] = max(free_at)
+    fastest = min(predicted.values())
+    return next(splits for splits in allowed if predicted[splits] <= fastest * (1 + SPLIT_GAIN))
+
+
+def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1) -> list:
+    """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
+    without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape,
+                                          fp32_dkv=head_splits > 1)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
