@@ -53,13 +53,43 @@ CASES = [
     Case("gqa-long", q_heads=8, kv_heads=2, q_len=700, kv_len=900),
 ]
 
-# The default, and the candidate under measurement (docs/sm90_backward_tuning.md, "racecheck"): every
-# consumer thread releases a query stage. Select the candidate's tests with `-k per_thread_release`.
+# The default, and the candidates under measurement: every consumer thread releases a query stage
+# (docs/sm90_backward_tuning.md, "racecheck"); the grid launched key block slowest (longest walks
+# first). Select a candidate's tests with `-k per_thread_release` or `-k key_blocks_outer`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
                                               per_thread_query_release=True),
+    "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
 }
+
+# Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.
+# GQA and MQA groups of 4, 8 and 16, each with every split of 2, 4, 8, 16 that divides it (the largest:
+# one query head per CTA); lengths off the tiles (Sq not a multiple of 64, Sk not of 128). The default
+# tuning reaches head splits too: `head_splits_for` splits the GQA cases above.
+HEAD_SPLIT_CASES = [
+    Case("gqa4-causal", q_heads=8, kv_heads=2, causal=True, q_len=300, kv_len=333),
+    Case("gqa4-d64", head_dim=64, q_heads=8, kv_heads=2),
+    Case("gqa8-causal-cross-d96", head_dim=96, q_heads=16, kv_heads=2, causal=True, q_len=100, kv_len=357),
+    Case("mqa16-causal", q_heads=16, kv_heads=1, batch=1, causal=True, q_len=333, kv_len=333),
+    Case("mqa8-d64", head_dim=64, q_heads=8, kv_heads=1),
+    Case("mqa8-causal-more-queries", q_heads=8, kv_heads=1, causal=True, q_len=300, kv_len=150, head_dim=64),
+    Case("gqa4-lengths-causal", q_heads=8, kv_heads=2, q_lengths=True, kv_lengths=True, causal=True),
+    Case("gqa4-window", q_heads=8, kv_heads=2, window=(32, 16), q_len=300, kv_len=300),
+    Case("gqa4-softcap", q_heads=8, kv_heads=2, softcap=5.0, scale=1.0),
+    Case("gqa4-segments", q_heads=8, kv_heads=2, segments=True, q_len=300, kv_len=300),
+]
+HEAD_SPLITS = (2, 4, 8, 16)
+# Deterministic mode takes head splits of 2 (two partial sums add onto zero in either order alike).
+DETERMINISTIC_HEAD_SPLIT_CASES = ["gqa4-causal", "gqa8-causal-cross-d96", "mqa16-causal",
+                                  "gqa4-lengths-causal", "gqa4-window"]
+
+
+def _head_split_parameters(cases, splits=HEAD_SPLITS):
+    """(case, head_splits) for every split that divides the case's group; ids `split<n>-<case>`."""
+    return [pytest.param(case, head_splits, id=f"split{head_splits}-{case.name}")
+            for case in cases for head_splits in splits if (case.q_heads // case.kv_heads) % head_splits == 0]
+
 
 # Deterministic mode again on every case whose key blocks start at different query blocks (causal,
 # windows, Sq != Sk, GQA, lengths), where a wrong dQ turn would hang or race.
@@ -124,6 +154,20 @@ def test_deterministic_matches_oracle(case: Case, tuning, inputs):
     _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=True)
 
 
+@pytest.mark.parametrize("case,head_splits", _head_split_parameters(HEAD_SPLIT_CASES))
+def test_head_splits_match_oracle(case: Case, head_splits, inputs):
+    tuning = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits)
+    _check_against_oracle(case, tuning, inputs)
+
+
+@pytest.mark.parametrize("tuning", sorted(TUNINGS))
+@pytest.mark.parametrize("case,head_splits", _head_split_parameters(
+    [case for case in HEAD_SPLIT_CASES if case.name in DETERMINISTIC_HEAD_SPLIT_CASES], (2,)))
+def test_deterministic_head_splits_match_oracle(case: Case, head_splits, tuning, inputs):
+    tuning = dataclasses.replace(TUNINGS[tuning], head_splits=head_splits)
+    _check_against_oracle(case, tuning, inputs, deterministic=True)
+
+
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):
     """`kernel.run` (this module's kernel or its large-head twin) with `tuning` on the oracle's out and
     LSE, against the oracle's gradients."""
@@ -186,6 +230,39 @@ def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
         query, key, value, out, lse, d_out)
     for a, b in zip(first, loose):
         np.testing.assert_allclose(a, np.asarray(b.astype(jnp.float32)), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_head_splits_are_bitwise_reproducible(causal, inputs):
+    """deterministic=True with head splits of 2 (GQA 4, lengths off the tiles): ten runs give identical
+    bits. dQ is the unsplit kernel's bit for bit (each query head is still walked by one CTA per key
+    block, whose dQ adds take the same turns), so the split walks exactly the heads it should; dK and
+    dV, summed in another order, are close to the unsplit ones."""
+    batch, length, q_heads, kv_heads, dim = 2, 1000, 8, 2, 128
+    query, d_out = (inputs.normal((batch, length, q_heads, dim), jnp.bfloat16) for _ in range(2))
+    key, value = (inputs.normal((batch, length, kv_heads, dim), jnp.bfloat16) for _ in range(2))
+    config = AttentionConfig(scale=dim ** -0.5, causal=causal, deterministic=True)
+    as64 = numpy_reference.to_float64
+    out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
+    out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
+    problem = host.Problem.of(query, key, value)
+
+    def backward(head_splits):
+        tuning = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits)
+        options = sm90_backward.options(config, problem, tuning)
+        assert options.head_splits == head_splits
+        return jax.jit(lambda *a: sm90_backward.run(options, *a, None, {})[:3])
+
+    split = backward(2)
+    first = [np.asarray(g.astype(jnp.float32)) for g in split(query, key, value, out, lse, d_out)]
+    for _ in range(9):
+        again = split(query, key, value, out, lse, d_out)
+        for a, b in zip(first, again):
+            assert np.array_equal(a, np.asarray(b.astype(jnp.float32)))
+    unsplit = [np.asarray(g.astype(jnp.float32)) for g in backward(1)(query, key, value, out, lse, d_out)]
+    assert np.array_equal(first[0], unsplit[0]), "dQ differs from the unsplit kernel's"
+    for a, b in zip(first[1:], unsplit[1:]):
+        np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
 
 
 def test_grad_through_public_api(inputs):
