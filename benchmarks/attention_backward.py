@@ -1,7 +1,8 @@
 """Backward benchmark: the sm90 backward kernels' variants vs cuDNN's backward, one process, same inputs.
 
 One command sweeps every variant over the grid (by default the whole one: D 128, 64, 256 x S 1k-16k x
-causal or not, B*S = 16k tokens) and writes one JSON (rewritten after every row, so a run cut short
+causal or not, B*S = 16k tokens; `--shapes gqa`: issue 12's GQA 4, GQA 8 and MQA rows at D 128, causal
+first, where the head-split variants differ) and writes one JSON (rewritten after every row, so a run cut short
 by a time limit still leaves its rows). Per shape it times, with CUPTI (all kernels of the call,
 median of iterations):
 - each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`run(options(config, problem, tuning), ...)`
@@ -30,6 +31,7 @@ order that deadlocks or a wrong result is not timed; `variants_passing` says wha
 
 Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
        [--variants default deterministic ...] [--head-dims 128 64 256] [--seq-lens 1024 4096] [--quick]
+       [--shapes grid|gqa]
        [--iterations N] [--precompile-only] [--variants-passing PYTEST_LOG]
 The git revision comes from $FA4_GIT_REVISION when set (the device copy has no .git), else `git`.
 """
@@ -65,9 +67,13 @@ class Variant:
     tested_by: Optional[tuple] = None   # (test file, pytest id) of its GPU tests; None: shipped code
 
     def skip_reason(self, shape) -> Optional[str]:
-        if shape["head_dim"] in self.head_dims:
-            return None
-        return f"{_module_name(self.kernel)} variant, head dims {self.head_dims} only"
+        if shape["head_dim"] not in self.head_dims:
+            return f"{_module_name(self.kernel)} variant, head dims {self.head_dims} only"
+        head_splits = getattr(self.tuning, "head_splits", None)
+        group = shape["heads"] // _kv_heads(shape)
+        if head_splits is not None and group % head_splits:
+            return f"head_splits={head_splits} does not divide the group of {group} query heads"
+        return None
 
     def kernel_at(self, head_dim):
         """(kernel module, its Tuning) that runs at `head_dim`: as in the routing table
@@ -114,7 +120,31 @@ def _variants():
         "deterministic_diagonal_first": Variant(
             large_heads, large_heads.Tuning(diagonal_first=True), True, large_heads.SUPPORTED_HEAD_DIMS,
             ("test_sm90_backward_large_heads.py", "diagonal_first")),
+        # Head splits forced (`default` lets head_splits_for choose): 1 is the kernel before head
+        # splits, deterministic too; a split that does not divide a row's group skips the row.
+        **{f"head_splits_{splits}": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=splits), False,
+            small_heads.SUPPORTED_HEAD_DIMS, None if splits == 1 else ("test_sm90_backward.py", f"split{splits}"))
+           for splits in HEAD_SPLITS},
+        "deterministic_head_splits_1": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=1), True,
+            small_heads.SUPPORTED_HEAD_DIMS),
+        # The grid launched key block slowest (deterministic mode ignores it), with head_splits_for's
+        # split for that order, and with each split forced.
+        **{"key_blocks_outer" + ("" if splits is None else f"_head_splits_{splits}"): Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, key_blocks_outer=True, head_splits=splits),
+            False, small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "key_blocks_outer"))
+           for splits in (None, *HEAD_SPLITS)},
     }
+
+
+HEAD_SPLITS = (1, 2, 4, 8, 16)
+
+# --shapes gqa: issue 12's rows where one CTA per (key block, KV head, batch) leaves the GPU under-filled
+# and, causal, unevenly loaded (B, S, Hq / Hkv at D 128); causal first, so a run cut short has those.
+GQA_SHAPES = [dict(batch=batch, seq_len=length, heads=heads, kv_heads=kv_heads, head_dim=128, causal=causal)
+              for causal in (True, False)
+              for batch, length, heads, kv_heads in ((1, 8192, 32, 8), (2, 4096, 64, 8), (8, 2048, 16, 1))]
 
 
 def variants_passing(test_log: str):
@@ -186,8 +216,16 @@ def _forward_residuals(query, key, value, config):
         return out.astype(query.dtype), lse, "reference forward"
 
 
+def _kv_heads(shape):
+    return shape.get("kv_heads", shape["heads"])
+
+
 def _dims(shape):
     return shape["batch"], shape["seq_len"], shape["heads"], shape["head_dim"]
+
+
+def _key_dims(shape):
+    return shape["batch"], shape["seq_len"], _kv_heads(shape), shape["head_dim"]
 
 
 def _fallback_reason(shape):
@@ -195,9 +233,9 @@ def _fallback_reason(shape):
     reference), or None."""
     from fa4_jax.kernels import host
 
-    dims = _dims(shape)
     module, _ = _variants()["default"].kernel_at(shape["head_dim"])
-    return module.unsupported_reason(_config(shape), host.Problem(dims, dims, dims, "bfloat16"))
+    problem = host.Problem(_dims(shape), _key_dims(shape), _key_dims(shape), "bfloat16")
+    return module.unsupported_reason(_config(shape), problem)
 
 
 def _lower_for_cuda(job):
@@ -208,14 +246,15 @@ def _lower_for_cuda(job):
     shape, variant = job
     batch, length, heads, dim = _dims(shape)
     tensor = jax.ShapeDtypeStruct((batch, length, heads, dim), jnp.bfloat16)
+    key = jax.ShapeDtypeStruct(_key_dims(shape), jnp.bfloat16)
     start = time.perf_counter()
     try:
         if variant == "forward":
-            _forward(_config(shape)).trace(tensor, tensor, tensor).lower(lowering_platforms=("cuda",))
+            _forward(_config(shape)).trace(tensor, key, key).lower(lowering_platforms=("cuda",))
         else:
             lse = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
             _backward(shape, _variants()[variant]).trace(
-                tensor, tensor, tensor, tensor, lse, tensor).lower(lowering_platforms=("cuda",))
+                tensor, key, key, tensor, lse, tensor).lower(lowering_platforms=("cuda",))
         return variant, time.perf_counter() - start, None
     except Exception as error:  # the timing process compiles it itself then
         return variant, time.perf_counter() - start, f"{type(error).__name__}: {str(error)[:200]}"
@@ -306,7 +345,8 @@ def _summary(row, names):
         ratio = row.get(f"{name}_vs_cudnn")
         cells.append(f"{ratio:5.2f}" if ratio is not None else "  -  ")
     fallback = " (reference fallback, not timed)" if row["fa4_jax_backward"].startswith("reference") else ""
-    return (f"D={row['head_dim']:3d} causal={int(row['causal'])} S={row['seq_len']:5d} "
+    return (f"D={row['head_dim']:3d} causal={int(row['causal'])} B={row['batch']:2d} S={row['seq_len']:5d} "
+            f"H={row['heads']}/{_kv_heads(row)} "
             f"cudnn {row.get('cudnn_ms', float('nan')):7.3f} ms | " + " ".join(cells) + fallback)
 
 
@@ -314,7 +354,8 @@ def run(args):
     import jax
 
     # In the order of --head-dims, so a run cut short has measured the first ones whole.
-    shapes = [shape for head_dim in args.head_dims for shape in attention.shapes(args.quick)
+    grid = GQA_SHAPES if args.shapes == "gqa" else list(attention.shapes(args.quick))
+    shapes = [shape for head_dim in args.head_dims for shape in grid
               if shape["head_dim"] == head_dim and shape["seq_len"] in args.seq_lens]
     names = args.variants or list(_variants())
     if args.precompile_only:
@@ -340,7 +381,8 @@ def run(args):
     key = jax.random.key(0)
     for shape in shapes:
         key, *subkeys = jax.random.split(key, 4)
-        arguments = [jax.random.normal(k, _dims(shape), "float32").astype("bfloat16") for k in subkeys]
+        arguments = [jax.random.normal(k, dims, "float32").astype("bfloat16")
+                     for k, dims in zip(subkeys, (_dims(shape), _key_dims(shape), _key_dims(shape)))]
         row = backward_row(shape, arguments, args)
         report["rows"].append(row)
         write()
@@ -359,6 +401,8 @@ def main(argv=None):
     parser.add_argument("--seq-lens", nargs="+", type=int, default=list(attention.SEQUENCE_LENGTHS))
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
+    parser.add_argument("--shapes", choices=("grid", "gqa"), default="grid",
+                        help="grid: B*S = 16k tokens, H*D = 2048; gqa: the GQA / MQA rows (GQA_SHAPES)")
     parser.add_argument("--precompile-workers", type=int, default=0,
                         help="lower every kernel in this many CPU processes first (on-disk cache)")
     parser.add_argument("--variants-passing", metavar="PYTEST_LOG",

@@ -18,6 +18,8 @@ from fa4_jax.kernels import host  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_backward.py"
 SHIPPED = ["default", "deterministic"]
+# The kernel before head splits, forced: shipped code, timed without a test log's say.
+UNSPLIT = ["head_splits_1", "deterministic_head_splits_1"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ PASSED {LARGE}[diagonal_first-plain-d256]
 FAILED {LARGE}[diagonal_first-causal-d256] - AssertionError: dq off
 1 failed, 5 passed in 12.34s
 """
-    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "per_thread_release", "no_stagger"]
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "per_thread_release", "no_stagger", *UNSPLIT]
 
 
 def test_verbose_xdist_log(benchmark, tmp_path):
@@ -66,7 +68,7 @@ def test_verbose_xdist_log(benchmark, tmp_path):
 =================== 2 passed, 1 error in 30.10s (0:00:30) ====================
 pytest rc=1
 """
-    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "deterministic_diagonal_first"]
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "deterministic_diagonal_first", *UNSPLIT]
 
 
 def test_run_cut_short_keeps_only_the_shipped_variants(benchmark, tmp_path):
@@ -74,7 +76,7 @@ def test_run_cut_short_keeps_only_the_shipped_variants(benchmark, tmp_path):
 [gw0] [ 50%] PASSED {LARGE}[no_stagger-plain-d256]
 pytest rc=124
 """
-    assert _kept(benchmark, tmp_path, log) == SHIPPED
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, *UNSPLIT]
 
 
 def test_an_id_counts_only_in_its_own_test_file(benchmark, tmp_path):
@@ -82,7 +84,7 @@ def test_an_id_counts_only_in_its_own_test_file(benchmark, tmp_path):
 PASSED {LARGE}[per_thread_release-plain-d256]
 2 passed in 1.00s
 """
-    assert _kept(benchmark, tmp_path, log) == SHIPPED
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, *UNSPLIT]
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
@@ -90,7 +92,9 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
     shape = dict(batch=1, seq_len=1024, heads=8, head_dim=head_dim, causal=False)
     runs = [name for name, variant in benchmark._variants().items() if variant.skip_reason(shape) is None]
     if head_dim in (64, 96, 128):
-        assert runs == [*SHIPPED, "per_thread_release"]
+        # MHA: no split divides a group of 1.
+        assert runs == [*SHIPPED, "per_thread_release", *UNSPLIT, "key_blocks_outer",
+                        "key_blocks_outer_head_splits_1"]
     else:
         assert runs == [*SHIPPED, "no_stagger", "deterministic_diagonal_first"]
     dims = (1, 1024, 8, head_dim)
@@ -122,3 +126,30 @@ def test_a_candidate_reaches_only_its_own_kernel(benchmark):
     assert variants["per_thread_release"].kernels()["sm90_backward"]["per_thread_query_release"]
     assert list(variants["deterministic_diagonal_first"].kernels()) == ["sm90_backward_large_heads"]
     assert variants["deterministic_diagonal_first"].kernels()["sm90_backward_large_heads"]["diagonal_first"]
+
+
+def test_head_split_variants_run_where_they_divide_the_group(benchmark):
+    """--shapes gqa: each forced split times the rows whose group it divides and records the others
+    skipped; the head-split variants count as tested only by their own split's GPU tests."""
+    variants = benchmark._variants()
+    groups = {(shape["heads"] // shape["kv_heads"]) for shape in benchmark.GQA_SHAPES}
+    assert groups == {4, 8, 16}
+    for shape in benchmark.GQA_SHAPES:
+        group = shape["heads"] // shape["kv_heads"]
+        assert benchmark._fallback_reason(shape) is None
+        for splits in benchmark.HEAD_SPLITS:
+            reason = variants[f"head_splits_{splits}"].skip_reason(shape)
+            assert (reason is None) == (group % splits == 0), (shape, splits, reason)
+    assert variants["head_splits_4"].tested_by == ("test_sm90_backward.py", "split4")
+    assert variants["head_splits_1"].tested_by is None
+
+
+def test_a_head_split_log_keeps_its_split(benchmark, tmp_path):
+    log = f"""PASSED {SMALL.replace("backward_matches", "head_splits_match")}[split4-gqa4-causal]
+PASSED tests/test_sm90_backward.py::test_deterministic_head_splits_match_oracle[split2-gqa4-causal]
+FAILED tests/test_sm90_backward.py::test_head_splits_match_oracle[split8-mqa8-d64] - AssertionError
+2 passed, 1 failed in 9.00s
+"""
+    kept = _kept(benchmark, tmp_path, log)
+    assert "head_splits_4" in kept and "head_splits_2" in kept
+    assert "head_splits_8" not in kept and "head_splits_16" not in kept
