@@ -175,7 +175,7 @@ KERNELS = {
 @pytest.mark.parametrize("kind, capability, head_dim", KERNELS.values(), ids=KERNELS.keys())
 def test_zero_batch_falls_back_in_both_passes(monkeypatch, kind, capability, head_dim):
     """Batch 0 passes validation (the result is empty) but no kernel launches an empty grid: every
-    kernel's unsupported_reason shares host.shape_unsupported_reason, the backward's too."""
+    kernel's unsupported_reason starts with host.kernel_unsupported_reason, the backward's too."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
     monkeypatch.setattr(cuda, "_warned", set())
     config = AttentionConfig(scale=0.125, causal=True)

@@ -98,6 +98,12 @@ def grid_unsupported_reason(kernel_name: str, problem: Problem) -> Optional[str]
     return None
 
 
+def kernel_unsupported_reason(kernel_name: str, config, problem: Problem, head_dims) -> Optional[str]:
+    """The checks every kernel's `unsupported_reason` starts with: dtypes and shapes, then the scale."""
+    return (shape_unsupported_reason(kernel_name, problem, head_dims)
+            or scale_unsupported_reason(kernel_name, config))
+
+
 def sm_count(default: int) -> int:
     """Streaming multiprocessors of the local GPU (sizes a persistent grid); `default` without one,
     e.g. when compiling on a CPU."""

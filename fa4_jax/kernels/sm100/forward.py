@@ -808,8 +808,7 @@ class Sm100ForwardKernel:
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    reason = (host.shape_unsupported_reason("sm100", problem, SUPPORTED_HEAD_DIMS)
-              or host.scale_unsupported_reason("sm100", config))
+    reason = host.kernel_unsupported_reason("sm100", config, problem, SUPPORTED_HEAD_DIMS)
     if reason is not None:
         return reason
     if config.has_q_start and (config.has_q_seq_lengths or config.has_kv_seq_lengths or config.has_segment_ids):

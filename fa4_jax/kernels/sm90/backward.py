@@ -112,15 +112,7 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    reason = (host.shape_unsupported_reason("sm90 backward", problem, SUPPORTED_HEAD_DIMS)
-              or host.scale_unsupported_reason("sm90 backward", config)
-              or host.grid_unsupported_reason("sm90 backward", problem))
-    if reason is not None:
-        return reason
-    if config.has_q_start:
-        # Like the forward kernel: the sequence-sharded path has not yet run on a GPU.
-        return "sm90 backward does not yet take a sequence-sharded query (q_start)"
-    return None
+    return backward_common.unsupported_reason("sm90 backward", config, problem, SUPPORTED_HEAD_DIMS)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -95,14 +95,7 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    reason = (host.shape_unsupported_reason("sm90 large-head backward", problem, SUPPORTED_HEAD_DIMS)
-              or host.scale_unsupported_reason("sm90 large-head backward", config)
-              or host.grid_unsupported_reason("sm90 large-head backward", problem))
-    if reason is not None:
-        return reason
-    if config.has_q_start:
-        return "sm90 large-head backward does not yet take a sequence-sharded query (q_start)"
-    return None
+    return backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
 
 
 def query_stages(head_dim: int) -> int:
