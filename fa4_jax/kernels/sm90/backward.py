@@ -611,20 +611,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # The generic-proxy stores must be visible to the copy engine (async proxy) before it reads.
         cute.arch.fence_proxy("async.shared", space="cta")
         consumers.arrive_and_wait()
-        if tidx // 32 == 0:
-            tile = (self.tile_n, self.head_dim)
-            gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
-            tdKsdK, tdKgdK = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1),
-                                                   cute.group_modes(sdK, 0, 2),
-                                                   cute.group_modes(gdK, 0, 2))
-            tdVsdV, tdVgdV = cpasync.tma_partition(tma_dv, 0, cute.make_layout(1),
-                                                   cute.group_modes(sdV, 0, 2),
-                                                   cute.group_modes(gdV, 0, 2))
-            cute.copy(tma_dk, tdKsdK, tdKgdK)
-            cute.copy(tma_dv, tdVsdV, tdVgdV)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)   # shared memory outlives the reads
+        self._copy_dkv_tiles(tma_dk, sdK, mdK, tma_dv, sdV, mdV, n_block, kv_head, batch, tidx)
 
     @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len):

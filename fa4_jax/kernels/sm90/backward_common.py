@@ -226,20 +226,27 @@ class Sm90BackwardBase:
         cute.autovec_copy(rounded_dv, thr_dkv.partition_C(sV))
         cute.arch.fence_proxy("async.shared", space="cta")
         consumers.arrive_and_wait()
+        self._copy_dkv_tiles(tma_dk, sK, mdK, tma_dv, sV, mdV, n_block, kv_head, batch, tidx)
+
+    @cute.jit
+    def _copy_dkv_tiles(self, tma_dk, sdK, mdK, tma_dv, sdV, mdV, n_block, kv_head, batch, tidx):
+        """Warp 0 of the consumers sends the staged dK and dV tiles (`sdK`, `sdV`) to this CTA's key
+        block of `mdK`, `mdV` with one TMA bulk copy each (a store or a reduce-add, as the atoms say)
+        and waits until the copy engine has read them, so the shared memory outlives the reads."""
         if tidx // 32 == 0:
             tile = (self.tile_n, self.head_dim)
             gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
             gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
             tdKsdK, tdKgdK = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1),
-                                                   cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(sdK, 0, 2),
                                                    cute.group_modes(gdK, 0, 2))
             tdVsdV, tdVgdV = cpasync.tma_partition(tma_dv, 0, cute.make_layout(1),
-                                                   cute.group_modes(sV, 0, 2),
+                                                   cute.group_modes(sdV, 0, 2),
                                                    cute.group_modes(gdV, 0, 2))
             cute.copy(tma_dk, tdKsdK, tdKgdK)
             cute.copy(tma_dv, tdVsdV, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)   # shared memory outlives the reads
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 # ----------------------------------------------------------------------------------------------------
