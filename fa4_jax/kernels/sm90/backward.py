@@ -56,7 +56,7 @@ from cutlass.memory import SmemAllocator
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import masking, ordered_reduction
-from fa4_jax.kernels.sm90 import backward_common
+from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, backward_common
 from fa4_jax.kernels.sm90.backward_common import BackwardOptions, Sm90BackwardBase
 from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, gemm, k_major_layout, mn_major_layout,
                                         query_major_view, swizzle_columns, transpose_view)
@@ -689,7 +689,6 @@ CTA_OVERHEAD_BLOCKS = 2     # per CTA: the K / V load, filling and draining the 
 PARTIAL_ADD_BLOCKS = 1      # per CTA with head splits, on top: fp32 dK / dV staged and reduce-added
 SPLIT_GAIN = 0.03           # a larger split is taken only if it predicts at least 3 % less time
 BALANCED_WAVES = 16         # a grid this many waves deep is left unsplit: its tail is short already
-DEFAULT_SM_COUNT = 132      # H100 / H200 SXM: the guess where JAX sees no GPU (compiling on a CPU host)
 
 
 @functools.lru_cache(maxsize=256)

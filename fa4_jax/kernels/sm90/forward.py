@@ -60,7 +60,7 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import masking, online_softmax, tile_scheduler
 from fa4_jax.kernels.common.softcap import apply_softcap
-from fa4_jax.kernels.sm90 import wgmma
+from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, wgmma
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 ROWS_PER_WARPGROUP = 64  # one wgmma M
@@ -68,7 +68,6 @@ ROWS_PER_WARPGROUP = 64  # one wgmma M
 # total stays within the 64K register file (24 * 128 + 240 * 256 = 24 * 128 + 160 * 384 = 64512).
 REGISTERS = {2: (24, 240), 3: (24, 160)}
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per CTA on sm_90
-DEFAULT_SM_COUNT = 132  # H100/H200 SXM; the real count is passed in when a GPU is present.
 SCHEDULER_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup; 0 is __syncthreads)
 EPILOGUE_BARRIER = 4   # named barriers 4..6: one per consumer warpgroup, for the TMA-store epilogue
 
