@@ -64,11 +64,6 @@ LISTING = "KERNEL_BINARIES_JOBS "   # marks the line of `list --json` output amo
 # What marks a test module as one that compiles kernels; each such module needs an entry in `_jobs_of`.
 COMPILE_MARKERS = re.compile(r"_COMPILE\b|cute\.compile|compile_kernels|lowering_platforms|build_report")
 
-# test_inapplicable_tuning_leaves_the_ptx_unchanged builds its specs inside the test function, so they
-# are spelled out here: per parametrisation, whether deterministic and the tuning that does not apply.
-LARGE_HEAD_INAPPLICABLE_TUNING = {"unordered_dq": (False, {"diagonal_first": True}),
-                                  "deterministic": (True, {"stagger": False})}
-
 # Runs in the job's subprocess: the tree's own sm100 compile path, for one named spec.
 _SM100_COMPILE = r"""
 import importlib, json, sys
@@ -106,10 +101,8 @@ def _jobs_of(module_name: str, module) -> list:
                             json.dumps({"dtype": "bfloat16", **spec}))
                 for name, spec in module.CASES.items()]
         if module_name.endswith("large_heads"):
-            for parameter, (deterministic, inapplicable) in LARGE_HEAD_INAPPLICABLE_TUNING.items():
-                spec = {"dtype": "bfloat16", "config": {"scale": 256 ** -0.5, "causal": True,
-                                                        "deterministic": deterministic},
-                        "shape": [2, 300, 333, 8, 2, 256]}
+            for parameter, (test_spec, inapplicable) in module.INAPPLICABLE_TUNING.items():
+                spec = {"dtype": "bfloat16", **test_spec}
                 collection = f"test_inapplicable_tuning_leaves_the_ptx_unchanged[{parameter}]"
                 jobs.append(_script_job(f"{module_name}::{collection}/default", "sm_90a", module._COMPILE,
                                         json.dumps(spec)))
