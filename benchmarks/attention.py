@@ -180,8 +180,9 @@ def _compile_variant(task):
     return name, time.perf_counter() - started, None
 
 
-def _cpu_only_worker():
-    os.environ["JAX_PLATFORMS"] = "cpu"  # workers compile; they must not take GPU memory
+def cpu_only_worker():
+    """Initializer of the benchmarks' compile workers: they compile, so they must not take GPU memory."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def compile_variants_in_parallel(shape_list, excluded, workers: int) -> dict:
@@ -193,7 +194,7 @@ def compile_variants_in_parallel(shape_list, excluded, workers: int) -> dict:
              for name in variants_for(shape["head_dim"], shape["causal"], excluded)]
     started = time.perf_counter()
     errors = {}
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=_cpu_only_worker) as pool:
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=cpu_only_worker) as pool:
         for name, _, error in pool.imap_unordered(_compile_variant, tasks):
             if error:
                 errors.setdefault(name, error)

@@ -260,10 +260,6 @@ def _lower_for_cuda(job):
         return variant, time.perf_counter() - start, f"{type(error).__name__}: {str(error)[:200]}"
 
 
-def _worker_initializer():
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
 def precompile(shapes, variant_names, workers):
     """Fill the on-disk cache for every (shape, variant that runs there) in `workers` CPU-platform
     processes."""
@@ -275,7 +271,7 @@ def precompile(shapes, variant_names, workers):
     failures = []
     context = __import__("multiprocessing").get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
-                                                initializer=_worker_initializer) as pool:
+                                                initializer=attention.cpu_only_worker) as pool:
         for (shape, _), (variant, seconds, error) in zip(jobs, pool.map(_lower_for_cuda, jobs)):
             if error:
                 failures.append(dict(variant=variant, **shape, error=error))

@@ -270,10 +270,6 @@ def _differences(pass_name, outputs) -> dict:
 
 # ---------------------------------------------------------------- precompiling fa4_jax's kernels
 
-def _cpu_only_worker():
-    os.environ["JAX_PLATFORMS"] = "cpu"  # the workers compile; they must not take GPU memory
-
-
 def _precompile_shape(shape):
     """Worker: lower fa4_jax's forward and its VJP for CUDA, which compiles their kernels into the
     on-disk cache. Returns (seconds, error or None)."""
@@ -309,7 +305,7 @@ class Precompiler:
         if workers <= 0:
             return
         self._pool = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_cpu_only_worker)
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=attention.cpu_only_worker)
         for shape in shapes:
             self._futures[shape] = self._pool.submit(_precompile_shape, shape)
 
