@@ -77,7 +77,8 @@ def kernel_for(pass_: str, config: AttentionConfig, query, key, value):
     """The kernel module to run, or None for the reference (after warning or raising as configured)."""
     if config.implementation == "reference":
         return None
-    route, reason = _route_reason(pass_, compute_capability(), host.Problem.of(query, key, value))
+    problem = host.Problem.of(query, key, value)
+    route, reason = _route_reason(pass_, compute_capability(), problem)
     module = None
     if route is not None:
         try:
@@ -85,7 +86,7 @@ def kernel_for(pass_: str, config: AttentionConfig, query, key, value):
         except ImportError as error:
             reason = f"the {pass_} kernel module {route.module} is not available ({error})"
     if module is not None:
-        reason = module.unsupported_reason(config, host.Problem.of(query, key, value))
+        reason = module.unsupported_reason(config, problem)
         if reason is None:
             return module
     if config.implementation == "cute":
