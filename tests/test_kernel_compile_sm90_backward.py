@@ -44,7 +44,7 @@ problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_hea
 tuning = sm90_backward.Tuning(**spec.get("tuning", {}), head_splits=spec.get("head_splits", 1))
 kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
-             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits))
+             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits, kernel.tile_m))
 """
 
 # The default tuning everywhere: D 64 / 96 / 128, causal, GQA, deterministic, and the configurations
@@ -103,6 +103,27 @@ CASES = {
     "d64-deterministic-key-blocks-outer-head-splits-2": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
         tuning=dict(key_blocks_outer=True), head_splits=2),
+    # 128 query rows per block (D = 64): full, causal GQA fp16 with odd lengths, deterministic.
+    "d64-query-rows-128": dict(config=dict(scale=0.125), shape=[2, 256, 256, 4, 4, 64],
+                               tuning=dict(query_rows=128)),
+    "d64-causal-gqa-query-rows-128-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 8, 2, 64],
+                                               tuning=dict(query_rows=128), dtype="float16"),
+    "d64-deterministic-query-rows-128": dict(config=dict(scale=0.125, causal=True, deterministic=True),
+                                             shape=[1, 300, 300, 4, 4, 64], tuning=dict(query_rows=128)),
+    # dQ issued before dK, staged while dK runs: plain, causal GQA deterministic, 128 query rows, the
+    # register-bound configurations.
+    "d128-dq-before-dk": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128],
+                              tuning=dict(dq_before_dk=True)),
+    "d96-causal-gqa-deterministic-dq-before-dk": dict(
+        config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
+        tuning=dict(dq_before_dk=True)),
+    "d64-query-rows-128-dq-before-dk": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
+                                            tuning=dict(query_rows=128, dq_before_dk=True)),
+    "d128-softcap-window-dq-before-dk": dict(config=dict(scale=1.0, softcap=5.0, window_left=64, window_right=32),
+                                             shape=[1, 200, 333, 4, 4, 128], tuning=dict(dq_before_dk=True)),
+    "d128-segments-lengths-dq-before-dk": dict(
+        config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
+        shape=[2, 197, 333, 4, 4, 128], tuning=dict(dq_before_dk=True)),
     "d128-segments-lengths-head-splits-4": dict(
         config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 8, 2, 128], head_splits=4),
@@ -220,3 +241,23 @@ def test_the_resolved_split_is_the_compile_key():
     assert chosen.head_splits > 1 and chosen.tuning.head_splits is None
     assert sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=chosen.head_splits)) == chosen
     assert sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=1)).head_splits == 1
+
+
+@pytest.mark.parametrize("head_dim,extra,match", [
+    (128, dict(), "head dims"), (64, dict(softcap=5.0), "softcap or segment ids"),
+    (64, dict(has_segment_ids=True), "softcap or segment ids"), (64, dict(), "must be one of")])
+def test_query_rows_the_kernel_cannot_take_are_refused(head_dim, extra, match):
+    """128 query rows fit registers and shared memory at D = 64 only, and not beside softcap or segment
+    ids (those spill); other counts are not tile shapes. `options` refuses them by name; at D = 64
+    without either, and with an explicit head split of 1, 128 rows are taken."""
+    config = AttentionConfig(scale=head_dim ** -0.5, **extra)
+    problem = _problem([1, 256, 256, 4, 4, head_dim])
+    rows = 96 if match == "must be one of" else 128
+    with pytest.raises(ValueError, match=match):
+        sm90_backward.options(config, problem, sm90_backward.Tuning(query_rows=rows))
+    wide = sm90_backward.options(AttentionConfig(scale=0.125), _problem([1, 256, 256, 8, 2, 64]),
+                                 sm90_backward.Tuning(query_rows=128))
+    assert wide.tuning.query_rows == 128 and wide.head_splits == 1
+    with pytest.raises(ValueError, match="head_splits"):
+        sm90_backward.options(AttentionConfig(scale=0.125), _problem([1, 256, 256, 8, 2, 64]),
+                              sm90_backward.Tuning(query_rows=128, head_splits=2))

@@ -55,12 +55,14 @@ CASES = [
 
 # The default, and the candidates under measurement: every consumer thread releases a query stage
 # (docs/sm90_backward_tuning.md, "racecheck"); the grid launched key block slowest (longest walks
-# first). Select a candidate's tests with `-k per_thread_release` or `-k key_blocks_outer`.
+# first); dQ issued before dK and staged while dK runs. Select a candidate's tests with
+# `-k per_thread_release`, `-k key_blocks_outer` or `-k dq_before_dk`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
                                               per_thread_query_release=True),
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
+    "dq_before_dk": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_before_dk=True),
 }
 
 # Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.
@@ -83,6 +85,16 @@ HEAD_SPLITS = (2, 4, 8, 16)
 # Deterministic mode takes head splits of 2 (two partial sums add onto zero in either order alike).
 DETERMINISTIC_HEAD_SPLIT_CASES = ["gqa4-causal", "gqa8-causal-cross-d96", "mqa16-causal",
                                   "gqa4-lengths-causal", "gqa4-window"]
+
+
+# 128 query rows per block (`Tuning.query_rows`, head dim 64 only, without softcap or segment ids): the
+# D = 64 cases, and the others that make sense at D = 64, with lengths off the 128-row blocks; default
+# and deterministic, with dQ before dK or not.
+WIDE_QUERY_CASES = [case if case.head_dim == 64 else dataclasses.replace(case, name=f"{case.name}-d64", head_dim=64)
+                    for case in CASES if case.head_dim in (64, 128) and case.name not in ("plain-d128", "causal-d128")
+                    and case.softcap is None and not case.segments]
+WIDE_QUERY_TUNINGS = {name: dataclasses.replace(sm90_backward.DEFAULT_TUNING, query_rows=128, dq_before_dk=dq_before_dk)
+                      for name, dq_before_dk in (("query_rows_128", False), ("query_rows_128_dq_before_dk", True))}
 
 
 def _head_split_parameters(cases, splits=HEAD_SPLITS):
@@ -166,6 +178,13 @@ def test_head_splits_match_oracle(case: Case, head_splits, inputs):
 def test_deterministic_head_splits_match_oracle(case: Case, head_splits, tuning, inputs):
     tuning = dataclasses.replace(TUNINGS[tuning], head_splits=head_splits)
     _check_against_oracle(case, tuning, inputs, deterministic=True)
+
+
+@pytest.mark.parametrize("tuning", sorted(WIDE_QUERY_TUNINGS))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["unordered_dq", "deterministic"])
+@pytest.mark.parametrize("case", WIDE_QUERY_CASES, ids=lambda case: case.name)
+def test_wide_query_blocks_match_oracle(case: Case, deterministic, tuning, inputs):
+    _check_against_oracle(case, WIDE_QUERY_TUNINGS[tuning], inputs, deterministic=deterministic)
 
 
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):

@@ -92,6 +92,14 @@ class Tuning:
       its query heads and adding fp32 partial dK / dV (the module docstring says how). None:
       `head_splits_for` chooses (in `options`, where the shapes are known); a number forces it
       (benchmark sweeps, tests). It changes the fp32 summation order of dK and dV too.
+    query_rows: query rows per block (the GEMMs' N for S^T / dP^T, K for dV / dK, M for dQ): 64, or
+      128 where registers and shared memory allow it (D = 64, no head splits), which halves the
+      per-block fixed costs (barrier hand-offs, pipeline waits, row statistics) per FLOP. None:
+      `query_rows_for` chooses (in `options`).
+    dq_before_dk: issue dQ = dS K before dK += dS^T Q and stage dQ for the writer warp while the
+      tensor cores compute dK, instead of dK first and the dQ staging after both (with nothing
+      on the tensor cores). The Nsight profile at D = 128 (docs/sm90_backward_tuning.md) puts the
+      staging's shared-memory stores at ~15 % of a block's time.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -105,6 +113,8 @@ class Tuning:
     per_thread_query_release: bool = False
     head_splits: Optional[int] = None
     key_blocks_outer: bool = False
+    query_rows: Optional[int] = None
+    dq_before_dk: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -139,7 +149,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # and tma_dkv_store each make ptxas spill (D = 128: 148/92, 36/8 and 48 bytes), so those
         # configurations take none of them.
         register_bound = options.softcap is not None or options.has_segment_ids
-        self.early_dv = tuning.early_dv and not register_bound
+        self.tile_m = tuning.query_rows or backward_common.TILE_M
+        # At 128 query rows S^T, dP^T, dK and dV take 192 registers already: early dV's live P^T
+        # operand on top makes ptxas serialize the wgmmas (and spill), so it waits for dS there.
+        self.early_dv = tuning.early_dv and not register_bound and self.tile_m == backward_common.TILE_M
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
@@ -501,8 +514,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.commit_group()
             cute.autovec_copy(cute.make_tensor(frag_ds.iterator, acc_dp.layout),
                               tdSsdS[None, None, None, ds_stage])
-            gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
-            warpgroup.commit_group()
+            if const_expr(not self.tuning.dq_before_dk):
+                gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
+                warpgroup.commit_group()
 
             # dS complete in shared memory (both warp groups) before dQ = dS K reads it.
             cute.arch.fence_view_async_shared()
@@ -510,6 +524,13 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, d)), Float32)
             gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
             warpgroup.commit_group()
+            if const_expr(self.tuning.dq_before_dk):
+                # dK after dQ, so the dQ staging below runs while the tensor cores compute dK.
+                gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
+                dq_state.advance()
             warpgroup.wait_group(0)
             if const_expr(self.tuning.per_thread_query_release):
                 # PipelineTmaAsync releases from lane 0 of each warp only: arrive from every thread.
@@ -517,15 +538,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             else:
                 query_pipe.consumer_release(query_state)
             query_state.advance()
-
-            # Stage this block's dQ for the writer warp; wait only for a free buffer. The two
-            # [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2).
-            dq_pipe.producer_acquire(dq_state)
-            staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
-            cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
-            cute.arch.fence_proxy("async.shared", space="cta")
-            dq_pipe.producer_commit(dq_state)
-            dq_state.advance()
+            if const_expr(not self.tuning.dq_before_dk):
+                self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
+                dq_state.advance()
 
         if const_expr(self.head_splits > 1):
             self._add_dkv_partials(acc_dK, acc_dV, sQ, sK, *dkv_store, thr_dkv, n_block, kv_head, batch,
@@ -535,6 +550,16 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                                 tidx)
         else:
             self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
+
+    @cute.jit
+    def _stage_dq(self, acc_dq, sdQ, thr_dq, dq_pipe, dq_state):
+        """Stage this block's dQ for the writer warp; wait only for a free buffer. The two
+        [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2)."""
+        dq_pipe.producer_acquire(dq_state)
+        staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
+        cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        dq_pipe.producer_commit(dq_state)
 
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
@@ -672,6 +697,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     kernel or CUDA's grid cannot take raises ValueError."""
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
+    if head_splits is None and (tuning.query_rows or backward_common.TILE_M) > backward_common.TILE_M:
+        head_splits = 1        # wide query blocks stage no fp32 dK / dV partials (query_rows_reason)
     if head_splits is None:
         head_splits = head_splits_for(problem.batch, problem.kv_heads, problem.group, problem.q_len,
                                       problem.kv_len, host.sm_count(DEFAULT_SM_COUNT), config.deterministic,
@@ -680,7 +707,40 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
                                 problem.kv_len, key_blocks_outer)
     if reason is not None:
         raise ValueError(reason)
-    return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None), head_splits)
+    register_bound = config.softcap is not None or config.has_segment_ids
+    query_rows = tuning.query_rows
+    if query_rows is None:
+        query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
+    reason = query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound)
+    if reason is not None:
+        raise ValueError(reason)
+    return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows),
+                              head_splits)
+
+
+QUERY_ROWS = (64, 128)
+WIDE_QUERY_HEAD_DIMS = (64,)     # where 128 query rows fit: [128 x 128] S^T and dP^T beside dK, dV
+
+
+def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int:
+    """Query rows per block when `Tuning.query_rows` is None (`register_bound`: softcap or segment ids)."""
+    return backward_common.TILE_M
+
+
+def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool) -> Optional[str]:
+    """Why the kernel cannot take `query_rows` query rows per block, or None."""
+    if query_rows not in QUERY_ROWS:
+        return f"query_rows={query_rows} must be one of {QUERY_ROWS}"
+    if query_rows > backward_common.TILE_M and register_bound:
+        return (f"query_rows={query_rows} does not combine with softcap or segment ids: their per-row "
+                "statistics in registers make ptxas spill (D = 64: 352 bytes)")
+    if query_rows > backward_common.TILE_M and head_dim not in WIDE_QUERY_HEAD_DIMS:
+        return (f"query_rows={query_rows} fits registers and shared memory at head dims {WIDE_QUERY_HEAD_DIMS} "
+                f"only (got {head_dim})")
+    if query_rows > backward_common.TILE_M and head_splits > 1:
+        return (f"query_rows={query_rows} does not combine with head_splits={head_splits}: the fp32 dK / dV "
+                "partials are staged over Q / dO rings sized for 64 rows")
+    return None
 
 
 # The cost model of `head_splits_for`, in units of one query block of one head (5 GEMMs of
@@ -738,11 +798,12 @@ def head_splits_for(batch, kv_heads, group, q_len, kv_len, sm_count, determinist
     return next(splits for splits in allowed if predicted[splits] <= fastest * (1 + SPLIT_GAIN))
 
 
-def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1) -> list:
+def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1,
+                   query_rows: int = backward_common.TILE_M) -> list:
     """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
     without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
     return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape,
-                                          fp32_dkv=head_splits > 1)
+                                          fp32_dkv=head_splits > 1, tile_m=query_rows)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):

@@ -37,7 +37,7 @@ from fa4_jax.kernels.common import masking
 from fa4_jax.kernels.common.softcap import apply_softcap
 
 LOG2_E = math.log2(math.e)
-TILE_M = 64                    # query rows per block, both kernels (the preprocess pads to it)
+TILE_M = 64                    # query rows per block unless a kernel's options say otherwise
 SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
 DKV_STORE_BARRIER = 2          # named barrier of the consumers around the dK / dV store
 
@@ -253,14 +253,16 @@ class Sm90BackwardBase:
 # JAX side: the preprocess, the kernel call, the postprocess
 # ----------------------------------------------------------------------------------------------------
 
-def padded_rows(q_len):
-    return host.ceil_div(q_len, TILE_M) * TILE_M
+def padded_rows(q_len, tile_m=TILE_M):
+    """Query rows padded to whole blocks of `tile_m`: the staged row statistics are copied a block at
+    a time, and the deterministic turn counters count blocks."""
+    return host.ceil_div(q_len, tile_m) * tile_m
 
 
-def preprocess(out, lse, d_out, d_lse):
+def preprocess(out, lse, d_out, d_lse, tile_m=TILE_M):
     """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible)."""
     batch, q_len, heads, _ = out.shape
-    pad = padded_rows(q_len) - q_len
+    pad = padded_rows(q_len, tile_m) - q_len
     dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         dpsum = dpsum - d_lse.astype(jnp.float32)
@@ -284,14 +286,15 @@ def _fake_optional(name, batch, q_len, kv_len):
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inputs, dq_accumulator_shape,
-                   fp32_dkv: bool = False) -> list:
+                   fp32_dkv: bool = False, tile_m: int = TILE_M) -> list:
     """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
     `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
     q_heads, head_dim)`, the semaphores, then dK, dV: in the input type, or fp32 accumulators with
-    `fp32_dkv`), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    `fp32_dkv`), for compiling without a GPU; rows padded to the kernel's `tile_m`.
+    shape = (B, Sq, Sk, Hq, Hkv, D)."""
     batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
     element = host.cutlass_dtype(dtype_name)
-    padded = padded_rows(q_len)
+    padded = padded_rows(q_len, tile_m)
     present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
                "q_seq_lengths": config.has_q_seq_lengths, "kv_seq_lengths": config.has_kv_seq_lengths,
                "q_start": config.has_q_start}
@@ -302,7 +305,7 @@ def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inp
         fake(element, query_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
         *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
         fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
-        fake(cutlass.Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic else None,
+        fake(cutlass.Int32, (batch, q_heads, padded // tile_m)) if config.deterministic else None,
         *(fake(Float32 if fp32_dkv else element, key_shape) for _ in range(2)),
     ]
 
@@ -315,10 +318,11 @@ def run_backward(kernel, options: BackwardOptions, query, key, value, out, lse, 
     With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here."""
     batch, q_len, q_heads, head_dim = query.shape
     d_out = d_out.astype(query.dtype)
-    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse)
+    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse, kernel.tile_m)
     padded = dpsum.shape[-1]
     dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32) if options.deterministic else None)
+    semaphores = (jnp.zeros((batch, q_heads, padded // kernel.tile_m), jnp.int32) if options.deterministic
+                  else None)
     inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
               dq_accum, semaphores)
     dq_accum, d_key, d_value = host.launch_backward(kernel, options, inputs, key, value, query.dtype,
