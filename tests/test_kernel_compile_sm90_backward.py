@@ -103,27 +103,9 @@ CASES = {
     "d64-deterministic-key-blocks-outer-head-splits-2": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
         tuning=dict(key_blocks_outer=True), head_splits=2),
-    # 128 query rows per block (D = 64): full, causal GQA fp16 with odd lengths, deterministic.
-    "d64-query-rows-128": dict(config=dict(scale=0.125), shape=[2, 256, 256, 4, 4, 64],
-                               tuning=dict(query_rows=128)),
-    "d64-causal-gqa-query-rows-128-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 8, 2, 64],
-                                               tuning=dict(query_rows=128), dtype="float16"),
-    "d64-deterministic-query-rows-128": dict(config=dict(scale=0.125, causal=True, deterministic=True),
-                                             shape=[1, 300, 300, 4, 4, 64], tuning=dict(query_rows=128)),
-    # dQ issued before dK, staged while dK runs: plain, causal GQA deterministic, 128 query rows, the
-    # register-bound configurations.
-    "d128-dq-before-dk": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128],
-                              tuning=dict(dq_before_dk=True)),
-    "d96-causal-gqa-deterministic-dq-before-dk": dict(
-        config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
-        tuning=dict(dq_before_dk=True)),
-    "d64-query-rows-128-dq-before-dk": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
-                                            tuning=dict(query_rows=128, dq_before_dk=True)),
-    "d128-softcap-window-dq-before-dk": dict(config=dict(scale=1.0, softcap=5.0, window_left=64, window_right=32),
-                                             shape=[1, 200, 333, 4, 4, 128], tuning=dict(dq_before_dk=True)),
-    "d128-segments-lengths-dq-before-dk": dict(
-        config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
-        shape=[2, 197, 333, 4, 4, 128], tuning=dict(dq_before_dk=True)),
+    # 64 query rows forced at D = 64 (the default takes 128 there).
+    "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
+                              tuning=dict(query_rows=64)),
     "d128-segments-lengths-head-splits-4": dict(
         config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 8, 2, 128], head_splits=4),
@@ -177,7 +159,7 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
         releasers //= 32
     assert _query_release_counts(ptx) == [releasers] * 2
     assert ".target sm_90a" in ptx
-    # 5 GEMMs per query block: S^T, dP^T (K = D), dV, dK (K = 64 query rows), dQ (K = 128 keys).
+    # 5 GEMMs per query block: S^T, dP^T (K = D), dV, dK (K = the query rows), dQ (K = 128 keys).
     assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
@@ -261,3 +243,20 @@ def test_query_rows_the_kernel_cannot_take_are_refused(head_dim, extra, match):
     with pytest.raises(ValueError, match="head_splits"):
         sm90_backward.options(AttentionConfig(scale=0.125), _problem([1, 256, 256, 8, 2, 64]),
                               sm90_backward.Tuning(query_rows=128, head_splits=2))
+
+
+@pytest.mark.parametrize("shape,extra,rows", [
+    ([2, 1024, 1024, 8, 8, 64], dict(), 128), ([2, 1024, 1024, 8, 8, 64], dict(deterministic=True), 128),
+    ([2, 1024, 1024, 8, 8, 64], dict(softcap=5.0), 64), ([2, 1024, 1024, 8, 8, 64], dict(has_segment_ids=True), 64),
+    ([2, 1024, 1024, 8, 8, 128], dict(), 64), ([2, 1024, 1024, 8, 8, 96], dict(), 64),
+    ([1, 2048, 2048, 16, 1, 64], dict(causal=True), None)])
+def test_query_rows_default(shape, extra, rows):
+    """`options` takes 128 query rows wherever the kernel can (D = 64 without softcap, segment ids or a
+    head split), else 64; a head split chosen by head_splits_for (MQA here) keeps 64."""
+    config = AttentionConfig(scale=shape[-1] ** -0.5, **extra)
+    options = sm90_backward.options(config, _problem(shape))
+    if rows is None:
+        assert options.head_splits > 1
+        rows = 64
+    assert options.tuning.query_rows == rows
+    assert sm90_backward.Sm90BackwardKernel(options).tile_m == rows

@@ -55,14 +55,12 @@ CASES = [
 
 # The default, and the candidates under measurement: every consumer thread releases a query stage
 # (docs/sm90_backward_tuning.md, "racecheck"); the grid launched key block slowest (longest walks
-# first); dQ issued before dK and staged while dK runs. Select a candidate's tests with
-# `-k per_thread_release`, `-k key_blocks_outer` or `-k dq_before_dk`.
+# first). Select a candidate's tests with `-k per_thread_release` or `-k key_blocks_outer`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
                                               per_thread_query_release=True),
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
-    "dq_before_dk": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_before_dk=True),
 }
 
 # Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.
@@ -87,14 +85,14 @@ DETERMINISTIC_HEAD_SPLIT_CASES = ["gqa4-causal", "gqa8-causal-cross-d96", "mqa16
                                   "gqa4-lengths-causal", "gqa4-window"]
 
 
-# 128 query rows per block (`Tuning.query_rows`, head dim 64 only, without softcap or segment ids): the
-# D = 64 cases, and the others that make sense at D = 64, with lengths off the 128-row blocks; default
-# and deterministic, with dQ before dK or not.
+# 128 query rows per block (`Tuning.query_rows`, head dim 64 only, without softcap or segment ids; the
+# default there) and 64 forced: the D = 64 cases, and the others that make sense at D = 64, with
+# lengths off the 128-row blocks; default and deterministic.
 WIDE_QUERY_CASES = [case if case.head_dim == 64 else dataclasses.replace(case, name=f"{case.name}-d64", head_dim=64)
                     for case in CASES if case.head_dim in (64, 128) and case.name not in ("plain-d128", "causal-d128")
                     and case.softcap is None and not case.segments]
-WIDE_QUERY_TUNINGS = {name: dataclasses.replace(sm90_backward.DEFAULT_TUNING, query_rows=128, dq_before_dk=dq_before_dk)
-                      for name, dq_before_dk in (("query_rows_128", False), ("query_rows_128_dq_before_dk", True))}
+WIDE_QUERY_TUNINGS = {f"query_rows_{rows}": dataclasses.replace(sm90_backward.DEFAULT_TUNING, query_rows=rows)
+                      for rows in (64, 128)}
 
 
 def _head_split_parameters(cases, splits=HEAD_SPLITS):

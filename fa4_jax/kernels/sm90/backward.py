@@ -93,13 +93,9 @@ class Tuning:
       `head_splits_for` chooses (in `options`, where the shapes are known); a number forces it
       (benchmark sweeps, tests). It changes the fp32 summation order of dK and dV too.
     query_rows: query rows per block (the GEMMs' N for S^T / dP^T, K for dV / dK, M for dQ): 64, or
-      128 where registers and shared memory allow it (D = 64, no head splits), which halves the
-      per-block fixed costs (barrier hand-offs, pipeline waits, row statistics) per FLOP. None:
-      `query_rows_for` chooses (in `options`).
-    dq_before_dk: issue dQ = dS K before dK += dS^T Q and stage dQ for the writer warp while the
-      tensor cores compute dK, instead of dK first and the dQ staging after both (with nothing
-      on the tensor cores). The Nsight profile at D = 128 (docs/sm90_backward_tuning.md) puts the
-      staging's shared-memory stores at ~15 % of a block's time.
+      128 where registers and shared memory allow it (D = 64 without softcap, segment ids or head
+      splits), which halves the per-block fixed costs (barrier hand-offs, pipeline waits, row
+      statistics) per FLOP. None: `query_rows_for` chooses (in `options`).
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -114,7 +110,6 @@ class Tuning:
     head_splits: Optional[int] = None
     key_blocks_outer: bool = False
     query_rows: Optional[int] = None
-    dq_before_dk: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -514,9 +509,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.commit_group()
             cute.autovec_copy(cute.make_tensor(frag_ds.iterator, acc_dp.layout),
                               tdSsdS[None, None, None, ds_stage])
-            if const_expr(not self.tuning.dq_before_dk):
-                gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
-                warpgroup.commit_group()
 
             # dS complete in shared memory (both warp groups) before dQ = dS K reads it.
             cute.arch.fence_view_async_shared()
@@ -524,13 +516,13 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, d)), Float32)
             gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
             warpgroup.commit_group()
-            if const_expr(self.tuning.dq_before_dk):
-                # dK after dQ, so the dQ staging below runs while the tensor cores compute dK.
-                gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-                self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
-                dq_state.advance()
+            # dK after dQ, so that dQ is staged for the writer warp while the tensor cores compute dK
+            # (staged after both, the stores ran with the tensor cores idle: 2-6 % at D = 128).
+            gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
+            self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
+            dq_state.advance()
             warpgroup.wait_group(0)
             if const_expr(self.tuning.per_thread_query_release):
                 # PipelineTmaAsync releases from lane 0 of each warp only: arrive from every thread.
@@ -538,9 +530,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             else:
                 query_pipe.consumer_release(query_state)
             query_state.advance()
-            if const_expr(not self.tuning.dq_before_dk):
-                self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
-                dq_state.advance()
 
         if const_expr(self.head_splits > 1):
             self._add_dkv_partials(acc_dK, acc_dV, sQ, sK, *dkv_store, thr_dkv, n_block, kv_head, batch,
@@ -718,12 +707,17 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
                               head_splits)
 
 
-QUERY_ROWS = (64, 128)
+WIDE_QUERY_ROWS = 128
+QUERY_ROWS = (backward_common.TILE_M, WIDE_QUERY_ROWS)
 WIDE_QUERY_HEAD_DIMS = (64,)     # where 128 query rows fit: [128 x 128] S^T and dP^T beside dK, dV
 
 
 def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int:
-    """Query rows per block when `Tuning.query_rows` is None (`register_bound`: softcap or segment ids)."""
+    """Query rows per block when `Tuning.query_rows` is None (`register_bound`: softcap or segment ids):
+    128 wherever the kernel takes it (measured 1.07-1.11x the 64-row kernel at D = 64 on the H200,
+    deterministic 1.2-1.3x; docs/sm90_backward_tuning.md), else 64."""
+    if query_rows_reason(WIDE_QUERY_ROWS, head_dim, head_splits, register_bound) is None:
+        return WIDE_QUERY_ROWS
     return backward_common.TILE_M
 
 
