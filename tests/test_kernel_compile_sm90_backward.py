@@ -44,7 +44,8 @@ problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_hea
 tuning = sm90_backward.Tuning(**spec.get("tuning", {}), head_splits=spec.get("head_splits", 1))
 kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
-             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits, kernel.tile_m))
+             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits, kernel.tile_m,
+                                           kernel.tuning.flat_dq))
 """
 
 # The default tuning everywhere: D 64 / 96 / 128, causal, GQA, deterministic, and the configurations
@@ -103,6 +104,17 @@ CASES = {
     "d64-deterministic-key-blocks-outer-head-splits-2": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
         tuning=dict(key_blocks_outer=True), head_splits=2),
+    # The dQ staging in fragment order with a 1-D bulk reduce (`Tuning.flat_dq`): D 128, D 64 at 128
+    # rows, deterministic GQA D 96, head splits.
+    "d128-flat-dq": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128], tuning=dict(flat_dq=True)),
+    "d64-causal-flat-dq": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
+                               tuning=dict(flat_dq=True)),
+    "d96-causal-gqa-deterministic-flat-dq": dict(
+        config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
+        tuning=dict(flat_dq=True)),
+    "d128-causal-gqa-head-splits-2-flat-dq": dict(config=dict(scale=128 ** -0.5, causal=True),
+                                                  shape=[2, 300, 333, 8, 2, 128], head_splits=2,
+                                                  tuning=dict(flat_dq=True)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),
@@ -169,9 +181,15 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
         assert not dkv_store, "head splits add dK / dV, they do not store them"
     elif kernel.tma_dkv_store:   # the tuning as the kernel applies it to this config
         assert dkv_store, "no TMA store of dK / dV"
-    assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add\.", ptx)
-    assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits), len(reduces)
+    if kernel.tuning.flat_dq:
+        # dQ: one 1-D bulk reduce-add per block; tensor reduces only for head-split dK / dV.
+        assert re.search(r"cp\.reduce\.async\.bulk\.global\.shared::cta[^;]*\.add\.f32", ptx), "no dQ bulk add"
+        assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits) - _bulk_reduce_count(
+            kernel.head_dim, 1), len(reduces)
+    else:
+        assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"
+        assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits), len(reduces)
     assert not re.search(r"red(\.[a-z]+)*\.global(\.[a-z0-9]+)*\.add\.f32", ptx), "per-element dQ red.add"
     # The dQ turns (ordered_reduction): an acquire spin and a release add, in deterministic mode only.
     deterministic = CASES[name]["config"].get("deterministic", False)

@@ -51,6 +51,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
@@ -96,6 +97,11 @@ class Tuning:
       128 where registers and shared memory allow it (D = 64 without softcap, segment ids or head
       splits), which halves the per-block fixed costs (barrier hand-offs, pipeline waits, row
       statistics) per FLOP. None: `query_rows_for` chooses (in `options`).
+    flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
+      by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
+      takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
+      fp32 accumulator kept in that order ([B, Hq, query block, rows x D], `dq_from_fragments`
+      reads it back), instead of two TMA tensor reduces into a [B, Sq, Hq, D] accumulator.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -110,6 +116,7 @@ class Tuning:
     head_splits: Optional[int] = None
     key_blocks_outer: bool = False
     query_rows: Optional[int] = None
+    flat_dq: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -148,6 +155,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # At 128 query rows S^T, dP^T, dK and dV take 192 registers already: early dV's live P^T
         # operand on top makes ptxas serialize the wgmmas (and spill), so it waits for dS there.
         self.early_dv = tuning.early_dv and not register_bound and self.tile_m == backward_common.TILE_M
+        # dQ staged while dK runs keeps dQ, dS^T and dK, dV live together: ptxas spills 8 bytes
+        # (the sm_90a compile grid) with softcap or segment ids, and with head splits and no mask.
+        masked = options.causal or options.window_left is not None or options.window_right is not None
+        self.stage_dq_under_dk = not register_bound and (options.head_splits == 1 or masked)
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
@@ -225,6 +236,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # (128 bytes where D/2 allows) so the accumulator stores do not conflict on banks.
         dq_layout = k_major_layout(Float32, self.tile_m, d // 2, (2, DQ_BUFFERS),
                                    swizzle_columns(d // 2, 32))
+        if const_expr(self.tuning.flat_dq):
+            dq_layout = cute.make_layout((self.tile_m * d, DQ_BUFFERS))
         return q_layout, k_layout, v_layout, ds_layout, dq_layout
 
     def _dkv_partial_layout(self):
@@ -237,9 +250,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                  mQStart, mdQacc, mSemaphores, mdK, mdV):
         # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
         qkv_order = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
+        mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=qkv_order))
-            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+            for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        if const_expr(not self.tuning.flat_dq):      # flat: [B, Hq, query block, rows x D] as it is
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=qkv_order))
         # Row statistics [B, H, S_pad] -> (S_pad, H, B).
         mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                         for t in (mLSE, mdPsum)]
@@ -256,9 +271,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             cpasync.CopyBulkTensorTileG2SOp(), mK, k_layout, (self.tile_n, self.head_dim))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mV, v_layout, (self.tile_n, self.head_dim))
-        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
-            (self.tile_m, self.head_dim // 2))
+        tma_dq, tma_mdQ = None, mdQacc
+        if const_expr(not self.tuning.flat_dq):
+            tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
+                (self.tile_m, self.head_dim // 2))
         tma_dk, tma_mdK, tma_dv, tma_mdV = None, None, None, None
         if const_expr(self.head_splits > 1):
             # mdK, mdV are the fp32 accumulators the CTAs of a head split add their partials into.
@@ -334,7 +351,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
-        sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
+        if const_expr(self.tuning.flat_dq):
+            sdQ = storage.sdQ.get_tensor(dq_layout)
+        else:
+            sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
         sLSE = None
         sdPsum = None
         if const_expr(self.staged_row_stats):
@@ -509,6 +529,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.commit_group()
             cute.autovec_copy(cute.make_tensor(frag_ds.iterator, acc_dp.layout),
                               tdSsdS[None, None, None, ds_stage])
+            if const_expr(not self.stage_dq_under_dk):
+                gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
+                warpgroup.commit_group()
 
             # dS complete in shared memory (both warp groups) before dQ = dS K reads it.
             cute.arch.fence_view_async_shared()
@@ -516,13 +539,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, d)), Float32)
             gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
             warpgroup.commit_group()
-            # dK after dQ, so that dQ is staged for the writer warp while the tensor cores compute dK
-            # (staged after both, the stores ran with the tensor cores idle: 2-6 % at D = 128).
-            gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
-            warpgroup.commit_group()
-            warpgroup.wait_group(1)
-            self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
-            dq_state.advance()
+            if const_expr(self.stage_dq_under_dk):
+                # dK after dQ, so that dQ is staged for the writer warp while the tensor cores compute
+                # dK (staged after both, the stores ran with the tensor cores idle: 2-6 % at D = 128).
+                gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
+                dq_state.advance()
             warpgroup.wait_group(0)
             if const_expr(self.tuning.per_thread_query_release):
                 # PipelineTmaAsync releases from lane 0 of each warp only: arrive from every thread.
@@ -530,6 +554,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             else:
                 query_pipe.consumer_release(query_state)
             query_state.advance()
+            if const_expr(not self.stage_dq_under_dk):
+                self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
+                dq_state.advance()
 
         if const_expr(self.head_splits > 1):
             self._add_dkv_partials(acc_dK, acc_dV, sQ, sK, *dkv_store, thr_dkv, n_block, kv_head, batch,
@@ -545,8 +572,19 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         """Stage this block's dQ for the writer warp; wait only for a free buffer. The two
         [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2)."""
         dq_pipe.producer_acquire(dq_state)
-        staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
-        cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
+        if const_expr(self.tuning.flat_dq):
+            # Consumer thread t of warp group g puts its chunk k (4 values) at ((g K + k) 128 + t) 4
+            # (K chunks a thread): a warp stores 512 contiguous bytes per chunk.
+            chunks = cute.size(acc_dq) // 4
+            tidx = cute.arch.thread_idx()[0] - WARP_GROUP
+            buffer = sdQ[None, dq_state.index]
+            staging = cute.make_tensor(
+                buffer.iterator + ((tidx // WARP_GROUP) * chunks * WARP_GROUP + tidx % WARP_GROUP) * 4,
+                cute.make_layout((4, chunks), stride=(1, 4 * WARP_GROUP)))
+            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, chunks))), staging)
+        else:
+            staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
+            cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
         cute.arch.fence_proxy("async.shared", space="cta")
         dq_pipe.producer_commit(dq_state)
 
@@ -584,12 +622,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
-            gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
-                                  (self.tile_m, self.head_dim // 2), (m_block, None))
-            tdQsdQ, tdQgdQ = cpasync.tma_partition(
-                tma_dq, 0, cute.make_layout(1),
-                cute.group_modes(sdQ[None, None, None, dq_state.index], 0, 2),
-                cute.group_modes(gdQ, 0, 2))
+            tdQsdQ, tdQgdQ = None, None
+            if const_expr(not self.tuning.flat_dq):
+                gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
+                                      (self.tile_m, self.head_dim // 2), (m_block, None))
+                tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                    tma_dq, 0, cute.make_layout(1),
+                    cute.group_modes(sdQ[None, None, None, dq_state.index], 0, 2),
+                    cute.group_modes(gdQ, 0, 2))
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
@@ -597,8 +637,15 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                     self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n,
                     kv_len, offset, highest_first=True)
                 flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), turn, lane)
-            for half in cutlass.range_constexpr(2):
-                cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
+            if const_expr(self.tuning.flat_dq):
+                if lane == 0:
+                    destination = mdQ_tma.iterator + cute.crd2idx((batch, q_head, m_block, 0), mdQ_tma.layout)
+                    primitives.cp_reduce_async_bulk_global_shared_cta(
+                        destination, sdQ[None, dq_state.index].iterator, self.tile_m * self.head_dim * 4,
+                        op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32)
+            else:
+                for half in cutlass.range_constexpr(2):
+                    cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
             cute.arch.cp_async_bulk_commit_group()
             ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
@@ -658,6 +705,29 @@ def dq_accumulator_shape(batch, padded_rows, q_heads, head_dim):
 
 def _dq_rows(dq_accum, q_len):
     return dq_accum[:, :q_len]
+
+
+def flat_dq_accumulator_shape(tile_m):
+    """`Tuning.flat_dq`'s fp32 dQ accumulator: [B, Hq, query block, tile_m x D] in the staging order."""
+    return lambda batch, padded_rows, q_heads, head_dim: (batch, q_heads, padded_rows // tile_m, tile_m * head_dim)
+
+
+def dq_from_fragments(tile_m):
+    """`Tuning.flat_dq`'s reader: the accumulator [B, Hq, query block, tile_m x D] as [B, q_len, Hq, D].
+
+    Within a block, consumer warp group g (columns g D/2 ...) puts thread t = 32 w + 4 q + r's chunk
+    k = m D/16 + j (rows 64 m ..., columns 8 j ... of its half) at ((g K + k) 128 + t) 4, K = tile_m D
+    / 256 chunks a thread; the chunk's 4 values are (row half h, column c) = (0, 0), (0, 1), (1, 0),
+    (1, 1). That value is row 64 m + 16 w + 8 h + q, column g D/2 + 8 j + 2 r + c of the block (the
+    PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m)."""
+    def rows(dq_accum, q_len: int):
+        batch, heads, blocks, flat = dq_accum.shape
+        head_dim = flat // tile_m
+        fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 64, head_dim // 16, 4, 8, 4, 2, 2)
+        #             axes:          0      1      2       g  m            j              w  q  r  h  c
+        rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
+        return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
+    return rows
 
 
 def head_splits_reason(head_splits: int, group: int, deterministic: bool, kv_heads: Optional[int] = None,
@@ -793,14 +863,19 @@ def head_splits_for(batch, kv_heads, group, q_len, kv_len, sm_count, determinist
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1,
-                   query_rows: int = backward_common.TILE_M) -> list:
+                   query_rows: int = backward_common.TILE_M, flat_dq: bool = False) -> list:
     """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
     without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape,
+    accumulator_shape = flat_dq_accumulator_shape(query_rows) if flat_dq else dq_accumulator_shape
+    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, accumulator_shape,
                                           fp32_dkv=head_splits > 1, tile_m=query_rows)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_common.run_backward(Sm90BackwardKernel(options), options, query, key, value, out, lse,
-                                        d_out, d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows)
+    kernel = Sm90BackwardKernel(options)
+    accumulator_shape, dq_rows = dq_accumulator_shape, _dq_rows
+    if options.tuning.flat_dq:
+        accumulator_shape, dq_rows = flat_dq_accumulator_shape(kernel.tile_m), dq_from_fragments(kernel.tile_m)
+    return backward_common.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional,
+                                        OPTIONAL_INPUTS, accumulator_shape, dq_rows)
