@@ -29,6 +29,7 @@ What is checked, each a `Violation` kind:
                   write replaced it, or by a role it was not written for
   overwrite       a buffer written while a reader of its previous content had not finished with it
   unconsumed      a buffer's content never finished with by a declared reader by the end
+  stage_count     a wait or arrive on a barrier stage that does not exist
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class _Actor:
         self.role = role
         self.steps = steps
         self.current = next(self.steps, None)
-        self.phases = collections.defaultdict(int)
+        self.phases = collections.defaultdict(int, dict(role.initial_phases))
+        self.initial_phases = dict(role.initial_phases)
         self.handles = {}
         self.pipeline_states = {}
         self.waits = collections.Counter()     # (barrier, index) -> waits passed
@@ -143,10 +145,11 @@ class Simulation:
         self.events = 0
 
     # -------------------------------------------------------------------------------------------
-    def run(self, max_events: int = 1_000_000) -> Optional[Violation]:
-        """Replays to the end; the first violation found, or None."""
+    def run(self, max_events: int = 1_000_000, static_checks: bool = True) -> Optional[Violation]:
+        """Replays to the end; the first violation found, or None (`static_checks`: first compare each
+        barrier's arrival count with its arrivers, as `check_arrival_counts`)."""
         try:
-            static = check_arrival_counts(self.schedule)
+            static = check_arrival_counts(self.schedule) if static_checks else []
             if static:
                 return static[0]
             while self.events < max_events:
@@ -188,7 +191,9 @@ class Simulation:
         """(barrier key, parity the wait uses, completions it is meant to see) or None if no wait."""
         if isinstance(step, ps.Wait):
             key = (step.barrier, self._index(step.index, variables, step.barrier))
-            return key, actor.phases[step.phase], actor.waits[key] + 1
+            # The k-th wait means the k-th completion; a variable starting at 1 means the (k - 1)-th.
+            return (key, actor.phases[step.phase],
+                    actor.waits[key] + 1 - actor.initial_phases.get(step.phase, 0))
         if isinstance(step, (ps.Acquire, ps.ConsumerWait)):
             pipeline = self.schedule.pipeline(step.pipeline)
             state = self._pipeline_state(actor, pipeline, producer=isinstance(step, ps.Acquire))
@@ -204,6 +209,9 @@ class Simulation:
         if target is None:
             return True
         key, parity, _ = target
+        if key not in self.barriers:
+            raise _Stop(Violation("stage_count", (
+                f"{actor.role.name} waits on {key[0]}[{key[1]}], which does not exist")))
         return self.barriers[key].completed % 2 != parity
 
     def _blocked_on(self, actor) -> str:
@@ -329,7 +337,7 @@ class Simulation:
     # Barriers and buffers
     def _arrive(self, role, key, count, actor):
         if key not in self.barriers:
-            raise _Stop(Violation("arrive_count", f"{role} arrives on {key[0]}[{key[1]}], which does not exist"))
+            raise _Stop(Violation("stage_count", f"{role} arrives on {key[0]}[{key[1]}], which does not exist"))
         barrier = self.barriers[key]
         if actor is not None:
             # A role arrives once per phase: its k-th arrive belongs to phase k - 1.
@@ -447,12 +455,39 @@ def _all_steps(schedule, role):
     return seen
 
 
-def replay(schedule: ps.Schedule, tile_blocks: Sequence[int], seeds: int = 50) -> list:
-    """Every violation found by the eager and lazy schedules and `seeds` random ones (as strings)."""
+def replay(schedule: ps.Schedule, tile_blocks: Sequence[int], seeds: int = 50,
+           static_checks: bool = True) -> list:
+    """(mode, seed, Violation) of every run that found one, over the eager and lazy schedules and
+    `seeds` random ones."""
     found = []
     runs = [("eager", 0), ("lazy", 0)] + [("random", seed) for seed in range(seeds)]
     for mode, seed in runs:
-        violation = Simulation(schedule, tile_blocks, mode, seed).run()
+        violation = Simulation(schedule, tile_blocks, mode, seed).run(static_checks=static_checks)
         if violation is not None:
             found.append((mode, seed, violation))
     return found
+
+
+def map_steps(program: tuple, change) -> tuple:
+    """`program` with each step replaced by the tuple `change(step)` returns (None: keep the step),
+    inside every loop and branch: how a test plants a bug in a schedule."""
+    out = []
+    for step in program:
+        replaced = change(step)
+        if replaced is not None:
+            out.extend(replaced)
+        elif isinstance(step, (ps.TileLoop, ps.BlockLoop, ps.Stages)):
+            out.append(dataclasses.replace(step, body=map_steps(step.body, change)))
+        elif isinstance(step, ps.Either):
+            out.append(ps.Either(map_steps(step.first, change), map_steps(step.second, change)))
+        else:
+            out.append(step)
+    return tuple(out)
+
+
+def change_role(schedule: ps.Schedule, role: str, change) -> ps.Schedule:
+    """The schedule with `map_steps(program, change)` applied to the programs of the roles whose
+    name starts with `role`."""
+    return schedule.replace(roles=tuple(
+        dataclasses.replace(r, program=map_steps(r.program, change)) if r.name.startswith(role) else r
+        for r in schedule.roles))

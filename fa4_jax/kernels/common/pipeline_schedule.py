@@ -205,6 +205,9 @@ class Role:
     arrivals: int
     stage: Optional[int] = None
     mma: bool = False          # issues tcgen05.mma: its Mma steps and MmaCommits run in issue order
+    # (phase variable, initial value) where not 0: a variable starting at 1 lets its first wait pass
+    # on a fresh barrier, the way a producer waits for an empty slot.
+    initial_phases: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
