@@ -22,9 +22,10 @@ What is checked, each a `Violation` kind:
                   parity), or a wait's phase completed twice over before it passed (a lost round)
   arrive_count    an arrive landed in a later phase than the role's own count says (the phase completed
                   without it, so the barrier's arrival count is smaller than its arrivers), more
-                  arrivals than a phase needs, TMA bytes beyond those expected, or a phase left
-                  half-arrived at the end; and statically, a barrier whose arrivers do not add up to
-                  its arrival count
+                  arrivals than a phase needs, or a phase left half-arrived (arrivals or TMA bytes
+                  outstanding) at the end; and statically, a barrier whose arrivers do not add up to
+                  its arrival count. (TMA bytes other than those expected leave the phase incomplete:
+                  a deadlock, or a read of a half-landed slot.)
   read_unready    a buffer read before its producer's write (or commit) completed, or after the next
                   write replaced it, or by a role it was not written for
   overwrite       a buffer written while a reader of its previous content had not finished with it
@@ -93,7 +94,7 @@ class _Slot:
     pipeline: ps.Pipeline
     index: int
     round: int
-    buffer: str
+    buffers: tuple             # a producer's own CTA's slot buffer; the consumer's, every CTA's
 
 
 class _Actor:
@@ -133,8 +134,10 @@ class Simulation:
             for index in range(pipeline.stages):
                 self.barriers[pipeline.name + ".full", index] = _Barrier(
                     pipeline.name + ".full", pipeline.producer_arrivals, pipeline.producer_arrivals)
-                self.barriers[pipeline.name + ".empty", index] = _Barrier(
-                    pipeline.name + ".empty", pipeline.consumer_arrivals, pipeline.consumer_arrivals)
+                for producer in pipeline.producers:
+                    empty = pipeline.empty_barrier(producer)
+                    self.barriers[empty, index] = _Barrier(empty, pipeline.consumer_arrivals,
+                                                           pipeline.consumer_arrivals)
         self.buffers = collections.defaultdict(_Buffer)
         choose = lambda arms: self.rng.randrange(arms)  # noqa: E731
         self.actors = [_Actor(role, ps.expand(schedule, role, tile_blocks, choose))
@@ -199,7 +202,8 @@ class Simulation:
             state = self._pipeline_state(actor, pipeline, producer=isinstance(step, ps.Acquire))
             if isinstance(step, ps.Acquire):
                 # Round r of a slot needs r consumer releases of it.
-                return (pipeline.name + ".empty", state.index), state.phase, state.count // pipeline.stages
+                return ((pipeline.empty_barrier(actor.role.name), state.index), state.phase,
+                        state.count // pipeline.stages)
             return (pipeline.name + ".full", state.index), state.phase, state.count // pipeline.stages + 1
         return None
 
@@ -225,7 +229,7 @@ class Simulation:
     def _pipeline_state(self, actor, pipeline, producer):
         key = (pipeline.name, producer)
         if key not in actor.pipeline_states:
-            if actor.role.name != (pipeline.producer if producer else pipeline.consumer):
+            if actor.role.name not in (pipeline.producers if producer else (pipeline.consumer,)):
                 raise _Stop(Violation("arrive_count", f"{actor.role.name} uses pipeline {pipeline.name} "
                                       f"as its {'producer' if producer else 'consumer'}"))
             actor.pipeline_states[key] = _PipelineState(pipeline.stages, phase=1 if producer else 0)
@@ -261,8 +265,8 @@ class Simulation:
         elif isinstance(step, ps.Acquire):
             pipeline = self.schedule.pipeline(step.pipeline)
             state = self._pipeline_state(actor, pipeline, producer=True)
-            actor.handles[_fmt(step.handle, variables)] = self._slot(pipeline, state)
-            if pipeline.kind == ps.TMA_UMMA:
+            actor.handles[_fmt(step.handle, variables)] = self._slot(pipeline, state, role)
+            if pipeline.kind == ps.TMA_UMMA and role == pipeline.producers[0]:
                 full = self.barriers[pipeline.name + ".full", state.index]
                 full.tx += pipeline.tx_bytes
                 self._arrive(role, (pipeline.name + ".full", state.index), 1, None)
@@ -270,11 +274,13 @@ class Simulation:
         elif isinstance(step, ps.ConsumerWait):
             pipeline = self.schedule.pipeline(step.pipeline)
             state = self._pipeline_state(actor, pipeline, producer=False)
-            actor.handles[_fmt(step.handle, variables)] = self._slot(pipeline, state)
+            actor.handles[_fmt(step.handle, variables)] = self._slot(pipeline, state, None)
             state.advance()
         elif isinstance(step, ps.Commit):
             slot = self._handle(actor, step.handle, variables)
             if slot.pipeline.kind == ps.ASYNC:
+                if len(slot.pipeline.producers) > 1:
+                    raise TypeError("a thread-arrive (ASYNC) pipeline has one producer")
                 self._arrive(role, (slot.pipeline.name + ".full", slot.index), actor.role.arrivals, None)
         elif isinstance(step, ps.Release):
             slot = self._handle(actor, step.handle, variables)
@@ -283,13 +289,16 @@ class Simulation:
             else:
                 self._release(role, slot, actor.role.arrivals)
         elif isinstance(step, ps.Read):
-            self._read(role, self._buffer(actor, step.buffer, variables), step.tag, variables, step.done)
+            for buffer in self._buffers(actor, step.buffer, variables):
+                self._read(role, buffer, step.tag, variables, step.done)
         elif isinstance(step, ps.Write):
-            self._write(role, self._buffer(actor, step.buffer, variables), step.tag, variables,
-                        step.readers)
+            for buffer in self._buffers(actor, step.buffer, variables):
+                self._write(role, buffer, step.tag, variables, step.readers)
         elif isinstance(step, ps.Mma):
-            resolved = ([(self._buffer(actor, b, variables), t, d) for b, t, d in step.reads],
-                        [(self._buffer(actor, b, variables), t, r) for b, t, r in step.writes])
+            resolved = ([(buffer, t, d) for b, t, d in step.reads
+                         for buffer in self._buffers(actor, b, variables)],
+                        [(buffer, t, r) for b, t, r in step.writes
+                         for buffer in self._buffers(actor, b, variables)])
             self._queue_mma(actor, ("mma", resolved, variables))
         elif isinstance(step, ps.TmaLoad):
             slot = self._handle(actor, step.handle, variables)
@@ -320,18 +329,19 @@ class Simulation:
 
     def _land_tma(self, flight):
         slot, step, variables = flight
-        self._write("tma", slot.buffer, step.tag, variables, (slot.pipeline.consumer,))
+        (buffer,) = slot.buffers
+        self._write("tma", buffer, step.tag, variables, (slot.pipeline.consumer,))
         barrier = self.barriers[slot.pipeline.name + ".full", slot.index]
+        # As in hardware, the count may go below zero for a while: a CTA pair's peer half can land
+        # before the leader's expect_tx. A phase completes only at zero pending arrivals and bytes.
         barrier.tx -= step.bytes
-        if barrier.tx < 0:
-            raise _Stop(Violation("arrive_count", (
-                f"a TMA copy of {step.bytes} bytes into {slot.buffer} completes more bytes than "
-                f"{slot.pipeline.name}.full[{slot.index}] expects")))
         self._maybe_complete(barrier)
 
     def _release(self, role, slot, arrivals):
-        self._done(role, slot.buffer)
-        self._arrive(role, (slot.pipeline.name + ".empty", slot.index), arrivals, None)
+        for buffer in slot.buffers:
+            self._done(role, buffer)
+        for producer in slot.pipeline.producers:
+            self._arrive(role, (slot.pipeline.empty_barrier(producer), slot.index), arrivals, None)
 
     # -------------------------------------------------------------------------------------------
     # Barriers and buffers
@@ -361,9 +371,13 @@ class Simulation:
     def _index(self, index, variables, name):
         return ps.resolve(index, variables)
 
-    def _slot(self, pipeline, state):
+    def _slot(self, pipeline, state, producer):
+        """The slot a participant's state points at: a producer's own CTA's buffer, or (producer None,
+        the consumer) every CTA's."""
+        buffers = [buffer for p, buffer in zip(pipeline.producers, pipeline.buffers)
+                   if producer in (None, p)]
         return _Slot(pipeline, state.index, state.count // pipeline.stages,
-                     f"{pipeline.buffer}[{state.index % pipeline.ring}]")
+                     tuple(f"{buffer}[{state.index % pipeline.ring}]" for buffer in buffers))
 
     def _handle(self, actor, name, variables):
         name = _fmt(name, variables)
@@ -371,10 +385,10 @@ class Simulation:
             raise _Stop(Violation("read_unready", f"{actor.role.name} uses slot {name} it never acquired"))
         return actor.handles[name]
 
-    def _buffer(self, actor, name, variables):
+    def _buffers(self, actor, name, variables):
         if name.startswith("@"):
-            return self._handle(actor, name[1:], variables).buffer
-        return _fmt(name, variables)
+            return self._handle(actor, name[1:], variables).buffers
+        return (_fmt(name, variables),)
 
     def _read(self, role, buffer, tag, variables, done):
         tag = ps.resolve(tag, variables)

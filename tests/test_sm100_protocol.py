@@ -155,7 +155,7 @@ PLANTED = {
     "Q expects more TMA bytes than a tile": (
         _pipeline("load_q", tx_bytes=2 * BYTES), {"deadlock"}, True),
     "K/V expects fewer TMA bytes than a tile": (
-        _pipeline("load_kv", tx_bytes=BYTES // 2), {"arrive_count"}, True),
+        _pipeline("load_kv", tx_bytes=BYTES // 2), {"deadlock"}, True),
 }
 
 
@@ -284,3 +284,78 @@ def test_kernel_trace_rejects_a_schedule_it_does_not_follow():
     assert "MISMATCH role epilogue: step 1 of its schedule is ('release', 'o', None), the kernel " \
            "issues ('consumer_wait', 'epilogue', None)" in result.stdout, (
                result.stdout[-2000:], result.stderr[-2000:])
+
+
+def test_branch_arms_that_synchronise_differently_fail_the_trace_schedule():
+    bugged = PLANTED["masked branch forgets the p_ready arrive"][0]
+    with pytest.raises(ValueError, match="arms of a branch synchronise differently"):
+        ps.traced_steps(bugged, "softmax0")
+
+
+# ------------------------------------------------------------------------------------------------
+# A CTA pair (the 2-CTA MMA of the sm100 backward): one schedule names both CTAs' roles and barriers.
+
+HALF = 64 * 128 * 2
+
+
+def pair_schedule(stages=2):
+    """Each CTA loads half of a K tile into its own ring; the leader's MMA warp consumes both halves,
+    writes S into both CTAs' TMEM and commits to both CTAs' s_full; both softmax warpgroups arrive
+    on the leader's p_ready before the next S overwrites theirs."""
+    def load(cta):
+        return ps.Role(f"cta{cta}.load", (ps.TileLoop((ps.BlockLoop((
+            ps.Acquire("load_k", "k"), ps.TmaLoad("k", lambda v: f"K{v.tile}.{v.block}", HALF))),)),), 1)
+
+    def softmax(cta):
+        return ps.Role(f"cta{cta}.softmax", (ps.TileLoop((ps.BlockLoop((
+            ps.Wait(f"cta{cta}.s_full", 0, "s_phase"), ps.Flip("s_phase"),
+            ps.Read(f"cta{cta}.tmem_s", lambda v: f"S{v.tile}.{v.block}"),
+            ps.Arrive("cta0.p_ready", 0))),)),), 128)
+
+    s_tag = lambda v: f"S{v.tile}.{v.block}"  # noqa: E731
+    mma = ps.Role("cta0.mma", (ps.TileLoop((ps.BlockLoop((
+        ps.ConsumerWait("load_k", "k"),
+        ps.Mma(reads=(("@k", lambda v: f"K{v.tile}.{v.block}", False),),
+               writes=(("cta0.tmem_s", s_tag, ("cta0.softmax",)), ("cta1.tmem_s", s_tag, ("cta1.softmax",)))),
+        ps.MmaCommit(("cta0.s_full", "cta1.s_full"), 0),
+        ps.Release("k"),
+        ps.Wait("cta0.p_ready", 0, "p_phase"), ps.Flip("p_phase"))),)),), 1, mma=True)
+    return ps.Schedule(
+        barriers=(ps.Barrier("cta0.s_full", 1, 1), ps.Barrier("cta1.s_full", 1, 1),
+                  ps.Barrier("cta0.p_ready", 1, 256)),
+        pipelines=(ps.Pipeline("load_k", ps.TMA_UMMA, stages, ("cta0.load", "cta1.load"), "cta0.mma",
+                               1, 1, ("cta0.smem_k", "cta1.smem_k"), tx_bytes=2 * HALF),),
+        roles=(load(0), load(1), mma, softmax(0), softmax(1)), stages=1)
+
+
+def test_cta_pair_protocol_holds():
+    for stages in (1, 2, 3):
+        for tiles in MULTI_BLOCK_TILES + SINGLE_BLOCK_TILES:
+            assert sim.replay(pair_schedule(stages), tiles, seeds=SEEDS) == [], (stages, tiles)
+
+
+def _commit_to_the_leader_only(step):
+    if isinstance(step, ps.MmaCommit):
+        return (ps.MmaCommit("cta0.s_full", step.index),)
+    return None
+
+
+@pytest.mark.parametrize("name, bugged, accepted, static_checks", [
+    ("the commit reaches only the leader's s_full",
+     sim.change_role(pair_schedule(), "cta0.mma", _commit_to_the_leader_only), {"deadlock"}, False),
+    ("p_ready counts one CTA's softmax",
+     pair_schedule().replace(barriers=ps.replace_named(pair_schedule().barriers, "cta0.p_ready",
+                                                       arrivals=128)), {"arrive_count"}, True),
+    ("the leader expects one half's bytes",
+     pair_schedule().replace(pipelines=ps.replace_named(pair_schedule().pipelines, "load_k",
+                                                        tx_bytes=HALF)),
+     {"arrive_count", "read_unready", "deadlock"}, True),
+    ("the peer's half is never loaded",
+     sim.change_role(pair_schedule(), "cta1.load", drop(lambda s: isinstance(s, ps.TmaLoad))),
+     {"deadlock"}, True),
+])
+def test_cta_pair_planted_bug_is_caught(name, bugged, accepted, static_checks):
+    found = []
+    for tiles in MULTI_BLOCK_TILES:
+        found += sim.replay(bugged, tiles, seeds=SEEDS, static_checks=static_checks)
+    assert found and kinds(found) <= accepted, (name, [str(v) for _, _, v in found[:3]])

@@ -61,22 +61,43 @@ class Pipeline:
     """A ring of `stages` slots, each with a full and an empty mbarrier, guarding `buffer`.
 
     `buffer_stages` is how many copies of the buffer exist (the slot's buffer is its index modulo that);
-    normally `stages`, a separate number so a test can plant a ring smaller than its pipeline."""
+    normally `stages`, a separate number so a test can plant a ring smaller than its pipeline.
+
+    A CTA pair's pipeline (2-CTA MMA, cta_group::2) has one producer role and one buffer per CTA, the
+    leader's first: every producer waits on its own CTA's empty barrier and loads its own CTA's half;
+    the leader's producer alone arrives and expects `tx_bytes` (both halves) on the leader's full
+    barrier, which both halves' copies complete; the consumer (the leader's MMA warp) waits on that and
+    releases to every CTA's empty barrier at once (a multicast tcgen05.commit)."""
 
     name: str
     kind: str
     stages: int
-    producer: str              # role name
+    producer: Union[str, tuple]    # role name, or one per CTA of a pair (leader first)
     consumer: str
     producer_arrivals: int     # arrivals a full barrier's phase needs
     consumer_arrivals: int     # arrivals an empty barrier's phase needs
-    buffer: str
+    buffer: Union[str, tuple]      # buffer name, or one per CTA of a pair
     tx_bytes: int = 0          # bytes a TMA producer's expect_tx announces per slot
     buffer_stages: Optional[int] = None
 
     @property
     def ring(self) -> int:
         return self.stages if self.buffer_stages is None else self.buffer_stages
+
+    @property
+    def producers(self) -> tuple:
+        return self.producer if isinstance(self.producer, tuple) else (self.producer,)
+
+    @property
+    def buffers(self) -> tuple:
+        buffers = self.buffer if isinstance(self.buffer, tuple) else (self.buffer,)
+        if len(buffers) != len(self.producers):
+            raise ValueError(f"pipeline {self.name}: one buffer per producer")
+        return buffers
+
+    def empty_barrier(self, producer: str) -> str:
+        """The name of `producer`'s empty barrier array (one per CTA)."""
+        return self.name + ".empty" + ("" if len(self.producers) == 1 else f"[{producer}]")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -291,7 +312,7 @@ def expand(schedule: Schedule, role: Role, tile_blocks: Sequence[int],
 # ---------------------------------------------------------------------------------------------------
 # The kernel's trace-time check
 
-def sync_step(step, stage_count: int, variables: Optional[LoopVariables] = None):
+def sync_step(step, variables: Optional[LoopVariables] = None):
     """(kind, name, index) of a synchronisation step as the kernel reports it, or None for a data
     effect. Pipeline steps are named by their pipeline; the index of a role-stage or of a callable
     is None (a dynamic value in the kernel)."""
@@ -343,13 +364,16 @@ def traced_steps(schedule: Schedule, role_name: str) -> list:
             elif isinstance(step, Either):
                 # A branch on a dynamic value traces both arms; on a constant (a mask without partial
                 # blocks, say) only one: the second arm is optional.
+                start = len(out)
                 walk(step.first, stage)
                 arm = len(out)
                 walk(step.second, stage)
+                if out[start:arm] != out[arm:]:
+                    raise ValueError(f"role {role_name}: the arms of a branch synchronise differently: "
+                                     f"{out[start:arm]} and {out[arm:]}")
                 out[arm:] = [_Optional(tuple(out[arm:]))]
             else:
-                sync = sync_step(step, schedule.stages,
-                                 LoopVariables(stage=stage) if stage is not None else None)
+                sync = sync_step(step, LoopVariables(stage=stage) if stage is not None else None)
                 if sync is not None:
                     out.append(sync)
 
