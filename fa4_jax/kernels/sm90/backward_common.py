@@ -253,14 +253,15 @@ class Sm90BackwardBase:
 # JAX side: the preprocess, the kernel call, the postprocess
 # ----------------------------------------------------------------------------------------------------
 
-def padded_rows(q_len):
-    return host.ceil_div(q_len, TILE_M) * TILE_M
+def padded_rows(q_len, tile_m=TILE_M):
+    return host.ceil_div(q_len, tile_m) * tile_m
 
 
-def preprocess(out, lse, d_out, d_lse):
-    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible)."""
+def preprocess(out, lse, d_out, d_lse, tile_m=TILE_M):
+    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible),
+    padded to whole query blocks of `tile_m` rows (the kernel's; the sm100 backward takes 128)."""
     batch, q_len, heads, _ = out.shape
-    pad = padded_rows(q_len) - q_len
+    pad = padded_rows(q_len, tile_m) - q_len
     dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         dpsum = dpsum - d_lse.astype(jnp.float32)
@@ -284,14 +285,14 @@ def _fake_optional(name, batch, q_len, kv_len):
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inputs, dq_accumulator_shape,
-                   fp32_dkv: bool = False) -> list:
+                   fp32_dkv: bool = False, tile_m: int = TILE_M) -> list:
     """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
     `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
     q_heads, head_dim)`, the semaphores, then dK, dV: in the input type, or fp32 accumulators with
     `fp32_dkv`), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
     batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
     element = host.cutlass_dtype(dtype_name)
-    padded = padded_rows(q_len)
+    padded = padded_rows(q_len, tile_m)
     present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
                "q_seq_lengths": config.has_q_seq_lengths, "kv_seq_lengths": config.has_kv_seq_lengths,
                "q_start": config.has_q_start}
@@ -302,23 +303,23 @@ def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inp
         fake(element, query_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
         *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
         fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
-        fake(cutlass.Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic else None,
+        fake(cutlass.Int32, (batch, q_heads, padded // tile_m)) if config.deterministic else None,
         *(fake(Float32 if fp32_dkv else element, key_shape) for _ in range(2)),
     ]
 
 
 def run_backward(kernel, options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict,
-                 optional_inputs, dq_accumulator_shape, dq_rows):
+                 optional_inputs, dq_accumulator_shape, dq_rows, tile_m=TILE_M):
     """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `host.launch_backward` (its inputs
     after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
     layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient.
     With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here."""
     batch, q_len, q_heads, head_dim = query.shape
     d_out = d_out.astype(query.dtype)
-    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse)
+    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse, tile_m)
     padded = dpsum.shape[-1]
     dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32) if options.deterministic else None)
+    semaphores = (jnp.zeros((batch, q_heads, padded // tile_m), jnp.int32) if options.deterministic else None)
     inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
               dq_accum, semaphores)
     dq_accum, d_key, d_value = host.launch_backward(kernel, options, inputs, key, value, query.dtype,
