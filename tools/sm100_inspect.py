@@ -28,6 +28,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
+from fa4_jax.kernels.sm100 import backward as sm100_backward
 from fa4_jax.kernels.sm100 import forward as sm100_forward
 
 specs = json.loads(sys.argv[1])
@@ -38,9 +39,13 @@ for name, spec in specs.items():
     config = AttentionConfig(**spec["config"])
     B, Sq, Sk, Hq, Hkv, D = spec["shape"]
     problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), spec["dtype"])
-    options = sm100_forward.options(config, problem, sm_count=spec["sm_count"])
-    kernel = sm100_forward.Sm100ForwardKernel(options)
-    arguments = host.forward_fake_arguments(config, spec["shape"], spec["dtype"])
+    if spec["direction"] == "backward":
+        kernel = sm100_backward.Sm100BackwardKernel(sm100_backward.options(config, problem))
+        arguments = sm100_backward.fake_arguments(config, spec["shape"], spec["dtype"])
+    else:
+        options = sm100_forward.options(config, problem, sm_count=spec["sm_count"])
+        kernel = sm100_forward.Sm100ForwardKernel(options)
+        arguments = host.forward_fake_arguments(config, spec["shape"], spec["dtype"])
     start = time.perf_counter()
     cute.compile(kernel, make_fake_stream(), *arguments)
     seconds = time.perf_counter() - start
@@ -48,6 +53,18 @@ for name, spec in specs.items():
     (ptx,) = set(glob.glob(os.path.join(dump_dir, "*.ptx"))) - named
     named.add(os.path.join(dump_dir, name + ".ptx"))
     os.replace(ptx, os.path.join(dump_dir, name + ".ptx"))
+    if spec["direction"] == "backward":
+        layout = {
+            "keys_per_cta_pair": sm100_backward.PAIR_KEYS,
+            "query_block": sm100_backward.ROWS,
+            "tmem_columns_used": kernel.tmem_columns_used,
+            "tmem_columns_allocated": kernel.tmem_columns_allocated,
+            "shared_memory_bytes": kernel.shared_storage.size_in_bytes(),
+            "threads_per_cta": kernel.threads_per_cta,
+        }
+        print("SM100_KERNEL " + json.dumps({"name": name, "compile_seconds": round(seconds, 2),
+                                            "layout": layout}), flush=True)
+        continue
     print("SM100_KERNEL " + json.dumps({"name": name, "compile_seconds": round(seconds, 2), "layout": {
         "query_tiles_per_cta": kernel.q_stage,
         "key_block": kernel.n_block,
@@ -60,13 +77,15 @@ for name, spec in specs.items():
 """
 
 
-def compile_kernels(specs: dict, directory: str) -> dict:
-    """Compile each named spec {config, shape [B, Sq, Sk, Hq, Hkv, D], dtype} for sm_100a.
+def compile_kernels(specs: dict, directory: str, direction: str = "forward") -> dict:
+    """Compile each named spec {config, shape [B, Sq, Sk, Hq, Hkv, D], dtype} of the sm100 forward (or,
+    `direction` "backward" or a spec's own "direction", backward) kernel for sm_100a.
 
     One subprocess compiles them in turn (the DSL import is paid once). Returns, per name,
     {"ptx_path", "ptx", "compile_seconds", "layout": query tiles, key block, TMEM columns, ...}.
     """
-    specs = {name: {"dtype": "bfloat16", "sm_count": 148, **spec} for name, spec in specs.items()}
+    specs = {name: {"dtype": "bfloat16", "sm_count": 148, "direction": direction, **spec}
+             for name, spec in specs.items()}
     os.makedirs(directory, exist_ok=True)
     environment = dict(os.environ, CUTE_DSL_ARCH=TARGET, CUTE_DSL_KEEP="ptx",
                        CUTE_DSL_DUMP_DIR=str(directory),

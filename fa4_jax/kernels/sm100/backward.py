@@ -504,6 +504,10 @@ class Sm100BackwardKernel:
         tKrdS = cute.make_tensor(cute.recast_ptr(tmem + self.tmem_dp, dtype=a_from_tmem.element_type),
                                  a_from_tmem.layout)
 
+        # The TMEM plan of the module docstring, checked where the accumulator layouts are known.
+        for accumulator, columns in ((tStS, self.tmem_dp - self.tmem_s), (tQtdQ, self.tmem_dv - self.tmem_dq),
+                                     (tVtdV, self.tmem_dk - self.tmem_dv)):
+            assert tcgen05.find_tmem_tensor_col_offset(accumulator) <= columns, (accumulator, columns)
         self.wait(barriers, "kv_full", 0)
         for it in cutlass.range(m_count * self.options.group, unroll=1):
             phase = it & 1

@@ -1,0 +1,168 @@
+"""CPU-only: compile the Blackwell backward kernel for sm_100a with fake tensors and inspect its PTX.
+
+No Blackwell GPU is reachable, so this is what shows the 2-CTA design is real: every tensor-core MMA is
+`tcgen05.mma.cta_group::2` (one MMA over the CTA pair; the PTX may not mix in any cta_group::1
+instruction), tensor memory is allocated and freed for the pair (`tcgen05.alloc` / `dealloc`
+cta_group::2), S^T / dP^T / dQ / dK / dV are read from TMEM and P^T / dS^T written into it
+(`tcgen05.ld` / `tcgen05.st`), MMA completion is multicast to both CTAs' mbarriers, the pair
+synchronises (`barrier.cluster`) and exchanges dS through distributed shared memory
+(`st.shared::cluster` after `fence.proxy.async.shared::cluster`), the operand tiles arrive by 2-CTA
+TMA (`cp.async.bulk.tensor ... cta_group::2`), dQ is added with fp32 atomics, and ptxas reports no
+spills. The barrier protocol table (`sm100.backward.PROTOCOL`) is checked for balance here; its
+numerics are the sm90 backward's (docs/blackwell.md).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fa4_jax.config import AttentionConfig
+pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
+from fa4_jax.kernels import host  # noqa: E402
+from fa4_jax.kernels.sm100 import backward as sm100_backward  # noqa: E402
+from tools import sm100_inspect  # noqa: E402
+
+SMEM_CAPACITY = 227 * 1024
+
+# Compiled in CI: head dim 128 and 64, causal, GQA, fp16, and every feature path at once.
+CASES = {
+    "d128": dict(config=dict(scale=128 ** -0.5), shape=[1, 512, 512, 4, 4, 128]),
+    "d64-causal-gqa-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 1000, 1000, 8, 2, 64],
+                                dtype="float16"),
+    "d128-window-softcap-sinks-segments-lengths": dict(
+        config=dict(scale=1.0, softcap=5.0, window_left=100, window_right=20, has_sinks=True,
+                    has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
+        shape=[2, 333, 555, 4, 4, 128]),
+}
+
+# Exhaustive: head dims x causal x GQA x dtype, plus the feature paths per head dim.
+FEATURES = {
+    "window-softcap-sinks": dict(window_left=300, window_right=20, softcap=30.0, has_sinks=True),
+    "segments-lengths-causal": dict(causal=True, has_segment_ids=True, has_q_seq_lengths=True,
+                                    has_kv_seq_lengths=True),
+}
+GRID = {
+    **{f"d{d}-{'causal' if causal else 'full'}-{'gqa' if group > 1 else 'mha'}-{dtype}": dict(
+        config=dict(scale=d ** -0.5, causal=causal), shape=[2, 1000, 1200, 8, 8 // group, d], dtype=dtype)
+       for d in sm100_backward.SUPPORTED_HEAD_DIMS for causal in (False, True) for group in (1, 4)
+       for dtype in ("bfloat16", "float16")},
+    **{f"d{d}-{feature}": dict(config=dict(scale=d ** -0.5, **config), shape=[2, 1000, 4000, 8, 2, d])
+       for d in sm100_backward.SUPPORTED_HEAD_DIMS for feature, config in FEATURES.items()},
+}
+
+
+def check_kernel(name: str, compiled: dict):
+    ptx = compiled["ptx"]
+    assert ".target sm_100a" in ptx
+    mmas = re.findall(r"tcgen05\.mma\.cta_group::(\d)", ptx)
+    # S^T, dP^T, dV, dK, dQ: five MMAs, all over the CTA pair.
+    assert len(mmas) >= 5 and set(mmas) == {"2"}, (name, mmas)
+    assert not re.search(r"tcgen05\.\w+(\.\w+)*\.cta_group::1", ptx), "a cta_group::1 tcgen05 op"
+    assert re.search(r"tcgen05\.mma\.cta_group::2[^\n]*\[%r\d+\], \[%r\d+\], %rd\d+", ptx), \
+        "no MMA with A (P^T / dS^T) from TMEM"
+    assert len(re.findall(r"tcgen05\.alloc\.cta_group::2", ptx)) == 1
+    assert len(re.findall(r"tcgen05\.dealloc\.cta_group::2", ptx)) == 1
+    assert re.search(r"tcgen05\.relinquish_alloc_permit\.cta_group::2", ptx)
+    assert re.search(r"tcgen05\.ld\.", ptx) and re.search(r"tcgen05\.st\.", ptx)
+    assert re.search(r"tcgen05\.commit\.cta_group::2[^\n]*multicast::cluster", ptx), "no commit to both CTAs"
+    assert re.search(r"barrier\.cluster\.arrive", ptx) and re.search(r"barrier\.cluster\.wait", ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.[^\n]*cta_group::2", ptx), "no 2-CTA TMA loads"
+    assert re.search(r"mapa\.", ptx) and re.search(r"st\.shared::cluster", ptx), "no dS exchange via DSMEM"
+    assert re.search(r"fence\.proxy\.async\.shared::cluster", ptx)
+    assert re.search(r"mbarrier\.arrive[^\n]*\.cluster[^\n]*shared::cluster", ptx), "no remote arrive on the leader"
+    assert re.search(r"red\.[^\n]*global\.add\.f32", ptx), "dQ never added"
+    assert sm100_inspect.issued_by_one_thread(ptx), "tcgen05.mma/commit or TMA not issued by one thread"
+    assert re.search(r"setmaxnreg\.inc", ptx) and re.search(r"setmaxnreg\.dec", ptx)
+    assert not sm100_inspect.uses_local_memory(ptx), "local memory in the PTX"
+    layout = compiled["layout"]
+    assert layout["tmem_columns_used"] <= layout["tmem_columns_allocated"] <= 512
+    assert layout["shared_memory_bytes"] <= SMEM_CAPACITY
+    resources = sm100_inspect.ptxas_resources(compiled["ptx_path"])
+    if resources is not None:
+        assert resources["spill_store_bytes"] == 0 and resources["stack_frame_bytes"] == 0, (name, resources)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compiles_to_the_2cta_design(name, tmp_path):
+    compiled = sm100_inspect.compile_kernels({name: CASES[name]}, str(tmp_path), direction="backward")[name]
+    check_kernel(name, compiled)
+
+
+@pytest.mark.slow
+def test_grid_compiles(tmp_path):
+    compiled = sm100_inspect.compile_kernels(GRID, str(tmp_path), direction="backward")
+    assert sorted(compiled) == sorted(GRID)
+    for name in GRID:
+        check_kernel(name, compiled[name])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The barrier protocol table (what the role loops follow), checked without compiling
+
+def test_protocol_balances_per_query_block():
+    """Per query block, every per-block barrier is signalled by exactly one role and waited by exactly
+    one; a barrier with `count` > 1 is signalled by every thread of both CTAs (the table says so),
+    and once-per-CTA barriers appear only in prologue / epilogue steps."""
+    barriers = {barrier.name: barrier for barrier in sm100_backward.BARRIERS}
+    once = {"kv_full", "dkv_full"}
+    signals, waits = {}, {}
+    for role, phases in sm100_backward.ROLE_STEPS.items():
+        for phase_name, steps in phases.items():
+            for action, name, phase in steps:
+                assert name in barriers, (role, name)
+                assert (name in once) == (phase_name != "block"), (role, name, phase_name)
+                assert phase in (("0",) if name in once else ("p", "p^1")), (role, name, phase)
+                (signals if action == "signal" else waits).setdefault(name, []).append(role)
+    assert sorted(signals) == sorted(waits) == sorted(barriers)
+    for name, barrier in barriers.items():
+        assert len(signals[name]) == 1 and len(waits[name]) == 1, name
+        assert signals[name][0] != waits[name][0], name
+        assert barrier.signalled_by.startswith(signals[name][0]), (name, barrier.signalled_by)
+        assert barrier.waited_by == waits[name][0], name
+        # Remote arrivals of every thread of a 128-thread role in both CTAs, or one commit / expect_tx.
+        assert barrier.count in (1, 2 * sm100_backward.ROWS), name
+        assert barrier.home == ("leader" if waits[name][0] == "mma" else "each"), name
+
+
+def test_protocol_waits_precede_the_signals_they_enable():
+    """Within one query block, a role never signals a barrier before it waited for what that signal
+    publishes: the MMA warp's commits follow their operands' waits in the table's order."""
+    mma = [step[:2] for step in sm100_backward.ROLE_STEPS["mma"]["block"]]
+    assert mma.index(("wait", "q_full")) < mma.index(("signal", "s_full"))
+    assert mma.index(("wait", "dq_empty")) < mma.index(("signal", "dp_full"))
+    assert mma.index(("wait", "ds_ready")) < mma.index(("signal", "dq_full"))
+    assert mma[-1] == ("signal", "q_empty")
+    compute = [step[:2] for step in sm100_backward.ROLE_STEPS["compute"]["block"]]
+    assert compute.index(("wait", "dp_full")) < compute.index(("signal", "ds_ready"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The module's face
+
+@pytest.mark.parametrize("shapes, dtype, config, fragment", [
+    (((1, 128, 4, 96), (1, 128, 4, 96), (1, 128, 4, 96)), "bfloat16", {}, "head dims"),
+    (((1, 128, 4, 256), (1, 128, 4, 256), (1, 128, 4, 256)), "bfloat16", {}, "head dims"),
+    (((1, 128, 4, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "float32", {}, "bfloat16 or float16"),
+    (((1, 128, 4, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "bfloat16", dict(deterministic=True),
+     "deterministic"),
+    (((1, 128, 4, 128), (1, 256, 4, 128), (1, 256, 4, 128)), "bfloat16",
+     dict(causal=True, has_q_start=True, q_total=256), "q_start"),
+])
+def test_unsupported_reason_names_the_problem(shapes, dtype, config, fragment):
+    reason = sm100_backward.unsupported_reason(AttentionConfig(scale=0.1, **config), host.Problem(*shapes, dtype))
+    assert reason is not None and fragment in reason
+
+
+def test_supported_configs_build_kernel_options():
+    shapes = ((2, 1000, 16, 128), (2, 1200, 4, 128), (2, 1200, 4, 128))
+    config = AttentionConfig(scale=0.1, causal=True, window_left=64, softcap=5.0, has_sinks=True,
+                             has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True)
+    problem = host.Problem(*shapes, "bfloat16")
+    assert sm100_backward.unsupported_reason(config, problem) is None
+    options = sm100_backward.options(config, problem)
+    assert options.group == 4 and options.mask.causal and options.has_sinks and options.has_kv_lengths
+    kernel = sm100_backward.Sm100BackwardKernel(options)
+    assert kernel.tmem_columns_used == 512
+    assert hash(options) == hash(sm100_backward.options(config, problem))
