@@ -35,11 +35,14 @@ CASES = {
         config=dict(scale=1.0, softcap=5.0, window_left=100, window_right=20, has_sinks=True,
                     has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 333, 555, 4, 4, 128]),
+    "d128-causal-gqa-deterministic": dict(config=dict(scale=128 ** -0.5, causal=True, deterministic=True),
+                                          shape=[2, 1000, 1000, 8, 2, 128]),
 }
 
 # Exhaustive: head dims x causal x GQA x dtype, plus the feature paths per head dim.
 FEATURES = {
     "window-softcap-sinks": dict(window_left=300, window_right=20, softcap=30.0, has_sinks=True),
+    "deterministic-causal": dict(causal=True, deterministic=True),
     "segments-lengths-causal": dict(causal=True, has_segment_ids=True, has_q_seq_lengths=True,
                                     has_kv_seq_lengths=True),
 }
@@ -73,6 +76,9 @@ def check_kernel(name: str, compiled: dict):
     assert re.search(r"fence\.proxy\.async\.shared::cluster", ptx)
     assert re.search(r"mbarrier\.arrive[^\n]*\.cluster[^\n]*shared::cluster", ptx), "no remote arrive on the leader"
     assert re.search(r"red\.[^\n]*global\.add\.f32", ptx), "dQ never added"
+    if compiled.get("deterministic"):
+        assert re.search(r"ld\.acquire\.gpu[^\n]*\.(b|s|u)32", ptx), "no wait for the dQ turn"
+        assert re.search(r"red\.release\.gpu[^\n]*add", ptx), "the dQ turn is never passed on"
     assert sm100_inspect.issued_by_one_thread(ptx), "tcgen05.mma/commit or TMA not issued by one thread"
     assert re.search(r"setmaxnreg\.inc", ptx) and re.search(r"setmaxnreg\.dec", ptx)
     assert not sm100_inspect.uses_local_memory(ptx), "local memory in the PTX"
@@ -87,7 +93,7 @@ def check_kernel(name: str, compiled: dict):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiles_to_the_2cta_design(name, tmp_path):
     compiled = sm100_inspect.compile_kernels({name: CASES[name]}, str(tmp_path), direction="backward")[name]
-    check_kernel(name, compiled)
+    check_kernel(name, {**compiled, "deterministic": CASES[name]["config"].get("deterministic", False)})
 
 
 @pytest.mark.slow
@@ -95,7 +101,7 @@ def test_grid_compiles(tmp_path):
     compiled = sm100_inspect.compile_kernels(GRID, str(tmp_path), direction="backward")
     assert sorted(compiled) == sorted(GRID)
     for name in GRID:
-        check_kernel(name, compiled[name])
+        check_kernel(name, {**compiled[name], "deterministic": GRID[name]["config"].get("deterministic", False)})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -145,8 +151,6 @@ def test_protocol_waits_precede_the_signals_they_enable():
     (((1, 128, 4, 96), (1, 128, 4, 96), (1, 128, 4, 96)), "bfloat16", {}, "head dims"),
     (((1, 128, 4, 256), (1, 128, 4, 256), (1, 128, 4, 256)), "bfloat16", {}, "head dims"),
     (((1, 128, 4, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "float32", {}, "bfloat16 or float16"),
-    (((1, 128, 4, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "bfloat16", dict(deterministic=True),
-     "deterministic"),
     (((1, 128, 4, 128), (1, 256, 4, 128), (1, 256, 4, 128)), "bfloat16",
      dict(causal=True, has_q_start=True, q_total=256), "q_start"),
 ])

@@ -20,6 +20,7 @@ import pytest
 import fa4_jax
 import numpy_reference
 from kernel_cases import ROUNDING, Case, poison_device_memory
+from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 import test_sm90_backward as sm90_grid  # noqa: E402
 from fa4_jax.kernels import host  # noqa: E402
@@ -51,7 +52,39 @@ CASES = [case for case in sm90_grid.CASES if case.head_dim in sm100_backward.SUP
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_backward_matches_oracle(case: Case, inputs):
+    _check_against_oracle(case, inputs)
+
+
+# The sm90 grid's deterministic cases (every case whose key blocks start at different query blocks).
+DETERMINISTIC_CASES = [case for case in CASES if case.name in sm90_grid.DETERMINISTIC_CASES
+                       or case.name in ("gqa8-long-causal", "pairs-unseen")]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=lambda case: case.name)
+def test_deterministic_matches_oracle(case: Case, inputs):
+    _check_against_oracle(case, inputs, deterministic=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_is_bitwise_reproducible(causal, inputs):
+    """Two runs of deterministic=True give the same bits (the pairs add dQ in turn order)."""
+    batch, length, heads, dim = 2, 1000, 4, 128
+    query, key, value, d_out = (inputs.normal((batch, length, heads, dim), jnp.bfloat16) for _ in range(4))
+    config = AttentionConfig(scale=dim ** -0.5, causal=causal, deterministic=True)
+    out64, lse64, _ = sm90_grid._oracle(query, key, value, d_out, None, dict(scale=config.scale, causal=causal))
+    out = jnp.asarray(out64, jnp.float32).astype(jnp.bfloat16)
+    lse = jnp.asarray(lse64, jnp.float32)
+    options = sm100_backward.options(config, host.Problem.of(query, key, value))
+    backward = jax.jit(lambda *a: sm100_backward.run(options, *a, None, {})[:3])
+    first = backward(query, key, value, out, lse, d_out)
+    second = backward(query, key, value, out, lse, d_out)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def _check_against_oracle(case: Case, inputs, deterministic=False):
     query, key, value, d_out, d_lse, options, optional, config = sm90_grid._make_problem(case, inputs)
+    config = config.replace(deterministic=deterministic)
     problem = host.Problem.of(query, key, value)
     assert sm100_backward.unsupported_reason(config, problem) is None
     kernel_options = sm100_backward.options(config, problem)

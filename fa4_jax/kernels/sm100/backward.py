@@ -60,7 +60,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.common import backward_numerics, masking
+from fa4_jax.kernels.common import backward_numerics, masking, ordered_reduction
 from fa4_jax.kernels.sm90 import backward_common
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -145,9 +145,9 @@ class KernelOptions:
     softcap: Optional[float] = None
     has_kv_lengths: bool = False
     has_sinks: bool = False
-    # Read by backward_common.run_backward, shared with the sm90 kernels: this kernel adds dQ
-    # unordered and computes whole dK / dV per CTA pair.
     deterministic: bool = False
+    # Read by backward_common.run_backward, shared with the sm90 kernels: a CTA pair computes whole
+    # dK / dV (no head splits).
     head_splits: int = 1
 
 
@@ -282,7 +282,8 @@ class Sm100BackwardKernel:
             s_mma, dkv_mma, dq_mma,
             tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_kt, tma_kt,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot,
-            mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mdQacc, mdK, mdV,
+            mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mdQacc, mSemaphores,
+            mdK, mdV,
             k_layout, q_rows_layout, q_columns_layout, k_columns_layout, ds_layout, p_tmem_layout,
             Int32(seqlen_q), Int32(seqlen_k),
         ).launch(grid=[2 * num_pairs, num_kv_heads, batch], block=[self.threads_per_cta, 1, 1],
@@ -300,14 +301,16 @@ class Sm100BackwardKernel:
                tma_dot: cute.Tensor,
                mLSE: cute.Tensor, mdPsum: cute.Tensor, mQSegmentIds: Optional[cute.Tensor],
                mKVSegmentIds: Optional[cute.Tensor], mQSeqLengths: Optional[cute.Tensor],
-               mKVSeqLengths: Optional[cute.Tensor], mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               k_layout: cute.ComposedLayout, q_rows_layout: cute.ComposedLayout,
+               mKVSeqLengths: Optional[cute.Tensor], mdQacc: cute.Tensor, mSemaphores: Optional[cute.Tensor],
+               mdK: cute.Tensor, mdV: cute.Tensor, k_layout: cute.ComposedLayout, q_rows_layout: cute.ComposedLayout,
                q_columns_layout: cute.ComposedLayout, k_columns_layout: cute.ComposedLayout,
                ds_layout: cute.ComposedLayout, p_tmem_layout: cute.ComposedLayout,
                seqlen_q: Int32, seqlen_k: Int32):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         pair = cute.arch.block_idx()[0] // 2
+        if const_expr(self.options.deterministic):
+            pair = cute.arch.grid_dim()[0] // 2 - 1 - pair      # launched in dQ turn order
         kv_head = cute.arch.block_idx()[1]
         batch = cute.arch.block_idx()[2]
         if warp_idx == self.load_warp_id:
@@ -368,7 +371,7 @@ class Sm100BackwardKernel:
             cute.arch.setmaxregister_decrease(self.registers_dq)
             tmem_allocator.wait_for_alloc()
             tmem = tmem_allocator.retrieve_ptr(Float32)
-            self.dq_role(dq_mma, rank, walk, barriers, tmem, mdQacc)
+            self.dq_role(dq_mma, rank, pair, walk, barriers, tmem, mdQacc, mSemaphores, kv_len, offset)
             pipeline.NamedBarrier(barrier_id=3, num_threads=8 * THREADS_PER_WARP).arrive()
         if warp_idx < self.dq_warp_ids[0]:
             cute.arch.setmaxregister_increase(self.registers_compute)
@@ -645,9 +648,13 @@ class Sm100BackwardKernel:
     # dQ warpgroup: dQ (this CTA's 64 query rows) from TMEM, atomic adds into the fp32 accumulator
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def dq_role(self, dq_mma, rank, walk, barriers, tmem, mdQacc):
+    def dq_role(self, dq_mma, rank, pair, walk, barriers, tmem, mdQacc, mSemaphores, kv_len, offset):
+        """Deterministic: the pairs that visit a query block add in a fixed order, highest pair first
+        (`common/ordered_reduction.py`'s turns, as the sm90 kernels), CTA 0 of a pair before CTA 1
+        (their 64-row halves are disjoint; one counter per 128-row block serves both)."""
         m_lo, m_count, kv_head, batch = walk
         thread = cute.arch.thread_idx()[0] % ROWS
+        dq_threads = pipeline.NamedBarrier(barrier_id=4, num_threads=ROWS)
         dq_thr = dq_mma.get_slice(rank)
         dq_layout = dq_thr.make_fragment_C(dq_thr.partition_shape_C(self.dq_tiler[:2])).layout
         tQtdQ = cute.make_tensor(tmem + self.tmem_dq, dq_layout)
@@ -665,12 +672,20 @@ class Sm100BackwardKernel:
             cute.copy(tiled_load, tLtdQ, values)
             cute.arch.fence_view_async_tmem_load()
             self.arrive_on_leader(barriers, "dq_empty")
+            flag = None
+            if const_expr(self.options.deterministic):
+                turn = ordered_reduction.key_block_turn(self.mask, pair, m_block * ROWS, ROWS, PAIR_KEYS, kv_len,
+                                                        offset, highest_first=True)
+                flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), 2 * turn + rank,
+                                                       cute.arch.lane_idx())
             rows = mdQacc[batch, None, q_head, None]
             for e in cutlass.range_constexpr(cute.size(values)):
                 q_row = tLcdQ[e][0]
                 column = tLcdQ[e][1]
                 target = rows.iterator + cute.crd2idx((m_block * ROWS + q_row, column), rows.layout)
                 cute.arch.red(target, values[e], op="add", dtype=Float32, sem="relaxed", scope="gpu")
+            if const_expr(self.options.deterministic):
+                ordered_reduction.finish_atomic_adds(flag, thread, dq_threads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -689,9 +704,6 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
         return reason
     if config.has_q_start:
         return "the sm100 backward does not yet take a sequence-sharded query (q_start)"
-    if config.deterministic:
-        return ("the sm100 backward adds dQ with unordered atomics; deterministic=True needs the ordered "
-                "reduction, not yet built for it")
     return None
 
 
@@ -701,7 +713,8 @@ def options(config: AttentionConfig, problem: host.Problem) -> KernelOptions:
         dtype_name=problem.dtype, head_dim=problem.head_dim, group=problem.group, scale=float(config.scale),
         mask=masking.MaskShape.from_config(config),
         softcap=None if config.softcap is None else float(config.softcap),
-        has_kv_lengths=config.has_kv_seq_lengths, has_sinks=config.has_sinks)
+        has_kv_lengths=config.has_kv_seq_lengths, has_sinks=config.has_sinks,
+        deterministic=config.deterministic)
 
 
 def dq_accumulator_shape(batch, padded_rows, q_heads, head_dim):
