@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from fa4_jax.config import AttentionConfig
@@ -26,7 +27,7 @@ from tools import sm100_inspect  # noqa: E402
 
 SMEM_CAPACITY = 227 * 1024
 
-# Compiled in CI: head dim 128 and 64, causal, GQA, fp16, and every feature path at once.
+# Compiled in CI: head dims 128, 96 and 64, causal, GQA, fp16, deterministic, and every feature path.
 CASES = {
     "d128": dict(config=dict(scale=128 ** -0.5), shape=[1, 512, 512, 4, 4, 128]),
     "d64-causal-gqa-fp16": dict(config=dict(scale=0.125, causal=True), shape=[2, 1000, 1000, 8, 2, 64],
@@ -35,6 +36,7 @@ CASES = {
         config=dict(scale=1.0, softcap=5.0, window_left=100, window_right=20, has_sinks=True,
                     has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 333, 555, 4, 4, 128]),
+    "d96-causal-gqa": dict(config=dict(scale=96 ** -0.5, causal=True), shape=[2, 1000, 1000, 8, 2, 96]),
     "d128-causal-gqa-deterministic": dict(config=dict(scale=128 ** -0.5, causal=True, deterministic=True),
                                           shape=[2, 1000, 1000, 8, 2, 128]),
 }
@@ -90,10 +92,21 @@ def check_kernel(name: str, compiled: dict):
         assert resources["spill_store_bytes"] == 0 and resources["stack_frame_bytes"] == 0, (name, resources)
 
 
+def check_protocol_trace(trace: list):
+    """The waits and signals each role took while the kernel was traced (its loop bodies once) are
+    ROLE_STEPS, in order: the table the tests check is the one the kernel runs (its waits take their
+    parity from it too)."""
+    expected = [[role, section, action, name] for role, sections in sm100_backward.ROLE_STEPS.items()
+                for section, steps in sections.items() for action, name, _ in steps]
+    key = lambda step: list(sm100_backward.ROLE_STEPS).index(step[0])  # noqa: E731 (roles trace in any order)
+    assert sorted(trace, key=key) == expected
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiles_to_the_2cta_design(name, tmp_path):
     compiled = sm100_inspect.compile_kernels({name: CASES[name]}, str(tmp_path), direction="backward")[name]
     check_kernel(name, {**compiled, "deterministic": CASES[name]["config"].get("deterministic", False)})
+    check_protocol_trace(compiled["protocol_trace"])
 
 
 @pytest.mark.slow
@@ -132,6 +145,120 @@ def test_protocol_balances_per_query_block():
         assert barrier.home == ("leader" if waits[name][0] == "mma" else "each"), name
 
 
+def replay(role_steps, barriers, blocks: int, seed: int = 0) -> list:
+    """Run the roles of both CTAs of a pair over `blocks` query blocks on a model of the mbarriers, in a
+    random interleaving (`seed`); the problems found (none for a sound protocol).
+
+    Model: a barrier instance per CTA ("each") or the leader's only; a wait with parity P passes when
+    the completed-phase count k has k % 2 != P (hardware), and it must then be exactly the completion
+    the step means (`p`: block b's, k == b + 1; `p^1`: the previous block's, k == b; `0`: k == 1),
+    else the wait passed on another round's phase (aliasing). Signals: the MMA warp (leader only)
+    commits to both CTAs' instances; the load warps of both CTAs add their TMA bytes to the leader's
+    instance and the leader's arrives (expect_tx); the 128 threads of a compute or dQ warpgroup of each
+    CTA arrive on the leader's. A phase completes at its count (and, with TMA bytes, both CTAs' bytes);
+    more arrivals in a phase than its count is a problem; a state where no role can move before all
+    finished is a deadlock."""
+    rows = sm100_backward.ROWS
+    table = {barrier.name: barrier for barrier in barriers}
+    state = {(name, cta): [0, 0, 0] for name in table for cta in (0, 1)}   # completed, arrivals, tx
+    programs = {}
+    for cta in (0, 1):
+        for role, sections in role_steps.items():
+            if role == "mma" and cta == 1:
+                continue
+            steps = [(0, step) for step in sections["prologue"]]
+            steps += [(b, step) for b in range(blocks) for step in sections["block"]]
+            steps += [(0, step) for step in sections["epilogue"]]
+            programs[(role, cta)] = steps
+    position = {agent: 0 for agent in programs}
+    problems = []
+
+    def arrive(name, cta, arrivals, tx):
+        instance = state[(name, cta)]
+        instance[1] += arrivals
+        instance[2] += tx
+        barrier = table[name]
+        if instance[1] > barrier.count:
+            problems.append(f"{name}: {instance[1]} arrivals in a phase of {barrier.count}")
+        if instance[1] == barrier.count and (not barrier.tx or instance[2] == 2):
+            instance[0] += 1
+            instance[1] = instance[2] = 0
+
+    def ready(agent):
+        block, (action, name, label) = programs[agent][position[agent]]
+        if action != "wait":
+            return True
+        home = agent[1] if table[name].home == "each" else 0
+        return state[(name, home)][0] % 2 != {"p": block & 1, "p^1": (block & 1) ^ 1, "0": 0}[label]
+
+    random = np.random.default_rng(seed)
+    while not problems:
+        unfinished = [agent for agent in programs if position[agent] < len(programs[agent])]
+        if not unfinished:
+            break
+        movable = [agent for agent in unfinished if ready(agent)]
+        if not movable:
+            problems.append(f"deadlock: { {agent: programs[agent][position[agent]] for agent in unfinished} }")
+            break
+        role, cta = movable[random.integers(len(movable))]
+        block, (action, name, label) = programs[(role, cta)][position[(role, cta)]]
+        if action == "wait":
+            completed = state[(name, cta if table[name].home == "each" else 0)][0]
+            target = {"p": block + 1, "p^1": block, "0": 1}[label]
+            if completed != target:
+                problems.append(f"{role}@{cta} block {block}: wait on {name} passed at phase "
+                                f"{completed}, meant {target}")
+        elif role == "mma":
+            for peer in (0, 1):
+                arrive(name, peer, 1, 0)
+        elif role == "load":
+            arrive(name, 0, 1 if cta == 0 else 0, 1)
+        else:
+            arrive(name, 0, rows, 0)
+        position[(role, cta)] += 1
+    return problems
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 2, 3, 5])
+def test_protocol_replays_without_deadlock_or_aliasing(blocks):
+    for seed in range(50):
+        assert replay(sm100_backward.ROLE_STEPS, sm100_backward.BARRIERS, blocks, seed) == [], seed
+
+
+def _planted(role, section, change):
+    steps = {role_name: dict(sections) for role_name, sections in sm100_backward.ROLE_STEPS.items()}
+    steps[role][section] = change(list(steps[role][section]))
+    return steps
+
+
+PLANTED_BUGS = {
+    # the compute warpgroup forgets to publish dS
+    "dropped-arrive": (_planted("compute", "block", lambda s: [x for x in s if x[1] != "ds_ready"]),
+                       sm100_backward.BARRIERS),
+    # the MMA warp waits for dS before it has committed dP, which dS needs
+    "swapped-steps": (_planted("mma", "block", lambda s: s[:3] + [s[4], s[3]] + s[5:]),
+                      sm100_backward.BARRIERS),
+    # the MMA warp's dQ-drained wait takes this block's parity instead of the previous block's
+    "wrong-parity": (_planted("mma", "block",
+                              lambda s: [(a, n, "p" if n == "dq_empty" else ph) for a, n, ph in s]),
+                     sm100_backward.BARRIERS),
+    # the load warp refills the Q / dO stage without waiting for the MMAs that read it
+    "dropped-wait": (_planted("load", "block", lambda s: [x for x in s if x[1] != "q_empty"]),
+                     sm100_backward.BARRIERS),
+    # dq_empty initialised for one CTA's warpgroup: the phase completes before the peer has read dQ
+    "half-count": (sm100_backward.ROLE_STEPS,
+                   tuple(b if b.name != "dq_empty" else sm100_backward.Barrier(
+                       b.name, sm100_backward.ROWS, b.home, b.signalled_by, b.waited_by)
+                         for b in sm100_backward.BARRIERS)),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED_BUGS))
+def test_protocol_replay_catches_planted_bugs(bug):
+    role_steps, barriers = PLANTED_BUGS[bug]
+    assert all(replay(role_steps, barriers, 3, seed) != [] for seed in range(10))
+
+
 def test_protocol_waits_precede_the_signals_they_enable():
     """Within one query block, a role never signals a barrier before it waited for what that signal
     publishes: the MMA warp's commits follow their operands' waits in the table's order."""
@@ -148,7 +275,7 @@ def test_protocol_waits_precede_the_signals_they_enable():
 # The module's face
 
 @pytest.mark.parametrize("shapes, dtype, config, fragment", [
-    (((1, 128, 4, 96), (1, 128, 4, 96), (1, 128, 4, 96)), "bfloat16", {}, "head dims"),
+    (((1, 128, 4, 192), (1, 128, 4, 192), (1, 128, 4, 192)), "bfloat16", {}, "head dims"),
     (((1, 128, 4, 256), (1, 128, 4, 256), (1, 128, 4, 256)), "bfloat16", {}, "head dims"),
     (((1, 128, 4, 128), (1, 128, 4, 128), (1, 128, 4, 128)), "float32", {}, "bfloat16 or float16"),
     (((1, 128, 4, 128), (1, 256, 4, 128), (1, 256, 4, 128)), "bfloat16",

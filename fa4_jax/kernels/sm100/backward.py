@@ -63,7 +63,7 @@ from fa4_jax.kernels import host
 from fa4_jax.kernels.common import backward_numerics, masking, ordered_reduction
 from fa4_jax.kernels.sm90 import backward_common
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
 THREADS_PER_WARP = 32
 ROWS = 128                      # keys per CTA, query rows per block, TMEM lanes
 PAIR_KEYS = 2 * ROWS            # keys per CTA pair
@@ -191,6 +191,10 @@ class Sm100BackwardKernel:
         assert self.tmem_columns_used <= TMEM_COLUMNS
         self.tmem_columns_allocated = TMEM_COLUMNS
         self.tmem_users = THREADS_PER_WARP * (len(self.compute_warp_ids) + len(self.dq_warp_ids) + 1)
+        # (role, section, action, barrier) of every protocol step, in the order the role loops take them
+        # while the kernel is traced (a loop body is traced once): tests compare it with ROLE_STEPS.
+        self.protocol_trace = []
+        self.tracing = ("", "")
 
     # --------------------------------------------------------------------------------------------
     # Host side
@@ -394,13 +398,41 @@ class Sm100BackwardKernel:
     def barrier(self, barriers, name: str):
         return barriers + BARRIER_INDEX[name]
 
+    def section(self, role: str, section: str):
+        """Trace time: the role and section ("prologue", "block", "epilogue") whose steps follow."""
+        self.tracing = (role, section)
+
+    def record(self, action: str, name: str):
+        self.protocol_trace.append((*self.tracing, action, name))
+
     @cute.jit
-    def wait(self, barriers, name: cutlass.Constexpr, phase):
-        cute.arch.mbarrier_wait(self.barrier(barriers, name), phase)
+    def wait(self, barriers, name: cutlass.Constexpr, block):
+        """Wait on `name` at the parity ROLE_STEPS gives this step of the traced role, for query block
+        `block` of the walk (ignored by once-per-CTA barriers)."""
+        self.record("wait", name)
+        role, section = self.tracing
+        (label,) = [phase for action, barrier, phase in ROLE_STEPS[role][section]
+                    if action == "wait" and barrier == name]
+        parity = 0
+        if const_expr(label == "p"):
+            parity = block & 1
+        elif const_expr(label == "p^1"):
+            parity = (block & 1) ^ 1
+        cute.arch.mbarrier_wait(self.barrier(barriers, name), parity)
+
+    @cute.jit
+    def expect_pair_bytes(self, barriers, name: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, rank):
+        """Load warp: the leader arrives on its `name` expecting both CTAs' TMA bytes (the copies of both
+        complete there)."""
+        self.record("signal", name)
+        with cute.arch.elect_one():
+            if rank == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(self.barrier(barriers, name), tx_bytes)
 
     @cute.jit
     def commit_to_pair(self, barriers, name: cutlass.Constexpr):
         """MMA warp: arrive on `name` in both CTAs once every MMA issued so far has completed."""
+        self.record("signal", name)
         with cute.arch.elect_one():
             tcgen05.commit(self.barrier(barriers, name), Int32(0b11), tcgen05.CtaGroup.TWO)
 
@@ -408,6 +440,7 @@ class Sm100BackwardKernel:
     def arrive_on_leader(self, barriers, name: cutlass.Constexpr):
         """Every thread of a role in both CTAs: arrive on the leader CTA's `name` (cluster scope, so
         this thread's earlier shared-memory writes, local or remote, are visible to its waiter)."""
+        self.record("signal", name)
         cute.arch.mbarrier_arrive(self.barrier(barriers, name), Int32(0), scope=nvvm.MemScopeKind.CLUSTER)
 
     # --------------------------------------------------------------------------------------------
@@ -438,22 +471,20 @@ class Sm100BackwardKernel:
         tOtsdOt, tOtgdOt = partition(tma_atom_dot, tma_dot, sdOt, self.dkv_tiler, dkv_thr, "B")
 
         kv_coordinate = (kv_head, batch)
+        self.section("load", "prologue")
         full = self.barrier(barriers, "kv_full")
-        with cute.arch.elect_one():
-            if rank == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(full, self.key_bytes)
+        self.expect_pair_bytes(barriers, "kv_full", self.key_bytes, rank)
         cute.copy(tma_atom_k, tKgK[None, pair, 0, kv_coordinate], tKsK[None, 0], tma_bar_ptr=full)
         cute.copy(tma_atom_v, tVgV[None, pair, 0, kv_coordinate], tVsV[None, 0], tma_bar_ptr=full)
         cute.copy(tma_atom_kt, tKtgKt[None, 0, pair, kv_coordinate], tKtsKt[None, 0], tma_bar_ptr=full)
 
         full = self.barrier(barriers, "q_full")
+        self.section("load", "block")
         for it in cutlass.range(m_count * self.options.group, unroll=1):
             q_head, m_block = self.query_block(it, walk)
             coordinate = (q_head, batch)
-            self.wait(barriers, "q_empty", (it & 1) ^ 1)
-            with cute.arch.elect_one():
-                if rank == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(full, self.query_bytes)
+            self.wait(barriers, "q_empty", it)
+            self.expect_pair_bytes(barriers, "q_full", self.query_bytes, rank)
             cute.copy(tma_atom_q, tQgQ[None, m_block, 0, coordinate], tQsQ[None, 0], tma_bar_ptr=full)
             cute.copy(tma_atom_do, tOgdO[None, m_block, 0, coordinate], tOsdO[None, 0], tma_bar_ptr=full)
             cute.copy(tma_atom_qt, tQtgQt[None, 0, m_block, coordinate], tQtsQt[None, 0], tma_bar_ptr=full)
@@ -511,22 +542,24 @@ class Sm100BackwardKernel:
         for accumulator, columns in ((tStS, self.tmem_dp - self.tmem_s), (tQtdQ, self.tmem_dv - self.tmem_dq),
                                      (tVtdV, self.tmem_dk - self.tmem_dv)):
             assert tcgen05.find_tmem_tensor_col_offset(accumulator) <= columns, (accumulator, columns)
+        self.section("mma", "prologue")
         self.wait(barriers, "kv_full", 0)
+        self.section("mma", "block")
         for it in cutlass.range(m_count * self.options.group, unroll=1):
-            phase = it & 1
-            self.wait(barriers, "q_full", phase)
+            self.wait(barriers, "q_full", it)
             self.gemm(s_mma, tStS, tSrK, tSrQ, False)
             self.commit_to_pair(barriers, "s_full")
             # dP^T overwrites the previous block's dQ: the dQ warps of both CTAs must have read it.
-            self.wait(barriers, "dq_empty", phase ^ 1)
+            self.wait(barriers, "dq_empty", it)
             self.gemm(s_mma, tStdP, tSrV, tSrdO, False)
             self.commit_to_pair(barriers, "dp_full")
-            self.wait(barriers, "ds_ready", phase)
+            self.wait(barriers, "ds_ready", it)
             self.gemm(dkv_mma, tVtdV, tVrP, tVrdOt, it > 0)
             self.gemm(dkv_mma, tKtdK, tKrdS, tKrQt, it > 0)
             self.gemm(dq_mma, tQtdQ, tQrdS, tQrKt, False)
             self.commit_to_pair(barriers, "dq_full")
             self.commit_to_pair(barriers, "q_empty")
+        self.section("mma", "epilogue")
         self.commit_to_pair(barriers, "dkv_full")
 
     # --------------------------------------------------------------------------------------------
@@ -562,8 +595,8 @@ class Sm100BackwardKernel:
         ds_row_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(ds_row.iterator, peer), ds_row.layout)
         chunk_coordinates = cute.make_identity_tensor((SLICE, 1))
 
+        self.section("compute", "block")
         for it in cutlass.range(m_count * self.options.group, unroll=1):
-            phase = it & 1
             q_head, m_block = self.query_block(it, walk)
             row_start = m_block * ROWS
             # This block's LSE and dPsum, one row per thread, through shared memory to every thread.
@@ -571,8 +604,8 @@ class Sm100BackwardKernel:
             row_stats[row, 0, buffer] = mLSE[batch, q_head, row_start + row]
             row_stats[row, 1, buffer] = mdPsum[batch, q_head, row_start + row]
             stats_barrier.arrive_and_wait()
-            self.wait(barriers, "s_full", phase)
-            self.wait(barriers, "dp_full", phase)
+            self.wait(barriers, "s_full", it)
+            self.wait(barriers, "dp_full", it)
             for k in cutlass.range_constexpr(ROWS // SLICE):
                 loaded_scores = cute.make_rmem_tensor(loaded_shape, Float32)
                 loaded_grads = cute.make_rmem_tensor(loaded_shape, Float32)
@@ -615,6 +648,7 @@ class Sm100BackwardKernel:
             cute.arch.fence_proxy("async.shared", space="cluster")
             self.arrive_on_leader(barriers, "ds_ready")
 
+        self.section("compute", "epilogue")
         self.wait(barriers, "dkv_full", 0)
         self.store_dkv(tiled_load, tLt, loaded_shape, m_count > 0, pair, rank, row, kv_head, batch, mdK, mdV)
 
@@ -665,9 +699,10 @@ class Sm100BackwardKernel:
         thr_load = tiled_load.get_slice(thread)
         tLtdQ = thr_load.partition_S(tQtdQ)
         tLcdQ = thr_load.partition_D(dq_thr.partition_C(cute.make_identity_tensor(self.dq_tiler[:2])))
+        self.section("dq", "block")
         for it in cutlass.range(m_count * self.options.group, unroll=1):
             q_head, m_block = self.query_block(it, walk)
-            self.wait(barriers, "dq_full", it & 1)
+            self.wait(barriers, "dq_full", it)
             values = cute.make_rmem_tensor(tLcdQ.shape, Float32)
             cute.copy(tiled_load, tLtdQ, values)
             cute.arch.fence_view_async_tmem_load()
