@@ -148,16 +148,16 @@ def test_backward_on_an_unknown_gpu_names_the_capabilities_it_has(monkeypatch):
 
 @needs_cutlass
 def test_backward_on_blackwell_selects_the_sm100_kernel_or_names_its_head_dims(monkeypatch):
-    """The real table: on 10.x, head dims 64 and 128 get the 2-CTA sm100 backward; the others say which
-    head dims the Blackwell backward takes."""
+    """The real table: on 10.x, head dims 64, 96 and 128 get the 2-CTA sm100 backward; the others say
+    which head dims the Blackwell backward takes."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
     config = AttentionConfig(scale=0.125, causal=True, implementation="cute")
-    for head_dim in (64, 128):
+    for head_dim in (64, 96, 128):
         avals = [jax.ShapeDtypeStruct((1, 8, 2, head_dim), jnp.bfloat16) for _ in range(3)]
         assert cuda.kernel_for("backward", config, *avals).__name__ == "fa4_jax.kernels.sm100.backward"
-    avals = [jax.ShapeDtypeStruct((1, 8, 2, 96), jnp.bfloat16) for _ in range(3)]
+    avals = [jax.ShapeDtypeStruct((1, 8, 2, 192), jnp.bfloat16) for _ in range(3)]
     with pytest.raises(NotImplementedError, match=r"the backward kernels for compute capability 10\.x take "
-                                                  r"head dims \(64, 128\), not 96"):
+                                                  r"head dims \(64, 96, 128\), not 192"):
         cuda.kernel_for("backward", config, *avals)
 
 

@@ -297,3 +297,41 @@ def test_supported_configs_build_kernel_options():
     kernel = sm100_backward.Sm100BackwardKernel(options)
     assert kernel.tmem_columns_used == 512
     assert hash(options) == hash(sm100_backward.options(config, problem))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The committed compile report (benchmarks/results/sm100_backward_compile_report.json)
+
+def _committed_report():
+    import json
+
+    with open(sm100_inspect.BACKWARD_REPORT_PATH) as handle:
+        return json.load(handle)
+
+
+def _assert_matches(fresh: dict, committed: dict):
+    for name, record in fresh["configs"].items():
+        expected = committed["configs"][name]
+        if "registers_at_launch" not in record:  # no ptxas here: compare what the DSL reports
+            expected = {key: value for key, value in expected.items() if key in record}
+        assert record == expected, (
+            f"{name}: the committed sm100 backward compile report is stale; run "
+            "`python benchmarks/sm100_report.py --direction backward` and commit the JSON")
+
+
+def test_report_is_current(tmp_path):
+    """The committed backward report matches what the sources compile to now (one configuration here;
+    all of them in the slow test)."""
+    committed = _committed_report()
+    assert sorted(committed["configs"]) == sorted(sm100_inspect.BACKWARD_REPORT_SPECS)
+    for name, record in committed["configs"].items():
+        assert record["spec"] == sm100_inspect.BACKWARD_REPORT_SPECS[name]
+        assert record["tmem_columns_used"] <= 512 and record["shared_memory_bytes"] <= SMEM_CAPACITY
+        assert record["tcgen05_and_tma_issued_by_one_thread"] and not record["local_memory"]
+        assert record.get("spill_store_bytes", 0) == 0
+    _assert_matches(sm100_inspect.build_report(str(tmp_path), ["d128-causal"], direction="backward"), committed)
+
+
+@pytest.mark.slow
+def test_whole_report_is_current(tmp_path):
+    _assert_matches(sm100_inspect.build_report(str(tmp_path), direction="backward"), _committed_report())

@@ -118,7 +118,8 @@ def _jobs_of(module_name: str, module) -> list:
                 for collection, specs in collections.items() for name, spec in specs.items()]
         return jobs + [_script_job(f"{module_name}::_LOWER", module.sm100_inspect.TARGET, module._LOWER)]
     if module_name == "test_kernel_compile_sm100_backward":
-        collections = {"CASES": module.CASES, "GRID": module.GRID}
+        collections = {"CASES": module.CASES, "GRID": module.GRID,
+                       "REPORT_SPECS": module.sm100_inspect.BACKWARD_REPORT_SPECS}
         return [{"key": f"{module_name}::{collection}/{name}", "arch": module.sm100_inspect.TARGET,
                  "kind": "sm100", "module": module_name, "name": name, "spec": {**spec, "direction": "backward"}}
                 for collection, specs in collections.items() for name, spec in specs.items()]
