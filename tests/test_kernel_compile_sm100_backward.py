@@ -335,3 +335,51 @@ def test_report_is_current(tmp_path):
 @pytest.mark.slow
 def test_whole_report_is_current(tmp_path):
     _assert_matches(sm100_inspect.build_report(str(tmp_path), direction="backward"), _committed_report())
+
+
+_LOWER = r"""
+import json
+import jax, jax.numpy as jnp
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm100 import backward as sm100_backward
+query = jax.ShapeDtypeStruct((1, 200, 4, 128), jnp.bfloat16)
+key = jax.ShapeDtypeStruct((1, 300, 2, 128), jnp.bfloat16)
+lse = jax.ShapeDtypeStruct((1, 4, 200), jnp.float32)
+sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+config = AttentionConfig(scale=0.125, causal=True, has_sinks=True, has_kv_seq_lengths=True, deterministic=True)
+options = sm100_backward.options(config, host.Problem.of(query, key, key))
+lowered = jax.jit(lambda q, k, v, o, l, do, dl, s, n: sm100_backward.run(
+    options, q, k, v, o, l, do, dl, {"sinks": s, "kv_seq_lengths": n})).trace(
+    query, key, key, query, lse, query, lse, sinks, lengths).lower(lowering_platforms=("cuda",))
+calls = [line for line in lowered.as_text().splitlines() if "stablehlo.custom_call" in line]
+print("LOWERED " + json.dumps({"calls": len(calls), "sm100": sum("sm100_backward" in c for c in calls),
+                               "types": [c.split(" : ")[-1] for c in calls]}))
+"""
+
+
+def test_attention_backward_lowers_for_cuda(tmp_path):
+    """The module's `run`, which the CUDA dispatch calls on 10.x, traces and lowers to one kernel call
+    (compiled for sm_100a on this CPU) with the JAX side around it: the fp32 dQ accumulator and dPsum /
+    LSE padded to 128-row blocks, the deterministic mode's counters, dK / dV in the input type."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, CUTE_DSL_ARCH=sm100_inspect.TARGET, FA4_JAX_CACHE_DIR=str(tmp_path),
+                       PYTHONPATH=sm100_inspect.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    process = subprocess.run([sys.executable, "-c", _LOWER], env=environment, capture_output=True,
+                             text=True, timeout=900)
+    assert process.returncode == 0, process.stderr[-4000:]
+    line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
+    lowered = json.loads(line[len("LOWERED "):])
+    assert lowered["calls"] == 1 and lowered["sm100"] == 1, lowered
+    (types,) = lowered["types"]
+    # q, k, v, dO, LSE and dPsum padded to 256 rows, kv lengths, the dQ accumulator, the counters.
+    assert types.startswith("(tensor<1x200x4x128xbf16>, tensor<1x300x2x128xbf16>, tensor<1x300x2x128xbf16>, "
+                            "tensor<1x200x4x128xbf16>, tensor<1x4x256xf32>, tensor<1x4x256xf32>, tensor<1xi32>, "
+                            "tensor<1x256x4x128xf32>, tensor<1x4x2xi32>) -> "), types
+    assert types.endswith("(tensor<1x256x4x128xf32>, tensor<1x4x2xi32>, tensor<1x300x2x128xbf16>, "
+                          "tensor<1x300x2x128xbf16>)"), types

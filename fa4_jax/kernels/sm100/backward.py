@@ -382,7 +382,7 @@ class Sm100BackwardKernel:
             tmem_allocator.allocate(self.tmem_columns_allocated)
             tmem_allocator.wait_for_alloc()
             tmem = tmem_allocator.retrieve_ptr(Float32)
-            self.compute_role(s_mma, rank, pair, walk, barriers, tmem, sdS, row_stats, mLSE, mdPsum, mQSegmentIds,
+            self.compute_role(s_mma, dq_mma, rank, pair, walk, barriers, tmem, sdS, row_stats, mLSE, mdPsum, mQSegmentIds,
                               mKVSegmentIds, q_len, kv_len, offset, mdK, mdV)
             # The dQ warpgroup reads TMEM until its last block: free it once both groups are done.
             pipeline.NamedBarrier(barrier_id=3, num_threads=8 * THREADS_PER_WARP).arrive_and_wait()
@@ -566,7 +566,7 @@ class Sm100BackwardKernel:
     # Compute warpgroup: P, dS per key row; P^T, dS^T into TMEM; dS into both CTAs' dQ operands
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def compute_role(self, s_mma, rank, pair, walk, barriers, tmem, sdS, row_stats, mLSE, mdPsum, mQSegmentIds,
+    def compute_role(self, s_mma, dq_mma, rank, pair, walk, barriers, tmem, sdS, row_stats, mLSE, mdPsum, mQSegmentIds,
                      mKVSegmentIds, q_len, kv_len, offset, mdK, mdV):
         m_lo, m_count, kv_head, batch = walk
         row = cute.arch.thread_idx()[0] % ROWS       # this thread's key row = TMEM lane
@@ -588,10 +588,27 @@ class Sm100BackwardKernel:
         coordinates = cute.make_identity_tensor((ROWS, SLICE))
         loaded_shape = thr_load.partition_D(coordinates).shape
         stored_shape = thr_store.partition_S(cute.make_identity_tensor((ROWS, SLICE // 2))).shape
+        # What the code below assumes of these copies, checked on one thread at trace time: thread t
+        # loads (stores) TMEM lane t, consecutive columns in order. With the MMA's own partition of the
+        # pair's S^T (rank r holds keys [128 r, 128 r + 128) on lanes 0-127) that makes t this CTA's key t.
+        probe = 5
+        for copy, columns, side in ((tiled_load, SLICE, "D"), (tiled_store, SLICE // 2, "S")):
+            thread = copy.get_slice(probe)
+            seen = (thread.partition_D if side == "D" else thread.partition_S)(
+                cute.make_identity_tensor((ROWS, columns)))
+            assert [seen[i] for i in range(columns)] == [(probe, c) for c in range(columns)], columns
+        for cta in (0, 1):
+            first = s_mma.get_slice(cta).partition_C(cute.make_identity_tensor(self.s_tiler[:2]))[0]
+            assert first == (cta * ROWS, 0), first
         stats_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=ROWS)
-        # dS for the dQ operand: this thread's key, the 64 queries of CTA `half`'s share.
+        # dS for the dQ operand: this thread's key, the 64 queries of CTA `half`'s share (the dQ MMA's
+        # A rows of CTA r are queries [64 r, 64 r + 64), checked below).
         peer = rank ^ 1
         ds_row = sdS[((None, key_local % 16), 0, key_local // 16, 0)]
+        for cta in (0, 1):
+            first = dq_mma.get_slice(cta).partition_A(cute.make_identity_tensor(
+                cute.select(self.dq_tiler, mode=[0, 2])))[0]
+            assert first == (cta * ROWS // 2, 0), first
         ds_row_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(ds_row.iterator, peer), ds_row.layout)
         chunk_coordinates = cute.make_identity_tensor((SLICE, 1))
 
