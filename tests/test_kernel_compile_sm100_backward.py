@@ -121,9 +121,9 @@ def test_grid_compiles(tmp_path):
 # The barrier protocol table (what the role loops follow), checked without compiling
 
 def test_protocol_balances_per_query_block():
-    """Per query block, every per-block barrier is signalled by exactly one role and waited by exactly
-    one; a barrier with `count` > 1 is signalled by every thread of both CTAs (the table says so),
-    and once-per-CTA barriers appear only in prologue / epilogue steps."""
+    """Every barrier is signalled by exactly one role and waited by exactly one; a barrier with `count` >
+    1 is signalled by every thread of both CTAs (the table says so), and once-per-CTA barriers appear
+    only in prologue / epilogue steps."""
     barriers = {barrier.name: barrier for barrier in sm100_backward.BARRIERS}
     once = {"kv_full", "dkv_full"}
     signals, waits = {}, {}
@@ -131,18 +131,20 @@ def test_protocol_balances_per_query_block():
         for phase_name, steps in phases.items():
             for action, name, phase in steps:
                 assert name in barriers, (role, name)
-                assert (name in once) == (phase_name != "block"), (role, name, phase_name)
+                # Per-block barriers also appear once after the walk: a producer's tail wait.
+                assert name not in once or phase_name != "block", (role, name)
                 assert phase in (("0",) if name in once else ("p", "p^1")), (role, name, phase)
-                (signals if action == "signal" else waits).setdefault(name, []).append(role)
+                (signals if action == "signal" else waits).setdefault(name, set()).add(role)
     assert sorted(signals) == sorted(waits) == sorted(barriers)
     for name, barrier in barriers.items():
         assert len(signals[name]) == 1 and len(waits[name]) == 1, name
-        assert signals[name][0] != waits[name][0], name
-        assert barrier.signalled_by.startswith(signals[name][0]), (name, barrier.signalled_by)
-        assert barrier.waited_by == waits[name][0], name
+        (signaller,), (waiter,) = signals[name], waits[name]
+        assert signaller != waiter, name
+        assert barrier.signalled_by.startswith(signaller), (name, barrier.signalled_by)
+        assert barrier.waited_by == waiter, name
         # Remote arrivals of every thread of a 128-thread role in both CTAs, or one commit / expect_tx.
         assert barrier.count in (1, 2 * sm100_backward.ROWS), name
-        assert barrier.home == ("leader" if waits[name][0] == "mma" else "each"), name
+        assert barrier.home == ("leader" if waiter == "mma" else "each"), name
 
 
 def replay(role_steps, barriers, blocks: int, seed: int = 0) -> list:
@@ -155,9 +157,12 @@ def replay(role_steps, barriers, blocks: int, seed: int = 0) -> list:
     else the wait passed on another round's phase (aliasing). Signals: the MMA warp (leader only)
     commits to both CTAs' instances; the load warps of both CTAs add their TMA bytes to the leader's
     instance and the leader's arrives (expect_tx); the 128 threads of a compute or dQ warpgroup of each
-    CTA arrive on the leader's. A phase completes at its count (and, with TMA bytes, both CTAs' bytes);
-    more arrivals in a phase than its count is a problem; a state where no role can move before all
-    finished is a deadlock."""
+    CTA arrive on the leader's. The MMA warp's commits land later, in any order (the PTX promises each
+    lands once its MMAs complete, not an order between two of them), so each CTA must wait for every
+    commit sent to it before it exits (a producer's tail); the threads' own arrivals precede their
+    exit.
+    A phase completes at its count (and, with TMA bytes, both CTAs' bytes); more arrivals in a phase
+    than its count is a problem; a state where no role can move before all finished is a deadlock."""
     rows = sm100_backward.ROWS
     table = {barrier.name: barrier for barrier in barriers}
     state = {(name, cta): [0, 0, 0] for name in table for cta in (0, 1)}   # completed, arrivals, tx
@@ -168,7 +173,7 @@ def replay(role_steps, barriers, blocks: int, seed: int = 0) -> list:
                 continue
             steps = [(0, step) for step in sections["prologue"]]
             steps += [(b, step) for b in range(blocks) for step in sections["block"]]
-            steps += [(0, step) for step in sections["epilogue"]]
+            steps += [(blocks, step) for step in sections["epilogue"]]
             programs[(role, cta)] = steps
     position = {agent: 0 for agent in programs}
     problems = []
@@ -192,11 +197,23 @@ def replay(role_steps, barriers, blocks: int, seed: int = 0) -> list:
         return state[(name, home)][0] % 2 != {"p": block & 1, "p^1": (block & 1) ^ 1, "0": 0}[label]
 
     random = np.random.default_rng(seed)
+    in_flight = []          # the MMA warp's commits not yet landed (in any order)
+    commits = {}            # (barrier, CTA): commits issued to it
+    observed = {}           # (barrier, CTA): the latest of its completions a role of that CTA waited for
     while not problems:
         unfinished = [agent for agent in programs if position[agent] < len(programs[agent])]
         if not unfinished:
+            for (name, cta), count in commits.items():
+                if observed.get((name, cta), 0) < count:
+                    problems.append(f"{name}@{cta}: a commit no role of the CTA waits for may land after "
+                                    "it has exited")
             break
         movable = [agent for agent in unfinished if ready(agent)]
+        if in_flight and (not movable or random.integers(2)):
+            landed = in_flight.pop(random.integers(len(in_flight)))
+            for peer in (0, 1):
+                arrive(landed, peer, 1, 0)
+            continue
         if not movable:
             problems.append(f"deadlock: { {agent: programs[agent][position[agent]] for agent in unfinished} }")
             break
@@ -205,12 +222,15 @@ def replay(role_steps, barriers, blocks: int, seed: int = 0) -> list:
         if action == "wait":
             completed = state[(name, cta if table[name].home == "each" else 0)][0]
             target = {"p": block + 1, "p^1": block, "0": 1}[label]
+            home = (name, cta if table[name].home == "each" else 0)
+            observed[home] = max(observed.get(home, 0), target)
             if completed != target:
                 problems.append(f"{role}@{cta} block {block}: wait on {name} passed at phase "
                                 f"{completed}, meant {target}")
         elif role == "mma":
+            in_flight.append(name)
             for peer in (0, 1):
-                arrive(name, peer, 1, 0)
+                commits[(name, peer)] = commits.get((name, peer), 0) + 1
         elif role == "load":
             arrive(name, 0, 1 if cta == 0 else 0, 1)
         else:
@@ -245,6 +265,8 @@ PLANTED_BUGS = {
     # the load warp refills the Q / dO stage without waiting for the MMAs that read it
     "dropped-wait": (_planted("load", "block", lambda s: [x for x in s if x[1] != "q_empty"]),
                      sm100_backward.BARRIERS),
+    # the load warp leaves without waiting for the last block's release (the producer's tail)
+    "no-tail": (_planted("load", "epilogue", lambda s: []), sm100_backward.BARRIERS),
     # dq_empty initialised for one CTA's warpgroup: the phase completes before the peer has read dQ
     "half-count": (sm100_backward.ROLE_STEPS,
                    tuple(b if b.name != "dq_empty" else sm100_backward.Barrier(

@@ -103,12 +103,14 @@ BARRIERS = (
 # Each role's steps: ("wait" | "signal", barrier, phase) where phase "p" is the query block's parity
 # (block i of the walk: i % 2), "p^1" the previous block's (a wait on a fresh barrier with parity 1
 # passes at once: the producer's first acquire), "0" the single use of a once-per-CTA barrier.
-# "prologue" runs once before the walk, "block" per query block, "epilogue" once after.
+# "prologue" runs once before the walk, "block" per query block, "epilogue" once after, where block
+# means the walk's length n (so "p^1" there is the last block's completion, at once when n = 0).
 ROLE_STEPS = {
     "load": {
         "prologue": (("signal", "kv_full", "0"),),
         "block": (("wait", "q_empty", "p^1"), ("signal", "q_full", "p")),
-        "epilogue": (),
+        # The producer's tail: the last block's multicast commit lands in this CTA before it may exit.
+        "epilogue": (("wait", "q_empty", "p^1"),),
     },
     "mma": {
         "prologue": (("wait", "kv_full", "0"),),
@@ -489,6 +491,8 @@ class Sm100BackwardKernel:
             cute.copy(tma_atom_do, tOgdO[None, m_block, 0, coordinate], tOsdO[None, 0], tma_bar_ptr=full)
             cute.copy(tma_atom_qt, tQtgQt[None, 0, m_block, coordinate], tQtsQt[None, 0], tma_bar_ptr=full)
             cute.copy(tma_atom_dot, tOtgdOt[None, 0, m_block, coordinate], tOtsdOt[None, 0], tma_bar_ptr=full)
+        self.section("load", "epilogue")
+        self.wait(barriers, "q_empty", m_count * self.options.group)
 
     @cute.jit
     def query_block(self, it, walk):
