@@ -38,6 +38,7 @@ ROUTES = (
     Route(9, "backward", (64, 96, 128), "fa4_jax.kernels.sm90.backward"),
     Route(9, "backward", (192, 256), "fa4_jax.kernels.sm90.backward_large_heads"),
     Route(10, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm100.forward"),
+    Route(10, "backward", (64, 96, 128), "fa4_jax.kernels.sm100.backward"),
 )
 
 _warned: set[str] = set()

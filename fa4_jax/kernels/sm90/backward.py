@@ -494,7 +494,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                     lse[r] = mLSE[row_base + coords_qk[r, 0][0], q_head, batch]
 
             warpgroup.wait_group(1)
-            self._probabilities(acc_s, scores, coords_qk, lse, n_block, q_start + row_base, row_base,
+            self.numerics.probabilities(acc_s, scores, coords_qk, lse, n_block, q_start + row_base, row_base,
                                 key_base, kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
 
             # early_dv: dV += P^T dO runs on the tensor cores while dS is computed.
@@ -516,7 +516,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.wait_group(1)            # dP^T done; dV may still run
             else:
                 warpgroup.wait_group(0)
-            self._ds_over_dp(scores, query_major_view(acc_dp), dpsum, lse)
+            self.numerics.ds_over_dp(scores, query_major_view(acc_dp), dpsum, lse)
 
             # P^T and dS^T as bf16/fp16 A operands (same register order as the accumulator).
             if const_expr(not self.early_dv):

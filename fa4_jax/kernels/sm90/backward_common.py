@@ -1,7 +1,8 @@
 """What the two sm90 backward kernels share: their static options, the device code both run
-(`Sm90BackwardBase`: the TMA producer, P recomputed from the stored LSE, dS with the softcap slope,
-the dK / dV store through shared memory) and the JAX side around the kernel call (the preprocess of
-dPsum and the LSE, the sinks gradient, the flow `run` drives).
+(`Sm90BackwardBase`: the TMA producer, the dK / dV store through shared memory; P recomputed from the
+stored LSE and dS with the softcap slope are common/backward_numerics.py's, shared with the sm100
+backward) and the JAX side around the kernel call (the preprocess of dPsum and the LSE, the sinks
+gradient, the flow `run` drives), which the sm100 backward uses too.
 
 Three stages, one obvious place each:
 - preprocess (`preprocess`, traceable JAX, one fused reduction): dPsum = rowsum(dO * O) - d_lse, the
@@ -33,8 +34,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.common import masking
-from fa4_jax.kernels.common.softcap import apply_softcap
+from fa4_jax.kernels.common import backward_numerics, masking
 
 LOG2_E = math.log2(math.e)
 TILE_M = 64                    # query rows per block unless a kernel's options say otherwise
@@ -108,7 +108,6 @@ class Sm90BackwardBase:
                                       window_right=options.window_right,
                                       has_q_lengths=options.has_q_seq_lengths,
                                       has_segments=options.has_segment_ids)
-        self.scale_log2 = options.scale * LOG2_E
 
     def check_shared_memory(self):
         if self.shared_memory_bytes() > SHARED_MEMORY_BYTES:
@@ -164,51 +163,10 @@ class Sm90BackwardBase:
                               sdPsum[None, query_state.index], mbar_ptr=barrier)
             query_state.advance()
 
-    @cute.jit
-    def _probabilities(self, acc_s, scores, coords, lse, n_block, row_start, row_base, key_base,
-                       kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch):
-        """P recomputed in place over the S accumulator `acc_s` (`scores`: its query-major view,
-        `coords` that view's coordinates): softcap, the mask where the block is partial (`row_start`
-        is its first row's global position, `row_base` its first local row), then
-        exp2(S * scale * log2 e - LSE_log2) with the stored LSE. """
-        if const_expr(self.softcap is not None):
-            apply_softcap(acc_s, self.softcap, self.scale)
-        if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
-                                    kv_len, q_len, offset):
-            q_segments = None
-            kv_segments = None
-            if const_expr(self.has_segment_ids):
-                q_segments = mQSegmentIds[batch, None]
-                kv_segments = mKVSegmentIds[batch, None]
-            masking.apply_mask(scores, coords, self.mask, row_start, key_base, kv_len, q_len,
-                               offset, row_base, q_segments, kv_segments)
-        logit_scale = self.scale_log2              # with softcap the scale is already applied
-        if const_expr(self.softcap is not None):
-            logit_scale = LOG2_E
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r], fastmath=True)
-
-    @cute.jit
-    def _ds_over_dp(self, probabilities, grads, dpsum, lse):
-        """dS = P * (dP - dPsum), times the softcap's slope, written over dP (`grads`, query-major
-        like `probabilities`). """
-        for r in cutlass.range_constexpr(cute.size(grads, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(grads, mode=[1])):
-                grad = probabilities[r, c] * (grads[r, c] - dpsum[r])
-                if const_expr(self.softcap is not None):
-                    grad = grad * self._softcap_slope(probabilities[r, c], lse[r])
-                grads[r, c] = grad
-
-    @cute.jit
-    def _softcap_slope(self, probability, lse_log2):
-        """1 - tanh^2 of the capped logit, recovered from P (cheaper than holding it in registers):
-        capped logit = (log2 P + LSE_log2) / log2 e = softcap * tanh. Zero where P is zero."""
-        t = (cute.math.log2(probability, fastmath=True) + lse_log2) * (1.0 / (self.softcap * LOG2_E))
-        slope = 1.0 - t * t
-        if probability == 0.0:
-            slope = Float32(0.0)
-        return slope
+    @property
+    def numerics(self) -> backward_numerics.BackwardNumerics:
+        """P from the stored LSE and dS with the softcap slope: the functions the sm100 backward shares."""
+        return backward_numerics.BackwardNumerics(self.mask, self.softcap, self.scale, self.tile_m, self.tile_n)
 
     @cute.jit
     def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
@@ -260,7 +218,8 @@ def padded_rows(q_len, tile_m=TILE_M):
 
 
 def preprocess(out, lse, d_out, d_lse, tile_m=TILE_M):
-    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible)."""
+    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible),
+    padded to whole query blocks of `tile_m` rows (the kernel's; the sm100 backward takes 128)."""
     batch, q_len, heads, _ = out.shape
     pad = padded_rows(q_len, tile_m) - q_len
     dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -311,18 +270,19 @@ def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inp
 
 
 def run_backward(kernel, options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict,
-                 optional_inputs, dq_accumulator_shape, dq_rows):
+                 optional_inputs, dq_accumulator_shape, dq_rows, tile_m=None):
     """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `host.launch_backward` (its inputs
     after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
     layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient.
     With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here."""
     batch, q_len, q_heads, head_dim = query.shape
     d_out = d_out.astype(query.dtype)
-    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse, kernel.tile_m)
+    if tile_m is None:
+        tile_m = kernel.tile_m
+    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse, tile_m)
     padded = dpsum.shape[-1]
     dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, padded // kernel.tile_m), jnp.int32) if options.deterministic
-                  else None)
+    semaphores = (jnp.zeros((batch, q_heads, padded // tile_m), jnp.int32) if options.deterministic else None)
     inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
               dq_accum, semaphores)
     dq_accum, d_key, d_value = host.launch_backward(kernel, options, inputs, key, value, query.dtype,

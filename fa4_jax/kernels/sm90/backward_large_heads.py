@@ -379,12 +379,12 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
             warpgroup.wait_group(1)
             scores = accumulator_mn(acc_s)
-            self._probabilities(acc_s, scores, coords, lse, n_block, row_base, row_base, key_base,
+            self.numerics.probabilities(acc_s, scores, coords, lse, n_block, row_base, row_base, key_base,
                                 kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
             self._round_into(acc_s, tPsP[None, None, None, buffer])
 
             warpgroup.wait_group(0)
-            self._ds_over_dp(scores, accumulator_mn(acc_dp), dpsum, lse)
+            self.numerics.ds_over_dp(scores, accumulator_mn(acc_dp), dpsum, lse)
             self._round_into(acc_dp, tdSsdS[None, None, None, buffer])
 
             # Both groups' halves of P and dS in shared memory before either reads the whole tile.
