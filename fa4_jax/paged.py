@@ -25,6 +25,8 @@ from jax.interpreters import ad, batching, mlir
 
 from fa4_jax.api import _FLOAT32_MAX, _FLOAT32_SMALLEST_NORMAL, _window
 from fa4_jax.config import IMPLEMENTATIONS, SUPPORTED_HEAD_DIM_MAX, AttentionConfig
+from fa4_jax.kernels import host
+from fa4_jax.lowering import cuda as cuda_lowering
 from fa4_jax.reference import reference_forward
 
 Array = jax.Array
@@ -261,3 +263,30 @@ def _refuse_cute_off_gpu(ctx, *operands, config):
 
 
 mlir.register_lowering(paged_attention_p, _refuse_cute_off_gpu)
+
+
+def paged_problem(query, key_cache, value_cache, block_tables) -> host.Problem:
+    """The `Problem` a paged call poses to the kernels: key and value as the logical
+    [B, max_blocks_per_seq * block_size, Hkv, D] with the page size."""
+    batch, max_blocks = block_tables.shape
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    length = max_blocks * block_size
+    return host.Problem(tuple(query.shape), (batch, length, kv_heads, head_dim),
+                        (batch, length, kv_heads, value_cache.shape[3]), jnp.dtype(query.dtype).name,
+                        page_size=block_size)
+
+
+def _cuda_rule(ctx, *operands, config: AttentionConfig):
+    query, key_cache, value_cache, block_tables, _, _ = split_paged_operands(ctx.avals_in)
+    problem = paged_problem(query, key_cache, value_cache, block_tables)
+    module = cuda_lowering.kernel_for_problem("decode", config, problem)
+    if module is None:
+        return mlir.lower_fun(reference_lowering, multiple_results=True)(ctx, *operands, config=config)
+    options = module.options(config, problem)
+
+    def kernel(*arrays, config):
+        return module.run(options, *split_paged_operands(arrays))
+    return mlir.lower_fun(kernel, multiple_results=True)(ctx, *operands, config=config)
+
+
+mlir.register_lowering(paged_attention_p, _cuda_rule, platform="cuda")
