@@ -198,3 +198,26 @@ def test_routing(monkeypatch):
     assert cuda.decode_module_for_attention(config, long_query) is None
     monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
     assert cuda.kernel_for_problem("decode", config, _problem()) is decode
+
+
+def test_both_entry_points_lower_to_the_decode_kernel(monkeypatch):
+    """Lowered for CUDA (a GPU of compute capability 9.0 pretended), paged_attention and a short-query
+    attention with key lengths both become the decode kernel's call (compiled here, on the CPU)."""
+    import jax
+
+    import fa4_jax
+    from fa4_jax.lowering import cuda
+
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", "")
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    int32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    paged = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute")).trace(
+        bf16(2, 1, 8, 64), bf16(40, 16, 2, 64), bf16(40, 16, 2, 64), int32(2, 20), int32(2))
+    contiguous = jax.jit(lambda q, k, v, n: fa4_jax.attention(q, k, v, causal=True, kv_seq_lengths=n,
+                                                              implementation="cute")).trace(
+        bf16(2, 2, 8, 64), bf16(2, 300, 2, 64), bf16(2, 300, 2, 64), int32(2))
+    for traced in (paged, contiguous):
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert "fa4_jax_sm90_decode" in text
+        assert "fa4_jax_sm90_forward" not in text
