@@ -246,8 +246,9 @@ def plot(json_path, png_path):
     figure, axes = plt.subplots(len(Q_LENS), len(PAGE_SIZES), figsize=(11, 7), squeeze=False)
     for axis, (q_len, page) in zip(axes.flat, [(q, p) for q in Q_LENS for p in PAGE_SIZES]):
         for batch in BATCHES:
-            subset = sorted((r for r in report["rows"] if (r["q_len"], r["page_size"], r["batch"]) == (q_len, page, batch)
-                             and "fa4_jax_tbps" in r), key=lambda r: r["context"])
+            subset = sorted((r for r in report["rows"] if "fa4_jax_tbps" in r
+                             and (r["q_len"], r["page_size"], r["batch"]) == (q_len, page, batch)),
+                            key=lambda r: r["context"])
             if subset:
                 axis.plot([r["context"] for r in subset], [r["fa4_jax_tbps"] for r in subset], marker="o",
                           label=f"fa4_jax B={batch}")

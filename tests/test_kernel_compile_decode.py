@@ -106,8 +106,8 @@ def test_split_heuristic():
     """One split when the CTAs fill the GPU; more for small batches, bounded by the key blocks."""
     fill = lambda batch, context: decode.choose_num_splits(batch, 8, 1, context, 64, 132, 2)
     assert fill(64, 8192) == 1                       # 512 CTAs >= 264 slots
-    assert fill(8, 8192) == 5                        # 64 CTAs: ceil(264 / 64)
-    assert fill(1, 131072) == 33                     # 8 CTAs: ceil(264 / 8)
+    assert fill(8, 8192) == 4                        # 64 CTAs: 264 // 64, one wave of 256
+    assert fill(1, 131072) == 33                     # 8 CTAs: 264 // 8
     assert fill(1, 1024) == 8                        # 16 blocks / MIN_BLOCKS_PER_SPLIT
     assert fill(1, 64) == 1
     assert decode.choose_num_splits(1, 1, 1, 10 ** 8, 64, 132, 2) == decode.MAX_SPLITS

@@ -100,9 +100,10 @@ def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int
     """How many CTAs share one sequence's key blocks (flash-decoding's num_splits).
 
     One split when batch · kv_heads · row_tiles CTAs already fill every SM's CTA slots; otherwise as
-    many splits as fill them, but no more than leaves MIN_BLOCKS_PER_SPLIT key blocks of the longest
-    sequence per split (a split's fixed cost, loading Q and filling the pipeline, must stay small
-    next to its reads) and no more than MAX_SPLITS. Each split writes a 16-row partial O per warp,
+    many splits as fit in one wave of the slots (floor: one more would start a second, mostly empty
+    wave, e.g. 5 x 64 CTAs on 264 slots), but no more than leaves MIN_BLOCKS_PER_SPLIT key blocks of
+    the longest sequence per split (a split's fixed cost, loading Q and filling the pipeline, must
+    stay small next to its reads) and no more than MAX_SPLITS. Each split writes a 16-row partial O per warp,
     so more splits also mean more combine traffic: B · Hkv · splits · 4 · 16 · Dv floats.
     """
     ctas = batch * kv_heads * row_tiles
@@ -110,7 +111,7 @@ def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int
     if ctas >= slots:
         return 1
     blocks = -(-max_kv_len // tile_n)
-    wanted = -(-slots // max(ctas, 1))
+    wanted = slots // max(ctas, 1)
     return max(1, min(wanted, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
@@ -377,8 +378,9 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
     if problem.group * problem.q_len > MAX_DECODE_ROWS:
         return (f"the sm90 decode kernel is for short queries: q_len * (q_heads / kv_heads) = "
                 f"{problem.q_len * problem.group} packed rows exceed {MAX_DECODE_ROWS}")
-    if problem.kv_heads * -(-problem.group * problem.q_len // TILE_M) > host.MAX_GRID_Y_Z or \
-            problem.batch > host.MAX_GRID_Y_Z:
+    # A symbolic batch (jax.export) is checked when the call runs: CUDA refuses a too large grid then.
+    batch_too_large = isinstance(problem.batch, int) and problem.batch > host.MAX_GRID_Y_Z
+    if problem.kv_heads * -(-problem.group * problem.q_len // TILE_M) > host.MAX_GRID_Y_Z or batch_too_large:
         return "the sm90 decode kernel's grid (key/value heads x row tiles, batch) exceeds CUDA's limits"
     return None
 
@@ -394,7 +396,9 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
     tile_n, stages = _TILE_N_AND_STAGES[problem.head_dim]
     row_tiles = -(-problem.q_len * problem.group // TILE_M)
     per_cta = 2 * (TILE_M * problem.head_dim + 2 * stages * tile_n * problem.head_dim) + 3 * 1024
-    num_splits = choose_num_splits(problem.batch, problem.kv_heads, row_tiles, problem.kv_len, tile_n,
+    # With a symbolic batch (jax.export) the splits are sized for one sequence: correct for any batch.
+    batch = problem.batch if isinstance(problem.batch, int) else 1
+    num_splits = choose_num_splits(batch, problem.kv_heads, row_tiles, problem.kv_len, tile_n,
                                    host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
                                    max(1, SHARED_MEMORY_LIMIT // per_cta))
     fields = dict(dtype_name=problem.dtype, head_dim=problem.head_dim, group=problem.group, q_len=problem.q_len,
