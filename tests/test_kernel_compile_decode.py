@@ -23,7 +23,8 @@ pytest.importorskip("cutlass")
 from fa4_jax.kernels.sm90 import decode  # noqa: E402
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
-# name -> (AttentionConfig fields, [B, Sq, Hq, Hkv, D, max_blocks], dtype, page size, arch)
+# name -> (AttentionConfig fields, [B, Sq, Hq, Hkv, D, max_blocks], dtype, page size, arch[, DecodeOptions
+# overrides])
 CONFIGS = {
     "d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a"),
     "d128-q4-page64-sinks": ({"has_sinks": True}, [8, 4, 32, 8, 128, 32], "bfloat16", 64, "sm_90a"),
@@ -33,6 +34,9 @@ CONFIGS = {
     "d128-mqa-page1-window": ({"window_left": 5, "window_right": 0}, [1, 3, 6, 1, 128, 300], "bfloat16", 1,
                               "sm_90a"),
     "d128-contiguous": ({}, [4, 2, 8, 8, 128, 1], "bfloat16", 4096, "sm_90a"),
+    # Tuning alternatives: 32 keys per warp with two stages, and a four-stage ring of 64-key blocks.
+    "d128-tile128-stages2": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"tile_n": 128, "num_stages": 2}),
+    "d128-stages4": ({}, [2, 4, 32, 8, 128, 64], "bfloat16", 64, "sm_90a", {"num_stages": 4}),
     "sm100-d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a"),
     "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),
 }
@@ -48,13 +52,13 @@ from fa4_jax.kernels.sm90 import decode
 configs = json.loads(sys.argv[1])
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
 result = {}
-for name, (fields, shape, dtype, page, _) in configs.items():
+for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
     B, Sq, Hq, Hkv, D, max_blocks = shape
     config = AttentionConfig(scale=D ** -0.5, causal=True, has_kv_seq_lengths=True, **fields)
     logical = (B, max_blocks * page, Hkv, D)
     problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
     assert decode.unsupported_reason(config, problem) is None
-    options = decode.options(config, problem, sm_count=132)
+    options = decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
     cute.compile(decode.Sm90DecodeKernel(options), make_fake_stream(),
                  *decode.fake_arguments(options, B, Hkv, 50, max_blocks))
     (new,) = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
@@ -69,9 +73,9 @@ print("DECODE_PTX " + json.dumps(result))
 def compiled(tmp_path_factory):
     """{name: {ptx, stages, splits}}: one compile subprocess per architecture."""
     result = {}
-    for arch in sorted({config[-1] for config in CONFIGS.values()}):
+    for arch in sorted({config[4] for config in CONFIGS.values()}):
         directory = tmp_path_factory.mktemp(f"decode_{arch}")
-        selected = {name: config for name, config in CONFIGS.items() if config[-1] == arch}
+        selected = {name: config for name, config in CONFIGS.items() if config[4] == arch}
         environment = dict(compile_environment(directory), CUTE_DSL_ARCH=arch)
         process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(selected)], env=environment,
                                  capture_output=True, text=True, timeout=900)
@@ -85,7 +89,7 @@ def compiled(tmp_path_factory):
 def test_ptx_has_the_design(compiled, name):
     with open(compiled[name]["ptx"]) as handle:
         ptx = handle.read()
-    assert f".target {CONFIGS[name][-1]}" in ptx
+    assert f".target {CONFIGS[name][4]}" in ptx
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)", ptx), "no mma.sync tensor cores"
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx, "no ldmatrix"
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx, "V^T not read with transposing ldmatrix"
@@ -97,9 +101,20 @@ def test_ptx_has_the_design(compiled, name):
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="ptxas not installed")
-@pytest.mark.parametrize("name", sorted(name for name in CONFIGS if CONFIGS[name][-1] == "sm_90a"))
+@pytest.mark.parametrize("name", sorted(name for name in CONFIGS if CONFIGS[name][4] == "sm_90a"))
 def test_no_register_spills(compiled, name):
     assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
+
+
+def test_options_are_checked():
+    problem = _problem()
+    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
+    for overrides, message in [({"tile_n": 96}, "multiple of 64"), ({"num_stages": 1}, "num_stages"),
+                               ({"tile_n": 256, "num_stages": 4}, "shared memory")]:
+        with pytest.raises(ValueError, match=message):
+            decode.options(config, problem, **overrides).check()
+    for head_dim in decode.SUPPORTED_HEAD_DIMS:
+        decode.options(config, _problem(head_dim=head_dim)).check()
 
 
 def test_split_heuristic():

@@ -81,10 +81,15 @@ def test_paged_decode_matches_oracle(case, rng):
     _check(case, out, lse, drawn, reference_out)
 
 
+FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits": 40},
+          {"tile_n": 128, "num_stages": 2}, {"num_stages": 4}, {"tile_n": 128, "num_stages": 2, "num_splits": 3}]
+
+
 @gpu
-@pytest.mark.parametrize("num_splits", [1, 2, 7, 40])
-def test_forced_split_counts(num_splits, rng):
-    """Every split count merges to the same attention (splits past the key blocks get none: -inf)."""
+@pytest.mark.parametrize("overrides", FORCED, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_forced_options(overrides, rng):
+    """Every split count merges to the same attention (splits past the key blocks get none: -inf), and
+    the tuning alternatives (block size, stages) compute it too."""
     from fa4_jax import paged
     from fa4_jax.kernels.sm90 import decode
 
@@ -95,7 +100,7 @@ def test_forced_split_counts(num_splits, rng):
     config = fa4_jax.AttentionConfig(scale=case.head_dim ** -0.5, causal=True, has_sinks=True,
                                      has_kv_seq_lengths=True)
     problem = paged.paged_problem(*arguments[:4])
-    options = decode.options(config, problem, num_splits=num_splits)
+    options = decode.options(config, problem, **overrides)
     reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference")
     poison_device_memory(64 * 2 ** 20)
     out, lse = jax.jit(lambda *a: decode.run(options, *a))(*arguments, drawn["sinks"])

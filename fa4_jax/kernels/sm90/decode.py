@@ -72,15 +72,9 @@ class DecodeOptions:
     mask: masking.MaskShape
     softcap: Optional[float]
     num_splits: int
+    tile_n: int               # keys per block (each warp takes tile_n / 4)
+    num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
     rescale_threshold: float = 8.0
-
-    @property
-    def tile_n(self) -> int:
-        return _TILE_N_AND_STAGES[self.head_dim][0]
-
-    @property
-    def num_stages(self) -> int:
-        return _TILE_N_AND_STAGES[self.head_dim][1]
 
     @property
     def rows(self) -> int:
@@ -92,7 +86,21 @@ class DecodeOptions:
         return -(-self.rows // TILE_M)
 
     def shared_memory_bytes(self) -> int:
-        return 2 * (TILE_M * self.head_dim + 2 * self.num_stages * self.tile_n * self.head_dim) + 3 * 1024
+        return _shared_memory_bytes(self.head_dim, self.tile_n, self.num_stages)
+
+    def check(self):
+        """Raise ValueError when these options cannot make a kernel."""
+        if self.tile_n % (16 * WARPS) or self.num_stages < 2:
+            raise ValueError(f"tile_n must be a multiple of {16 * WARPS} (16 keys per warp per MMA k block) and "
+                             f"num_stages >= 2; got {self.tile_n}, {self.num_stages}")
+        if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
+            raise ValueError(f"{self.shared_memory_bytes()} bytes of shared memory needed, {SHARED_MEMORY_LIMIT} "
+                             "available")
+
+
+def _shared_memory_bytes(head_dim: int, tile_n: int, num_stages: int) -> int:
+    """Q tile and the K / V rings (2-byte elements), each 1024-byte aligned."""
+    return 2 * (TILE_M * head_dim + 2 * num_stages * tile_n * head_dim) + 3 * 1024
 
 
 def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int, tile_n: int,
@@ -150,6 +158,7 @@ class Sm90DecodeKernel:
         return "fa4_jax_sm90_decode"
 
     def __init__(self, options: DecodeOptions):
+        options.check()
         self.options = options
         self.dtype = host.cutlass_dtype(options.dtype_name)
         self.head_dim = options.head_dim
@@ -392,10 +401,13 @@ MAX_DECODE_ROWS = 64
 
 def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[int] = None,
             **overrides) -> DecodeOptions:
+    """The static kernel configuration for one call; `overrides` (DecodeOptions fields, for tests and
+    tuning sweeps: tile_n, num_stages, num_splits) go on top of the defaults."""
     page_size = problem.page_size if problem.page_size is not None else problem.kv_len
     tile_n, stages = _TILE_N_AND_STAGES[problem.head_dim]
+    tile_n, stages = overrides.get("tile_n", tile_n), overrides.get("num_stages", stages)
     row_tiles = -(-problem.q_len * problem.group // TILE_M)
-    per_cta = 2 * (TILE_M * problem.head_dim + 2 * stages * tile_n * problem.head_dim) + 3 * 1024
+    per_cta = _shared_memory_bytes(problem.head_dim, tile_n, stages)
     # With a symbolic batch (jax.export) the splits are sized for one sequence: correct for any batch.
     batch = problem.batch if isinstance(problem.batch, int) else 1
     num_splits = choose_num_splits(batch, problem.kv_heads, row_tiles, problem.kv_len, tile_n,
@@ -403,7 +415,8 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
                                    max(1, SHARED_MEMORY_LIMIT // per_cta))
     fields = dict(dtype_name=problem.dtype, head_dim=problem.head_dim, group=problem.group, q_len=problem.q_len,
                   page_size=page_size, scale=float(config.scale), mask=masking.MaskShape.from_config(config),
-                  softcap=None if config.softcap is None else float(config.softcap), num_splits=num_splits)
+                  softcap=None if config.softcap is None else float(config.softcap), num_splits=num_splits,
+                  tile_n=tile_n, num_stages=stages)
     fields.update(overrides)
     return DecodeOptions(**fields)
 
