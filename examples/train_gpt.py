@@ -107,8 +107,9 @@ class GPT(nnx.Module):
         self.final_norm = nnx.LayerNorm(args.d_model, dtype=dtype, rngs=rngs)
         self.lm_head = nnx.Linear(args.d_model, args.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens):
-        positions = jnp.arange(tokens.shape[1])
+    def __call__(self, tokens, positions=None):
+        """Logits [batch, seq, vocab]; `positions` [seq] default 0.. (decoding passes where the tokens sit)."""
+        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.token_embedding(tokens) + self.position_embedding(positions)[None]
         x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
         for block in self.blocks:

@@ -26,7 +26,7 @@ LAYERS = [
     (2, "fa4_jax.kernels"),          # the package's __init__: documentation only
     (5, "fa4_jax.primitive"),
     (6, "fa4_jax.lowering"), (6, "fa4_jax.sharding"),
-    (7, "fa4_jax.api"),
+    (7, "fa4_jax.api"), (7, "fa4_jax.paged"),
     (8, "fa4_jax.flax_layer"),
     (7.5, "fa4_jax"),                # the package: the public names
 ]

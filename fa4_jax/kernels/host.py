@@ -21,12 +21,15 @@ MAX_GRID_Y_Z = 65535   # CUDA's limit on gridDim.y and gridDim.z (gridDim.x allo
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """The shapes and input type of one attention call: what a kernel decides on besides the
-    `AttentionConfig`. Shapes are [B, Sq, Hq, D], [B, Sk, Hkv, D], [B, Sk, Hkv, Dv]."""
+    `AttentionConfig`. Shapes are [B, Sq, Hq, D], [B, Sk, Hkv, D], [B, Sk, Hkv, Dv]; for a paged KV
+    cache (`fa4_jax.paged_attention`) key and value are the logical shapes, Sk = pages per sequence ·
+    page_size, and `page_size` is set (None: a contiguous cache)."""
 
     query: tuple
     key: tuple
     value: tuple
     dtype: str
+    page_size: Optional[int] = None
 
     @classmethod
     def of(cls, query, key, value) -> "Problem":
