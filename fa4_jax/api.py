@@ -207,4 +207,5 @@ def attention(
         has_kv_seq_lengths=kv_seq_lengths is not None, deterministic=bool(deterministic),
         implementation=implementation, context_parallel=context_parallel, zigzag_shards=zigzag_shards,
         context_parallel_axis=context_parallel_axis)
+    _context_parallel.check_placement(config, query)
     return attention_vjp(config, bool(return_lse), query, key, value, arrays)

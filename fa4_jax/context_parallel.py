@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +125,24 @@ def pieces(total: int, num_shards: int, zigzag_shards: Optional[int], what: str)
     raise ValueError(f"zigzag_shards={zigzag_shards} cuts the {what} into {chunks} chunks of {chunk_len}, which "
                      f"{num_shards} sequence shards of {local} do not split into whole chunks or equal parts of "
                      f"one; use zigzag_shards equal to the number of sequence shards ({num_shards}).")
+
+
+def check_placement(config: AttentionConfig, query) -> None:
+    """Raise the partition rule's ValueError up front for a concrete query already split on sequence.
+
+    Under jit the split is known only when XLA partitions, where the same ValueError comes back
+    wrapped in a JaxRuntimeError; an array in hand lets it be a plain ValueError here.
+    """
+    if config.context_parallel is None and config.zigzag_shards is None:
+        return
+    sharding = getattr(query, "sharding", None)
+    if isinstance(query, jax.core.Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
+        return
+    spec = tuple(sharding.spec) + (None, None)
+    axes = spec[1] if isinstance(spec[1], (tuple, list)) else (() if spec[1] is None else (spec[1],))
+    num_shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    if num_shards > 1:
+        pieces(query.shape[1], num_shards, config.zigzag_shards, "query")
 
 
 # ---------------------------------------------------------------------------------------- the layout
