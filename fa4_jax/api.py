@@ -12,7 +12,8 @@ import jax.export
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.config import IMPLEMENTATIONS, AttentionConfig
+from fa4_jax import context_parallel as _context_parallel
+from fa4_jax.config import CONTEXT_PARALLEL_STRATEGIES, IMPLEMENTATIONS, AttentionConfig
 from fa4_jax.primitive import attention_vjp
 
 Array = jax.Array
@@ -99,6 +100,9 @@ def attention(
     return_lse: bool = False,
     deterministic: bool = False,
     implementation: Optional[str] = None,
+    context_parallel: Optional[str] = None,
+    zigzag_shards: Optional[int] = None,
+    context_parallel_axis: Union[str, Sequence[str], None] = None,
 ):
     """Scaled dot-product attention, FlashAttention-style: fused, O(S) memory, differentiable.
 
@@ -123,6 +127,14 @@ def attention(
       deterministic: make the backward pass bitwise reproducible from run to run.
       implementation: None (fastest available), "cute" (our GPU kernels, or NotImplementedError naming
         what they cannot take) or "reference" (pure JAX, any platform).
+      context_parallel: with q/k/v split on sequence, how K/V reach every query shard: "all_gather"
+        (gather once, reduce-scatter dK/dV), "ring" (pass K/V around the devices, overlapped with the
+        attention), or None (by the cost model in the README). Ignored when the sequence is not split.
+      zigzag_shards: n when the sequence axis of every operand is in `zigzag(x, n)` order (balances
+        causal work over n sequence shards); positions (causal, window, lengths) are those of the
+        original order and the results come back in the zigzag order.
+      context_parallel_axis: inside shard_map, the mesh axis (or axes) that splits the sequence of the
+        local q/k/v (under jit the sharding says it).
 
     Returns:
       out [batch, q_len, q_heads, v_head_dim] in query's dtype, or (out, lse) with return_lse. A query
@@ -153,6 +165,21 @@ def attention(
         raise ValueError(f"softcap must be a positive number within float32's range ({_FLOAT32_SMALLEST_NORMAL:.4g} "
                          f"to {_FLOAT32_MAX:.4g}) or None (no capping); got {softcap!r}.")
     window_left, window_right = _window(window, query.shape[1], key.shape[1])
+    if context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
+        raise ValueError(f"context_parallel must be one of {CONTEXT_PARALLEL_STRATEGIES}; got {context_parallel!r}.")
+    if isinstance(context_parallel_axis, str):
+        context_parallel_axis = (context_parallel_axis,)
+    elif context_parallel_axis is not None:
+        context_parallel_axis = tuple(context_parallel_axis)
+        if not context_parallel_axis or not all(isinstance(a, str) for a in context_parallel_axis):
+            raise ValueError("context_parallel_axis must be a mesh axis name or a sequence of them; got "
+                             f"{context_parallel_axis!r}.")
+    if zigzag_shards is not None:
+        # Shards of the zigzag order are checked against the mesh where it is known (the partition
+        # rule); the chunks must be whole on every path.
+        _context_parallel.check_zigzag(query.shape[1], zigzag_shards, "query sequence")
+        _context_parallel.check_zigzag(key.shape[1], zigzag_shards, "key/value sequence")
+        zigzag_shards = int(zigzag_shards)
 
     optional = {}
     if sinks is not None:
@@ -178,5 +205,7 @@ def attention(
         softcap=None if softcap is None else float(softcap), has_sinks=sinks is not None,
         has_segment_ids=segment_ids is not None, has_q_seq_lengths=q_seq_lengths is not None,
         has_kv_seq_lengths=kv_seq_lengths is not None, deterministic=bool(deterministic),
-        implementation=implementation)
+        implementation=implementation, context_parallel=context_parallel, zigzag_shards=zigzag_shards,
+        context_parallel_axis=context_parallel_axis)
+    _context_parallel.check_placement(config, query)
     return attention_vjp(config, bool(return_lse), query, key, value, arrays)

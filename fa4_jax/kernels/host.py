@@ -104,7 +104,17 @@ def grid_unsupported_reason(kernel_name: str, problem: Problem) -> Optional[str]
 def kernel_unsupported_reason(kernel_name: str, config, problem: Problem, head_dims) -> Optional[str]:
     """The checks every kernel's `unsupported_reason` starts with: dtypes and shapes, then the scale."""
     return (shape_unsupported_reason(kernel_name, problem, head_dims)
-            or scale_unsupported_reason(kernel_name, config))
+            or scale_unsupported_reason(kernel_name, config)
+            or key_offset_unsupported_reason(kernel_name, config))
+
+
+def key_offset_unsupported_reason(kernel_name: str, config) -> Optional[str]:
+    """The kernels place keys at 0..kv_len-1. A ring step with sequence lengths needs its K/V chunk at a
+    global offset (kv_start); without lengths the context-parallel code folds that offset into q_start."""
+    if config.has_kv_start:
+        return (f"{kernel_name} does not take a key offset (kv_start: a ring-attention step combined with "
+                "q_seq_lengths / kv_seq_lengths); use context_parallel='all_gather' with sequence lengths")
+    return None
 
 
 def sm_count(default: int) -> int:
