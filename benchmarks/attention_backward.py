@@ -398,9 +398,43 @@ def run(args):
     return report
 
 
+def plot(json_path, png_path):
+    """TFLOP/s against sequence length, one panel per (head dim, causal): the shipped variants
+    (`default`, `deterministic`) and cuDNN. Needs matplotlib only (no GPU)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as handle:
+        report = json.load(handle)
+    rows = [row for row in report["rows"] if row["section"] == "backward"]
+    panels = sorted({(row["head_dim"], row["causal"]) for row in rows})
+    head_dims = sorted({head_dim for head_dim, _ in panels})
+    figure, axes = plt.subplots(len(head_dims), 2, figsize=(11, 3.2 * len(head_dims)), squeeze=False)
+    for head_dim, causal in panels:
+        axis = axes[head_dims.index(head_dim), int(causal)]
+        subset = sorted((r for r in rows if r["head_dim"] == head_dim and r["causal"] == causal),
+                        key=lambda r: r["seq_len"])
+        for name, label in (("default", "fa4_jax"), ("deterministic", "fa4_jax deterministic"), ("cudnn", "cudnn")):
+            points = [(r["seq_len"], r[f"{name}_tflops"]) for r in subset if f"{name}_tflops" in r]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_title(f"backward D={head_dim} {'causal' if causal else 'non-causal'}")
+        axis.set_xlabel("sequence length (B*S = 16k)")
+        axis.set_ylabel("TFLOP/s")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle(f"{report['device']}  {report['date'][:10]}  rev {report['git_revision'][:10]}")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=110)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_backward.json")
+    parser.add_argument("--plot", metavar="JSON", help="draw this report (no GPU needed) instead of measuring")
+    parser.add_argument("--png", default="attention_backward.png")
     parser.add_argument("--variants", nargs="+", help="names from the variant table (default: all)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[128, 64, 256],
                         help="in this order (a run cut short has measured the first ones whole)")
@@ -416,6 +450,9 @@ def main(argv=None):
     parser.add_argument("--precompile-only", action="store_true",
                         help="only fill the on-disk cache (e.g. in the background while tests run)")
     args = parser.parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.png)
+        return
     unknown = set(args.variants or ()) - set(_variants())
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {sorted(_variants())}")

@@ -297,36 +297,49 @@ def git_revision() -> Optional[str]:
         return os.environ.get("FA4_GIT_REVISION")
 
 
+class _DefaultsInHelp(argparse.HelpFormatter):
+    """--help shows each option's default, except where there is none (None, "", False) to show."""
+
+    def _get_help_string(self, action):
+        if any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS)) or action.default == "":
+            return action.help
+        return f"{action.help} (default: {action.default})"
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--attention", choices=("fa4", "cudnn", "xla"), default="fa4")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsInHelp)
+    parser.add_argument("--attention", choices=("fa4", "cudnn", "xla"), default="fa4",
+                        help="the attention core: ours, or jax.nn.dot_product_attention's cudnn / xla")
     parser.add_argument("--fa4-implementation", choices=("auto", "cute", "reference"), default="auto",
                         help="fa4_jax.attention(implementation=...); auto picks the kernels when they "
                              "can take the call and the reference otherwise (with a warning)")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="training steps")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=None, help="fewer than --heads for GQA")
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--d-model", type=int, default=128, help="model width")
+    parser.add_argument("--heads", type=int, default=4, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=None, help="fewer than --heads for GQA (default: --heads)")
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+    parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak of the warmup-cosine schedule")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="compute dtype (parameters stay float32)")
-    parser.add_argument("--mesh", default="", help="e.g. data=2,model=4; default: all devices on data")
+    parser.add_argument("--mesh", default="", help="e.g. data=2,model=4 (default: all devices on data)")
     parser.add_argument("--context-parallel", type=int, default=1,
                         help="split every sequence over this many devices (a `seq` mesh axis)")
     parser.add_argument("--context-parallel-strategy", choices=("auto", "all_gather", "ring"), default="auto",
                         help="fa4_jax.attention(context_parallel=...); auto: the cost model")
     parser.add_argument("--zigzag", action="store_true",
                         help="with --context-parallel: sequences in fa4_jax.zigzag order (balanced causal work)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="parameters and data")
     parser.add_argument("--timing-skip", type=int, default=2,
                         help="first steps left out of the step-time median")
     parser.add_argument("--json", default=None, help="write losses, step times, versions, devices here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.steps < args.timing_skip:
+        parser.error(f"--steps {args.steps} is smaller than --timing-skip {args.timing_skip}: no step would be "
+                     "timed; run more steps or skip fewer")
     if args.fa4_implementation == "auto":
         args.fa4_implementation = None
     if args.context_parallel_strategy == "auto":

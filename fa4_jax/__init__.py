@@ -2,6 +2,7 @@
 
 `fa4_jax.attention(query, key, value, ...)` is a JAX primitive with a custom VJP, batching and sharding
 rules, lowered to CuTe-DSL kernels on NVIDIA Hopper/Blackwell and to a pure-JAX reference elsewhere.
+`fa4_jax.dot_product_attention` takes `jax.nn.dot_product_attention`'s arguments, with its semantics.
 """
 
 from fa4_jax import lowering as _lowering  # noqa: F401  (registers the per-platform lowerings)
@@ -9,8 +10,10 @@ from fa4_jax import sharding as _sharding  # noqa: F401  (registers the partitio
 from fa4_jax.api import attention
 from fa4_jax.config import AttentionConfig
 from fa4_jax.context_parallel import unzigzag, zigzag
+from fa4_jax.nn import dot_product_attention
 from fa4_jax.paged import paged_attention
 from fa4_jax.primitive import RESIDUAL_NAMES
 
-__all__ = ["attention", "paged_attention", "AttentionConfig", "RESIDUAL_NAMES", "zigzag", "unzigzag"]
+__all__ = ["attention", "dot_product_attention", "paged_attention", "AttentionConfig", "RESIDUAL_NAMES", "zigzag",
+           "unzigzag"]
 __version__ = "0.1.0"

@@ -22,6 +22,21 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).smallest_normal)
 
 
+def static_number(name: str, value, integer: bool = False):
+    """`value` as a Python number, or TypeError when it is traced: scale, softcap and window sides
+    select the compiled kernel and the mask, so they must be known when the function is traced."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static Python {'int' if integer else 'number'}, not a traced value "
+                        f"({value.aval}): it selects the compiled kernel. Pass a Python number, or mark the "
+                        "argument static (jax.jit(..., static_argnums=...) or functools.partial).")
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
+        value = value.item()
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{name} must be a static Python {'int' if integer else 'number'}; got {value!r}.")
+    return value
+
+
 def _window(window, q_len: int, kv_len: int) -> tuple[Optional[int], Optional[int]]:
     """(left, right), each a non-negative int or None; a side >= q_len + kv_len becomes None.
 
@@ -37,6 +52,8 @@ def _window(window, q_len: int, kv_len: int) -> tuple[Optional[int], Optional[in
                          "Use (left, None) for a left-only sliding window.")
     sides = []
     for side in window:
+        if isinstance(side, (jax.core.Tracer, jax.Array, np.ndarray)):
+            side = static_number("a window side", side, integer=True)
         if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0):
             raise ValueError(f"window sides must be non-negative ints or None (unbounded); got {window!r}.")
         sides.append(None if side is None or side >= q_len + kv_len else int(side))
@@ -156,6 +173,10 @@ def attention(
     head_dim = query.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, (jax.core.Tracer, jax.Array, np.ndarray)):
+        scale = static_number("scale", scale)
+    if isinstance(softcap, (jax.core.Tracer, jax.Array, np.ndarray)):
+        softcap = static_number("softcap", softcap)
     # A number that float32 rounds to inf (or a softcap it rounds to 0) would give NaN logits.
     if not isinstance(scale, numbers.Real) or not abs(scale) <= _FLOAT32_MAX:
         raise ValueError(f"scale must be a finite Python number within float32's range (|scale| <= "

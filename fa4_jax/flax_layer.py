@@ -7,16 +7,21 @@
   function's signature, so every keyword either layer passes is named here explicitly. Linen has no
   `is_causal`; bind it: `functools.partial(dot_product_attention, is_causal=True)`.
 
-How Flax's masking maps onto our options:
-- `is_causal` (outside decoding) is Flax's top-left causal mask (query i sees keys j <= i). It is our
-  `causal` when q_len == kv_len; otherwise it is rewritten exactly for our bottom-right alignment.
-- A boolean `mask` broadcastable to [batch..., heads, q_len, kv_len] maps exactly when it is a padding
-  mask: it may vary along keys ([..., 1, 1, kv_len]) or along queries ([..., 1, q_len, 1]), not both, and
-  not along heads. It becomes segment ids: query ids 1 (valid) / -1 (padding), key ids 1 / 0.
-  A dense [q_len, kv_len] mask cannot be expressed by our options and raises ValueError; it is never
-  ignored. Express causality with `is_causal` and padding with a key or query padding mask instead.
-- A query row that sees no key gives 0 here, while Flax gives the mean of the values (a softmax over
-  equal large negative logits). Such rows are padding; compare only rows that see at least one key.
+How Flax's masking maps onto our options (`fa4_jax.nn.attention_top_left` does the rewriting):
+- `is_causal` (outside decoding) is Flax's top-left causal mask (query i sees keys j <= i), rewritten
+  exactly for our bottom-right alignment also when q_len != kv_len.
+- A `mask` (bool or float, nonzero = visible) broadcastable to [batch..., heads, q_len, kv_len] is read
+  at run time as query / key padding: q_valid (the rows it shows anything to) and kv_valid (the keys
+  it shows to any row), which become segment ids, never a dense mask on the kernels. It maps exactly
+  when it is a padding mask (`nnx.make_attention_mask(query_valid, key_valid)`, or one that varies
+  along keys or queries only), a causal mask (`nnx.make_causal_mask`), or the two combined
+  (`nnx.combine_masks`); a head axis is fine when every head has the same mask. Whether a dense mask is
+  causal is decided at run time too (a `lax.cond` between the causal and the full kernel). Any other
+  mask (a band, a block pattern, heads that differ) cannot raise, as its values are unknown while
+  tracing: the batch elements it covers come out NaN, never silently wrong. Pass `is_causal=True`
+  for causality and a padding mask for padding instead, or use Flax's own attention for other patterns.
+- Outside decoding, a query row that sees no key gets the mean of the values, as in Flax (its softmax
+  over equal large negative logits is uniform).
 - Decoding with the cache (`decode=True`): the new queries sit at the end of the cached prefix, which is
   our bottom-right alignment, so the cache becomes `kv_seq_lengths = index + new_tokens` and no mask is
   built. Several tokens may be decoded at once (Flax takes one); with `is_causal=True` they are causal
@@ -32,20 +37,21 @@ einsum classes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import fa4_jax
+from fa4_jax.nn import attention_top_left, top_left_band
 
-# Segment ids that turn a padding mask into "visible iff equal ids".
-_VALID_ID = 1
-_PADDING_QUERY_ID = -1
-_PADDING_KEY_ID = 0
+# Segment ids that turn a padding mask into "visible iff equal ids" (on the decoding path).
+_VALID_ID, _PADDING_QUERY_ID, _PADDING_KEY_ID = 0, -1, 1
 
 
 def _flatten_batch(x: jax.Array) -> jax.Array:
@@ -53,58 +59,46 @@ def _flatten_batch(x: jax.Array) -> jax.Array:
     return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
 
 
-def padding_segment_ids(mask, batch_shape: tuple, q_len: int, kv_len: int):
-    """Segment ids (q_ids [B, Sq], kv_ids [B, Sk]) equal to a Flax padding mask, or None for no mask.
+@dataclasses.dataclass(frozen=True)
+class MaskReading:
+    """A Flax mask read as query / key padding, with or without a top-left causal part.
 
-    `mask` is broadcastable to [*batch_shape, heads, q_len, kv_len]; nonzero means visible. Raises
-    ValueError for masks that vary along heads or along both queries and keys.
+    q_valid [B, Sq] and kv_valid [B, Sk] (bool) are the rows and keys that appear in the mask at all.
+    padding_exact [B]: the mask is q_valid x kv_valid (on every head). causal_exact [B] (None when the
+    mask broadcasts along queries or keys, so cannot be causal): it is q_valid x kv_valid AND j <= i.
     """
+
+    q_valid: jax.Array
+    kv_valid: jax.Array
+    padding_exact: jax.Array
+    causal_exact: Optional[jax.Array]
+
+
+def read_mask(mask, batch_shape: tuple, q_len: int, kv_len: int) -> Optional[MaskReading]:
+    """Reads `mask` (broadcastable to [*batch_shape, heads, q_len, kv_len], nonzero = visible), or
+    None for no mask. Its values are known at run time only, so whether the reading is exact is an
+    array too; a mask of the wrong rank raises ValueError here."""
     if mask is None:
         return None
     mask = jnp.asarray(mask)
     rank = len(batch_shape) + 3
     if mask.ndim > rank:
-        raise ValueError(f"mask has rank {mask.ndim}, more than the {rank} of "
-                         f"[batch..., heads, q_len, kv_len] = {(*batch_shape, 'heads', q_len, kv_len)}")
+        raise ValueError(f"mask has rank {mask.ndim}, more than the {rank} of [batch..., heads, q_len, kv_len] = "
+                         f"{(*batch_shape, 'heads', q_len, kv_len)}; drop the extra axes")
     mask = mask.reshape((1,) * (rank - mask.ndim) + mask.shape)
     heads, mask_q, mask_kv = mask.shape[-3:]
-    if heads != 1:
-        raise ValueError(
-            f"fa4_jax cannot take a mask that differs between heads (mask shape {mask.shape}); pass a "
-            "mask with a head dimension of 1")
-    if mask_q != 1 and mask_kv != 1:
-        raise ValueError(
-            f"fa4_jax cannot take a dense [q_len, kv_len] attention mask (mask shape {mask.shape}): it "
-            "only maps masks that vary along keys ([batch..., 1, 1, kv_len], key padding) or along "
-            "queries ([batch..., 1, q_len, 1], query padding). Pass is_causal=True instead of a causal "
-            "mask, and a padding mask of one of those shapes; for any other pattern use Flax's own "
-            "dot_product_attention")
-    visible = mask.astype(bool)
     batch = math.prod(batch_shape)
-    ones = jnp.ones((batch, max(q_len, kv_len)), jnp.int32)
-    q_ids, kv_ids = ones[:, :q_len], ones[:, :kv_len]
-    if mask_kv != 1:
-        key_visible = jnp.broadcast_to(visible[..., 0, 0, :], (*batch_shape, kv_len)).reshape(batch, kv_len)
-        kv_ids = jnp.where(key_visible, _VALID_ID, _PADDING_KEY_ID).astype(jnp.int32)
-    if mask_q != 1:
-        query_visible = jnp.broadcast_to(visible[..., 0, :, 0], (*batch_shape, q_len)).reshape(batch, q_len)
-        q_ids = jnp.where(query_visible, _VALID_ID, _PADDING_QUERY_ID).astype(jnp.int32)
-    elif mask_kv == 1:
-        # One value per batch element: the whole row block is visible or not.
-        whole = jnp.broadcast_to(visible[..., 0, 0, 0], batch_shape).reshape(batch, 1)
-        q_ids = jnp.where(whole, _VALID_ID, _PADDING_QUERY_ID).astype(jnp.int32) * ones[:, :q_len]
-    return q_ids, kv_ids
-
-
-def top_left_causal_options(batch: int, q_len: int, kv_len: int) -> dict:
-    """Our options for Flax's causal mask (query i sees keys j <= i) under bottom-right alignment."""
-    if q_len == kv_len:
-        return dict(causal=True)
-    if q_len < kv_len:
-        # Keys past q_len are never visible; cutting them makes both alignments coincide.
-        return dict(causal=True, kv_seq_lengths=jnp.full((batch,), q_len, jnp.int32))
-    # Bottom-right puts row i at key i - (q_len - kv_len); a right window of that size moves it back.
-    return dict(window=(None, q_len - kv_len))
+    visible = jnp.broadcast_to(mask.astype(bool), (*batch_shape, heads, mask_q, mask_kv))
+    visible = visible.reshape(batch, heads, mask_q, mask_kv)
+    rows, keys = visible.any(axis=(1, 3)), visible.any(axis=(1, 2))  # [B, mask_q], [B, mask_kv]
+    padding = rows[:, None, :, None] & keys[:, None, None, :]
+    padding_exact = jnp.all(visible == padding, axis=(1, 2, 3))
+    causal_exact = None
+    if mask_q == q_len > 1 and mask_kv == kv_len > 1:
+        below_diagonal = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
+        causal_exact = jnp.all(visible == (padding & below_diagonal), axis=(1, 2, 3))
+    return MaskReading(jnp.broadcast_to(rows, (batch, q_len)), jnp.broadcast_to(keys, (batch, kv_len)),
+                       padding_exact, causal_exact)
 
 
 def _attend(query, key, value, *, mask, is_causal: bool, decode_kv_lengths=None, dtype=None,
@@ -120,23 +114,40 @@ def _attend(query, key, value, *, mask, is_causal: bool, decode_kv_lengths=None,
     compute_dtype = dtype if dtype is not None else jnp.result_type(query, key, value)
     batch_shape = query.shape[:-3]
     q_len, kv_len = query.shape[-3], key.shape[-3]
-    batch = math.prod(batch_shape)
-    options = {}
+    query, key, value = (_flatten_batch(x.astype(compute_dtype)) for x in (query, key, value))
+    reading = read_mask(mask, batch_shape, q_len, kv_len)
+
     if decode_kv_lengths is not None:
-        options["kv_seq_lengths"] = decode_kv_lengths
-        options["causal"] = is_causal
-    elif is_causal:
-        options.update(top_left_causal_options(batch, q_len, kv_len))
-    segment_ids = padding_segment_ids(mask, batch_shape, q_len, kv_len)
-    if segment_ids is not None:
-        options["segment_ids"] = segment_ids
-    out = fa4_jax.attention(
-        _flatten_batch(query.astype(compute_dtype)),
-        _flatten_batch(key.astype(compute_dtype)),
-        _flatten_batch(value.astype(compute_dtype)),
-        implementation=implementation,
-        **options,
-    )
+        options = {}
+        if reading is not None:
+            options["segment_ids"] = (jnp.where(reading.q_valid, _VALID_ID, _PADDING_QUERY_ID).astype(jnp.int32),
+                                      jnp.where(reading.kv_valid, _VALID_ID, _PADDING_KEY_ID).astype(jnp.int32))
+        out = fa4_jax.attention(query, key, value, kv_seq_lengths=decode_kv_lengths, causal=is_causal,
+                                implementation=implementation, **options)
+        exact = None if reading is None else reading.padding_exact
+    else:
+        valid = {} if reading is None else dict(q_valid=reading.q_valid, kv_valid=reading.kv_valid)
+
+        def attend(causal: bool):
+            return attention_top_left(query, key, value, band=top_left_band(causal, None),
+                                      implementation=implementation, **valid)
+
+        if reading is None:
+            out, exact = attend(is_causal), None
+        elif is_causal or reading.causal_exact is None:
+            # Flax ANDs is_causal with the mask, so a padding mask and a causal padding mask both map.
+            out = attend(is_causal)
+            exact = reading.padding_exact if reading.causal_exact is None else (
+                reading.padding_exact | reading.causal_exact)
+        else:
+            # A dense mask such as nnx.make_causal_mask's: whether it is causal is known at run time only.
+            use_causal = jnp.all(reading.causal_exact) & ~jnp.all(reading.padding_exact)
+            out = jax.lax.cond(use_causal, lambda: attend(True), lambda: attend(False))
+            exact = jnp.where(use_causal, reading.causal_exact, reading.padding_exact)
+    if exact is not None:
+        # A mask that is neither cannot raise here (its values are unknown while tracing): its batch
+        # elements come out NaN rather than silently wrong.
+        out = jnp.where(exact[:, None, None, None], out, jnp.nan)
     return out.reshape(batch_shape + out.shape[1:])
 
 

@@ -93,20 +93,18 @@ def test_key_padding_mask_maps_exactly(inputs, rng, is_causal):
                 loss_and_grads(theirs, x, x, cotangent, mask=mask, is_causal=is_causal))
 
 
-def test_query_and_key_padding_masks_match_flax_on_valid_rows(inputs):
+def test_query_and_key_padding_masks_match_flax(inputs):
+    """Rows that see no key included: Flax gives them the mean of the values, and so do we."""
     theirs, ours = make_pair()
     batch, length = 2, 9
     q_valid = np.arange(length)[None, :] < np.array([[9], [6]])
     kv_valid = np.arange(length)[None, :] < np.array([[7], [9]])
     x = inputs.normal((batch, length, FEATURES))
     cotangent = inputs.normal((batch, length, FEATURES))
-    # Rows with no visible key are 0 for us and the mean of the values for Flax: weigh them out.
-    row_weight = jnp.asarray(q_valid, jnp.float32)[:, :, None]
     for mask in (jnp.asarray(q_valid)[:, None, :, None], jnp.asarray(kv_valid)[:, None, None, :]):
-        assert_same(loss_and_grads(ours, x, x, cotangent, row_weight, mask=mask, is_causal=True),
-                    loss_and_grads(theirs, x, x, cotangent, row_weight, mask=mask, is_causal=True))
-    query_masked_out = ours(x, mask=jnp.asarray(q_valid)[:, None, :, None])
-    assert np.all(np.asarray(query_masked_out)[~q_valid] == ours.out.bias[...])
+        for is_causal in (False, True):
+            assert_same(loss_and_grads(ours, x, x, cotangent, mask=mask, is_causal=is_causal),
+                        loss_and_grads(theirs, x, x, cotangent, mask=mask, is_causal=is_causal))
 
 
 def test_float_padding_mask_from_make_attention_mask(inputs):
@@ -120,15 +118,44 @@ def test_float_padding_mask_from_make_attention_mask(inputs):
     assert_same(ours(x, mask=mask), theirs(x, mask=mask))
 
 
-def test_dense_and_per_head_masks_raise(inputs):
+def _flax_idiom_masks(batch, q_len, kv_len, rng):
+    q_valid = jnp.asarray(np.arange(q_len)[None, :] < rng.integers(1, q_len + 1, (batch, 1)))
+    kv_valid = jnp.asarray(np.arange(kv_len)[None, :] < rng.integers(1, kv_len + 1, (batch, 1)))
+    padding = nnx.make_attention_mask(q_valid, kv_valid)  # [B, 1, Sq, Sk], dense in shape
+    masks = {"padding": padding, "padding-bool": padding.astype(bool),
+             "padding-on-every-head": jnp.broadcast_to(padding, (batch, 4, q_len, kv_len))}
+    if q_len == kv_len:
+        causal = nnx.make_causal_mask(jnp.ones((batch, q_len)))
+        masks.update({"causal": causal, "causal-and-padding": nnx.combine_masks(causal, padding)})
+    return masks
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(7, 7), (5, 9)])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_flax_idiom_masks_match_flax(inputs, rng, q_len, kv_len, is_causal):
+    """The masks nnx.make_attention_mask / make_causal_mask / combine_masks build: read as padding
+    (and causal, decided at run time), with gradients."""
+    theirs, ours = make_pair(num_kv_heads=2)
+    batch = 3
+    x_q, x_kv = inputs.normal((batch, q_len, FEATURES)), inputs.normal((batch, kv_len, FEATURES))
+    cotangent = inputs.normal((batch, q_len, FEATURES))
+    for name, mask in _flax_idiom_masks(batch, q_len, kv_len, rng).items():
+        assert_same(loss_and_grads(ours, x_q, x_kv, cotangent, mask=mask, is_causal=is_causal),
+                    loss_and_grads(theirs, x_q, x_kv, cotangent, mask=mask, is_causal=is_causal))
+
+
+def test_masks_that_are_not_padding_come_out_nan(inputs):
+    """Only the batch elements whose mask is not padding / causal padding: never silently wrong."""
     _, ours = make_pair()
     x = inputs.normal((2, 6, FEATURES))
-    with pytest.raises(ValueError, match="dense"):
-        ours(x, mask=nnx.make_causal_mask(jnp.ones((2, 6))))
-    with pytest.raises(ValueError, match="heads"):
-        ours(x, mask=jnp.ones((2, 4, 1, 6), bool))
-    with pytest.raises(ValueError, match="dense"):
-        jax.jit(lambda x, m: ours(x, mask=m))(x, jnp.ones((2, 1, 6, 6), bool))
+    band = np.abs(np.arange(6)[:, None] - np.arange(6)[None, :]) <= 1
+    mask = jnp.asarray(np.stack([band, np.ones((6, 6), bool)]))[:, None]
+    out = np.asarray(jax.jit(lambda x, m: ours(x, mask=m))(x, mask))
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+    per_head = jnp.ones((2, 4, 1, 6), bool).at[:, 1, :, 0].set(False)  # heads differ
+    assert np.isnan(np.asarray(ours(x, mask=per_head))).all()
+    with pytest.raises(ValueError, match="rank 6.*drop the extra axes"):
+        ours(x, mask=jnp.ones((1, 1, 2, 1, 6, 6), bool))
 
 
 def test_dropout_and_sown_weights_raise_but_deterministic_dropout_runs(inputs):

@@ -4,7 +4,8 @@ import cycle, and no module imports one of a higher layer.
 From the bottom: the static configuration; the checks and the pure-JAX reference; the kernels'
 building blocks (`kernels/common`); the kernels' host side (`kernels/host`, the compile cache); the
 kernels themselves, a wing per architecture that may use its own wing but not another; the
-primitives; their lowerings and sharding rules; the public function and package; the Flax layer.
+primitives; their lowerings and sharding rules; the public function, jax.nn's signature over it
+(`fa4_jax.nn`) and the package; the Flax layer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ LAYERS = [
     (5, "fa4_jax.primitive"),
     (6, "fa4_jax.lowering"), (6, "fa4_jax.sharding"),
     (7, "fa4_jax.api"), (7, "fa4_jax.paged"),
+    (7.2, "fa4_jax.nn"),             # jax.nn's signature over the public function; the Flax layer uses it
     (8, "fa4_jax.flax_layer"),
     (7.5, "fa4_jax"),                # the package: the public names
 ]

@@ -119,6 +119,17 @@ def test_mesh_flag(train_gpt):
         train_gpt.parse_mesh("data=4,model=4", 8)
 
 
+def test_help_shows_defaults_and_steps_below_timing_skip_is_an_error(train_gpt, capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert "training steps (default: 30)" in help_text and "(default: 0)" in help_text
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--steps", "1", "--timing-skip", "2"])
+    assert "smaller than --timing-skip" in capsys.readouterr().err
+    assert train_gpt.parse_args(["--steps", "2", "--timing-skip", "2"]).steps == 2
+
+
 def test_compare_script_summary_and_plot(tmp_path):
     spec = importlib.util.spec_from_file_location(
         "train_gpt_compare", EXAMPLE.parents[1] / "benchmarks" / "train_gpt_compare.py")
