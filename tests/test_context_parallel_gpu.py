@@ -133,3 +133,41 @@ def test_per_shard_kernel_calls_equal_the_unsharded_kernel(inputs, case):
     GPU, against the one unsharded kernel call. The ring merges bf16 partial outputs, so the tolerance
     is a few bf16 roundings (as the backward kernel tests allow)."""
     _run_case(inputs, case, jnp.bfloat16, "cute", q_len=1024, head_dim=128, tolerance=2e-2)
+
+
+def _gpu_count() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs two GPUs (a ring of two)")
+def test_ring_permute_brackets_the_kernel_on_two_gpus():
+    """On GPUs XLA runs collective-permutes asynchronously: some K/V permute must start before an
+    attention kernel of the step and be awaited only after it, i.e. the transfer overlaps the kernel."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices("gpu")[:2]), ("seq",))
+    split = NamedSharding(mesh, PartitionSpec(None, "seq"))
+    q, k, v = (jax.device_put(jnp.ones((1, 4096, 8, 128), jnp.bfloat16), split) for _ in range(3))
+    forward = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, causal=True, context_parallel="ring",
+                                                        implementation="cute"))
+    text = forward.lower(q, k, v).compile().as_text()
+    lines = text[text.index("ENTRY"):].splitlines()
+    # A step's kernel sits in the entry computation or inside the conditional that skips, unmasks or
+    # masks the step.
+    kernels = [i for i, line in enumerate(lines)
+               if ("custom-call(" in line and "CuteDSL" in line) or " conditional(" in line]
+    assert kernels, "no CuTe kernel in the compiled ring"
+    assert "CuteDSL" in text, "the ring did not run the CuTe kernels"
+    starts = {line.split("=")[0].strip(): i for i, line in enumerate(lines) if "collective-permute-start(" in line}
+    assert starts, "no asynchronous collective-permute"
+    bracketed = []
+    for i, line in enumerate(lines):
+        if "collective-permute-done(" in line:
+            start = next((s for name, s in starts.items() if name in line.split("(", 1)[1]), None)
+            if start is not None and any(start < kernel < i for kernel in kernels):
+                bracketed.append((start, i))
+    assert bracketed, "\n".join(lines)
