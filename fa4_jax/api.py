@@ -185,7 +185,6 @@ def attention(
                                 or not _FLOAT32_SMALLEST_NORMAL <= softcap <= _FLOAT32_MAX):
         raise ValueError(f"softcap must be a positive number within float32's range ({_FLOAT32_SMALLEST_NORMAL:.4g} "
                          f"to {_FLOAT32_MAX:.4g}) or None (no capping); got {softcap!r}.")
-    window_left, window_right = _window(window, query.shape[1], key.shape[1])
     if context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
         raise ValueError(f"context_parallel must be one of {CONTEXT_PARALLEL_STRATEGIES}; got {context_parallel!r}.")
     if isinstance(context_parallel_axis, str):
@@ -195,11 +194,16 @@ def attention(
         if not context_parallel_axis or not all(isinstance(a, str) for a in context_parallel_axis):
             raise ValueError("context_parallel_axis must be a mesh axis name or a sequence of them; got "
                              f"{context_parallel_axis!r}.")
+    # Positions, lengths and windows are global; inside shard_map with context_parallel_axis the
+    # operands hold 1/shards of the sequence.
+    shards = math.prod(jax.lax.axis_size(a) for a in context_parallel_axis) if context_parallel_axis else 1
+    q_total, kv_total = query.shape[1] * shards, key.shape[1] * shards
+    window_left, window_right = _window(window, q_total, kv_total)
     if zigzag_shards is not None:
         # Shards of the zigzag order are checked against the mesh where it is known (the partition
         # rule); the chunks must be whole on every path.
-        _context_parallel.check_zigzag(query.shape[1], zigzag_shards, "query sequence")
-        _context_parallel.check_zigzag(key.shape[1], zigzag_shards, "key/value sequence")
+        _context_parallel.check_zigzag(q_total, zigzag_shards, "query sequence")
+        _context_parallel.check_zigzag(kv_total, zigzag_shards, "key/value sequence")
         zigzag_shards = int(zigzag_shards)
 
     optional = {}
@@ -214,9 +218,9 @@ def attention(
     # Lengths are clipped to [0, axis] here, once, so that the alignment offset is the same on every
     # path (reference, kernels, shards): a length past the axis means the whole axis, below 0 nothing.
     if q_seq_lengths is not None:
-        optional["q_seq_lengths"] = _integer_operand("q_seq_lengths", q_seq_lengths, clip_to=query.shape[1])
+        optional["q_seq_lengths"] = _integer_operand("q_seq_lengths", q_seq_lengths, clip_to=q_total)
     if kv_seq_lengths is not None:
-        optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths, clip_to=key.shape[1])
+        optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths, clip_to=kv_total)
 
     arrays = _vary_together(dict(optional, query=query, key=key, value=value))
     query, key, value = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")

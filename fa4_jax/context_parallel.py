@@ -226,17 +226,17 @@ def _piece_config(problem: _Problem, config: AttentionConfig, row_start, key_sta
                             kv_total=None)
     if not config.needs_positions:
         return config, {}
-    q_start = lambda value: jnp.asarray(value, jnp.int32).reshape(1)
+    operand = lambda position: jnp.asarray(position, jnp.int32).reshape(1)
     if key_start is None:
-        return (config.replace(has_q_start=True, q_total=problem.q_total), {"q_start": q_start(row_start)})
+        return (config.replace(has_q_start=True, q_total=problem.q_total), {"q_start": operand(row_start)})
     if not (config.has_q_seq_lengths or config.has_kv_seq_lengths):
         # Without lengths only the diagonal matters, row + off - key: the key offset folds into q_start
         # (local row i sits at key i + q_start + key_len - q_total), which the kernels take.
         shift = row_start - key_start + problem.kv_total - key_len
-        return config.replace(has_q_start=True, q_total=problem.q_total), {"q_start": q_start(shift)}
+        return config.replace(has_q_start=True, q_total=problem.q_total), {"q_start": operand(shift)}
     return (config.replace(has_q_start=True, q_total=problem.q_total, has_kv_start=True,
                            kv_total=problem.kv_total),
-            {"q_start": q_start(row_start), "kv_start": q_start(key_start)})
+            {"q_start": operand(row_start), "kv_start": operand(key_start)})
 
 
 def _visibility(problem: _Problem, row_start, row_len, key_start, key_len):

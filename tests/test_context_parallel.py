@@ -144,7 +144,8 @@ def test_sequence_sharded_jit_equals_unsharded(inputs, features, strategy, shard
 
 SHARD_MAP_CASES = {
     "ring-causal-sinks-zigzag": (dict(causal=True, sinks=True), "ring", 2),
-    "allgather-window-segments": (dict(window=(6, 0), segments=True), "all_gather", None),
+    # Lengths and window sides are global although each shard holds a slice of the sequence.
+    "allgather-window-segments-lengths": (dict(window=(6, 0), segments=True, lengths=True), "all_gather", None),
 }
 
 

@@ -146,6 +146,10 @@ def test_backward_on_an_unknown_gpu_names_the_capabilities_it_has(monkeypatch):
         cuda.kernel_for("backward", config, *_avals(jnp.bfloat16))
 
 
+def _head_dim_avals(dtype, head_dim):
+    return [jax.ShapeDtypeStruct(shape[:-1] + (head_dim,), dtype) for shape in SHAPES]
+
+
 @needs_cutlass
 def test_backward_on_blackwell_selects_the_sm100_kernel_or_names_its_head_dims(monkeypatch):
     """The real table: on 10.x, head dims 64, 96 and 128 get the 2-CTA sm100 backward; the others say
@@ -162,13 +166,39 @@ def test_backward_on_blackwell_selects_the_sm100_kernel_or_names_its_head_dims(m
 
 
 @needs_cutlass
-@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
-def test_sequence_sharded_query_takes_the_reference(monkeypatch, capability):
-    """Neither forward kernel's q_start path has run on a GPU, so both refuse it (the real table)."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_sm90_takes_a_sequence_sharded_query(monkeypatch, kind):
+    """Both sm90 kernels take q_start (context parallelism's per-shard and ring-step calls)."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
     config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute")
-    with pytest.raises(NotImplementedError, match=r"q_start\) is not yet verified on a GPU"):
-        cuda.kernel_for("forward", config, *_avals(jnp.bfloat16))
+    assert cuda.kernel_for(kind, config, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+    with_kv_lengths = config.replace(has_kv_seq_lengths=True)
+    assert cuda.kernel_for(kind, with_kv_lengths, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+
+
+# (what refuses, capability, pass, head dim, config changes, message)
+Q_START_REFUSALS = {
+    "sm100-forward": ((10, 0), "forward", 128, {}, r"q_start\) is not yet verified on a GPU"),
+    "sm90-large-head-backward": ((9, 0), "backward", 256, {},
+                                 r"large-head backward does not take a sequence-sharded query"),
+    "sm90-forward-with-q-lengths": ((9, 0), "forward", 128, dict(has_q_seq_lengths=True),
+                                    r"does not combine a sequence-sharded query \(q_start\) with q_seq_lengths"),
+    "sm90-backward-with-key-offset": ((9, 0), "backward", 128, dict(has_kv_seq_lengths=True, has_kv_start=True,
+                                                                    kv_total=32),
+                                      r"does not take a key offset \(kv_start"),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("capability, kind, head_dim, changes, message", Q_START_REFUSALS.values(),
+                         ids=Q_START_REFUSALS.keys())
+def test_sequence_sharded_query_refusals_name_the_reason(monkeypatch, capability, kind, head_dim, changes,
+                                                         message):
+    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
+    config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute",
+                             **changes)
+    with pytest.raises(NotImplementedError, match=message):
+        cuda.kernel_for(kind, config, *_head_dim_avals(jnp.bfloat16, head_dim))
 
 
 def test_missing_kernel_module_is_reported(fake_gpu, monkeypatch):

@@ -78,7 +78,7 @@ CASES = {
     "d64-deterministic-per-thread-release": dict(
         config=dict(scale=0.125, deterministic=True), shape=[1, 200, 200, 2, 2, 64],
         tuning=dict(per_thread_query_release=True)),
-    # Compiled (the path exists) though unsupported_reason still refuses it until it runs on a GPU.
+    # A sequence-sharded query (q_start): context parallelism's per-shard and ring-step calls.
     "sharded-query": dict(config=dict(scale=128 ** -0.5, causal=True, has_q_start=True, q_total=1024),
                           shape=[1, 256, 1024, 4, 4, 128]),
     # Head splits: fp32 partial dK / dV reduce-added, on GQA; deterministic with two; and the

@@ -108,6 +108,16 @@ def kernel_unsupported_reason(kernel_name: str, config, problem: Problem, head_d
             or key_offset_unsupported_reason(kernel_name, config))
 
 
+def q_start_unsupported_reason(kernel_name: str, config) -> Optional[str]:
+    """The sm90 kernels take q_start (rows at q_start + i, offset kv_len - q_total, a runtime int32[1]
+    operand, so one compiled kernel serves every shard and ring step). They count query lengths in
+    local rows, while q_seq_lengths with q_start are global: that combination stays on the reference."""
+    if config.has_q_start and config.has_q_seq_lengths:
+        return (f"{kernel_name} does not combine a sequence-sharded query (q_start) with q_seq_lengths; "
+                "pad with kv_seq_lengths only, or leave the query sequence unsplit")
+    return None
+
+
 def key_offset_unsupported_reason(kernel_name: str, config) -> Optional[str]:
     """The kernels place keys at 0..kv_len-1. A ring step with sequence lengths needs its K/V chunk at a
     global offset (kv_start); without lengths the context-parallel code folds that offset into q_start."""

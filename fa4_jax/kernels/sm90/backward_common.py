@@ -79,12 +79,9 @@ def unsupported_reason(kernel_name: str, config: AttentionConfig, problem: host.
                        head_dims) -> Optional[str]:
     """What either sm90 backward kernel (`kernel_name`, its `head_dims`) cannot take, or None: the
     checks of every kernel, the (key blocks, KV heads, batch) grid's limits, and q_start."""
-    reason = (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims)
-              or host.grid_unsupported_reason(kernel_name, problem))
-    if reason is None and config.has_q_start:
-        # Like the forward kernels: the sequence-sharded path has not yet run on a GPU.
-        reason = f"{kernel_name} does not yet take a sequence-sharded query (q_start)"
-    return reason
+    return (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims)
+            or host.grid_unsupported_reason(kernel_name, problem)
+            or host.q_start_unsupported_reason(kernel_name, config))
 
 
 class Sm90BackwardBase:

@@ -95,7 +95,11 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    return backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
+    reason = backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
+    if reason is None and config.has_q_start:
+        # Its query-block range and masks place local row 0 at offset, without the q_start shift.
+        reason = "the sm90 large-head backward does not take a sequence-sharded query (q_start)"
+    return reason
 
 
 def query_stages(head_dim: int) -> int:
