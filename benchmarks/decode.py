@@ -20,6 +20,11 @@ distinct DecodeOptions), so the timed process loads them.
 Usage:
     python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick]
     python benchmarks/decode.py --plot benchmarks/results/decode_h200.json --png decode_h200.png
+    python benchmarks/decode.py --merge b1.json b8.json b64.json --out decode_h200.json   (no GPU needed)
+
+A device call has a time limit, so the grid may run as one process per batch size (--batches 1, ...),
+each with its own copy measurement; --merge joins them (rows keep their run's `copy_tbps` and
+`fraction_of_copy`; the top-level `copy_tbps` is the lowest of the runs, `runs` lists each).
 """
 
 from __future__ import annotations
@@ -226,6 +231,7 @@ def run(args):
     key = jax.random.key(0)
     for row in row_list:
         record = measure(row, key, args.iterations)
+        record["copy_tbps"] = report["copy_tbps"]
         if "fa4_jax_tbps" in record:
             record["fraction_of_copy"] = record["fa4_jax_tbps"] / report["copy_tbps"]
         report["rows"].append(record)
@@ -234,6 +240,21 @@ def run(args):
             with open(args.out, "w") as handle:
                 json.dump(report, handle, indent=1)
     return report
+
+
+def merge(paths, out):
+    """One report from several runs of this script (same device and revision expected)."""
+    reports = []
+    for path in paths:
+        with open(path) as handle:
+            reports.append(json.load(handle))
+    merged = dict(reports[0], rows=[row for report in reports for row in report["rows"]],
+                  copy_tbps=min(report["copy_tbps"] for report in reports),
+                  runs=[{key: report.get(key) for key in ("date", "git_revision", "copy_tbps", "precompile")}
+                        for report in reports])
+    with open(out, "w") as handle:
+        json.dump(merged, handle, indent=1)
+    return merged
 
 
 def plot(json_path, png_path):
@@ -278,7 +299,11 @@ def main(argv=None):
     parser.add_argument("--compile-workers", type=int, default=12)
     parser.add_argument("--plot", help="a report to plot (no GPU needed)")
     parser.add_argument("--png")
+    parser.add_argument("--merge", nargs="+", help="reports to join into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     if args.plot:
         plot(args.plot, args.png or args.plot.replace(".json", ".png"))
         return

@@ -3,15 +3,16 @@
 Trains the GPT for a few steps on train_gpt's synthetic graph walks (so its predictions mean
 something), then decodes: the prompt goes through the model in one call that fills every layer's
 cache (`fa4_jax.flax_layer.MultiHeadAttention(decode=True)`), and each new token is one call with
-Sq = 1. The cached attention is `fa4_jax.attention(..., kv_seq_lengths=...)` with a short query, which
-on a GPU runs the split-KV decode kernel (fa4_jax/kernels/sm90/decode.py; head dims 64 / 128 / 256,
+Sq = 1. The cached attention is `fa4_jax.attention(..., kv_seq_lengths=...)` with a short query (or,
+with --page-size, `fa4_jax.paged_attention` over the layer's paged cache), which on a GPU runs the
+split-KV decode kernel (fa4_jax/kernels/sm90/decode.py; head dims 64 / 128 / 256,
 bf16 / fp16) and elsewhere the reference. Prints decode tokens/s (batch · new tokens / time, the
 first step, which compiles, left out) and the fraction of generated tokens that are a successor of
 the previous one in the walk graph (about 1 / SUCCESSORS_PER_TOKEN ... 1 once the model has learned
 it; random tokens give ~SUCCESSORS_PER_TOKEN / vocab).
 
     python examples/generate.py                    # CPU: reference path, about a minute
-    python examples/generate.py --dtype bfloat16 --batch 64 --new-tokens 256   # one GPU
+    python examples/generate.py --dtype bfloat16 --batch 64 --new-tokens 256 [--page-size 16]   # one GPU
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--fa4-implementation", choices=("auto", "cute", "reference"), default="auto")
+    parser.add_argument("--page-size", type=int, default=0,
+                        help="decode from a paged KV cache with pages of this many tokens (0: contiguous)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -69,7 +72,10 @@ def generate(args, gpt_args, mesh, params):
     seq_len = args.prompt_len + args.new_tokens
     for block in model.blocks:
         block.attention.decode = True
-        block.attention.init_cache((args.batch, seq_len, args.d_model), jnp.dtype(args.dtype))
+        if args.page_size:
+            block.attention.init_paged_cache(args.batch, seq_len, args.page_size, jnp.dtype(args.dtype))
+        else:
+            block.attention.init_cache((args.batch, seq_len, args.d_model), jnp.dtype(args.dtype))
 
     @nnx.jit
     def step(model, tokens, positions):

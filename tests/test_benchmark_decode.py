@@ -46,3 +46,16 @@ def test_plot(tmp_path):
     path.write_text(json.dumps(report))
     decode.plot(str(path), str(tmp_path / "decode.png"))
     assert (tmp_path / "decode.png").stat().st_size > 1000
+
+
+def test_merge(tmp_path):
+    paths = []
+    for batch, copy in ((1, 4.3), (64, 4.2)):
+        path = tmp_path / f"b{batch}.json"
+        path.write_text(json.dumps(dict(device="H200", date="d", git_revision="r", copy_tbps=copy,
+                                        rows=[dict(batch=batch, copy_tbps=copy)])))
+        paths.append(str(path))
+    merged = decode.merge(paths, str(tmp_path / "all.json"))
+    assert [row["batch"] for row in merged["rows"]] == [1, 64]
+    assert merged["copy_tbps"] == 4.2 and len(merged["runs"]) == 2
+    assert json.loads((tmp_path / "all.json").read_text()) == merged

@@ -1,5 +1,5 @@
-"""examples/generate.py on the CPU: decoding with the Flax layer's KV cache (prompt in one call, then one
-token per call) gives the tokens a full forward pass over the same sequence predicts."""
+"""examples/generate.py on the CPU: decoding with the Flax layer's KV cache, contiguous or paged (prompt in
+one call, then one token per call), gives the tokens a full forward pass over the same sequence predicts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -22,12 +23,14 @@ def _load(name):
     return module
 
 
-def test_cached_decoding_matches_the_full_forward():
+@pytest.mark.parametrize("page_size", [0, 4])
+def test_cached_decoding_matches_the_full_forward(page_size):
     sys.path.insert(0, str(EXAMPLES))
     try:
         generate = _load("generate")
         args = generate.parse_args(["--train-steps", "3", "--batch", "2", "--prompt-len", "9", "--new-tokens", "6",
-                                    "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "64"])
+                                    "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
+                                    "--page-size", str(page_size)])
         gpt_args, mesh, params = generate.train(args)
         result = generate.generate(args, gpt_args, mesh, params)
         assert result["tokens"].shape == (2, 6) and result["tokens_per_second"] > 0
