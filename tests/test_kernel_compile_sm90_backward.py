@@ -104,17 +104,18 @@ CASES = {
     "d64-deterministic-key-blocks-outer-head-splits-2": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
         tuning=dict(key_blocks_outer=True), head_splits=2),
-    # The dQ staging in fragment order with a 1-D bulk reduce (`Tuning.flat_dq`): D 128, D 64 at 128
-    # rows, deterministic GQA D 96, head splits.
-    "d128-flat-dq": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128], tuning=dict(flat_dq=True)),
-    "d64-causal-flat-dq": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
-                               tuning=dict(flat_dq=True)),
-    "d96-causal-gqa-deterministic-flat-dq": dict(
+    # The dQ staging as a swizzled tile with two TMA tensor reduces (`Tuning(flat_dq=False)`; the
+    # default stages it in register order with one 1-D bulk reduce): D 128, D 64 at 128 rows,
+    # deterministic GQA D 96, head splits.
+    "d128-tiled-dq": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128], tuning=dict(flat_dq=False)),
+    "d64-causal-tiled-dq": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
+                                tuning=dict(flat_dq=False)),
+    "d96-causal-gqa-deterministic-tiled-dq": dict(
         config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
-        tuning=dict(flat_dq=True)),
-    "d128-causal-gqa-head-splits-2-flat-dq": dict(config=dict(scale=128 ** -0.5, causal=True),
-                                                  shape=[2, 300, 333, 8, 2, 128], head_splits=2,
-                                                  tuning=dict(flat_dq=True)),
+        tuning=dict(flat_dq=False)),
+    "d128-causal-gqa-head-splits-2-tiled-dq": dict(config=dict(scale=128 ** -0.5, causal=True),
+                                                   shape=[2, 300, 333, 8, 2, 128], head_splits=2,
+                                                   tuning=dict(flat_dq=False)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),

@@ -55,14 +55,15 @@ CASES = [
 
 # The default, and the candidates under measurement: every consumer thread releases a query stage
 # (docs/sm90_backward_tuning.md, "racecheck"); the grid launched key block slowest (longest walks
-# first); dQ staged in the accumulator's register order. Select a candidate's tests with
-# `-k per_thread_release`, `-k key_blocks_outer` or `-k flat_dq`.
+# first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
+# accumulator's register order). Select their tests with `-k per_thread_release`, `-k key_blocks_outer`
+# or `-k tiled_dq`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
                                               per_thread_query_release=True),
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
-    "flat_dq": dataclasses.replace(sm90_backward.DEFAULT_TUNING, flat_dq=True),
+    "tiled_dq": dataclasses.replace(sm90_backward.DEFAULT_TUNING, flat_dq=False),
 }
 
 # Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.
@@ -93,7 +94,7 @@ DETERMINISTIC_HEAD_SPLIT_CASES = ["gqa4-causal", "gqa8-causal-cross-d96", "mqa16
 WIDE_QUERY_CASES = [case if case.head_dim == 64 else dataclasses.replace(case, name=f"{case.name}-d64", head_dim=64)
                     for case in CASES if case.head_dim in (64, 128) and case.name not in ("plain-d128", "causal-d128")
                     and case.softcap is None and not case.segments]
-WIDE_QUERY_TUNINGS = {f"query_rows_{rows}{'_flat_dq' if flat else ''}": dataclasses.replace(
+WIDE_QUERY_TUNINGS = {f"query_rows_{rows}{'' if flat else '_tiled_dq'}": dataclasses.replace(
     sm90_backward.DEFAULT_TUNING, query_rows=rows, flat_dq=flat) for rows in (64, 128) for flat in (False, True)}
 
 
@@ -166,7 +167,7 @@ def test_deterministic_matches_oracle(case: Case, tuning, inputs):
     _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=True)
 
 
-@pytest.mark.parametrize("flat_dq", [False, True], ids=["tiled_dq", "flat_dq"])
+@pytest.mark.parametrize("flat_dq", [True, False], ids=["flat_dq", "tiled_dq"])
 @pytest.mark.parametrize("case,head_splits", _head_split_parameters(HEAD_SPLIT_CASES))
 def test_head_splits_match_oracle(case: Case, head_splits, flat_dq, inputs):
     tuning = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits, flat_dq=flat_dq)
