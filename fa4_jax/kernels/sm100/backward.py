@@ -61,7 +61,6 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import backward_numerics, masking, ordered_reduction
-from fa4_jax.kernels.sm90 import backward_common
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 THREADS_PER_WARP = 32
@@ -148,8 +147,8 @@ class KernelOptions:
     has_kv_lengths: bool = False
     has_sinks: bool = False
     deterministic: bool = False
-    # Read by backward_common.run_backward, shared with the sm90 kernels: a CTA pair computes whole
-    # dK / dV (no head splits).
+    # Read by host.run_backward, shared with the sm90 kernels: a CTA pair computes whole dK / dV (no
+    # head splits).
     head_splits: int = 1
 
 
@@ -784,8 +783,7 @@ def _dq_rows(dq_accum, q_len):
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
     """Fake tensors in the launcher's order, for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape,
-                                          tile_m=ROWS)
+    return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape, ROWS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -795,5 +793,5 @@ def _kernel(options: KernelOptions) -> Sm100BackwardKernel:
 
 def run(options: KernelOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_common.run_backward(_kernel(options), options, query, key, value, out, lse, d_out, d_lse,
-                                        optional, OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows, tile_m=ROWS)
+    return host.run_backward(_kernel(options), options, query, key, value, out, lse, d_out, d_lse, optional,
+                             OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows, ROWS)

@@ -1,6 +1,6 @@
 """Hopper (sm_90a) attention backward for head dims 64, 96 and 128: dQ, dK, dV in CuTe DSL.
 
-The preprocess, the launch and the postprocess are backward_common's; this kernel
+The preprocess, the launch and the postprocess are kernels/host.py's; this kernel
 (`Sm90BackwardKernel`): one CTA per (key block, KV head, batch) keeps its K and V tiles in shared
 memory and its dK, dV accumulators in registers while it walks the query blocks of every query head
 of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE, dP^T = V dO^T,
@@ -741,11 +741,11 @@ def head_splits_for(batch, kv_heads, group, q_len, kv_len, sm_count, determinist
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1) -> list:
     """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
     without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape,
-                                          fp32_dkv=head_splits > 1)
+    return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape,
+                                        backward_common.TILE_M, fp32_dkv=head_splits > 1)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_common.run_backward(Sm90BackwardKernel(options), options, query, key, value, out, lse,
-                                        d_out, d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows)
+    return host.run_backward(Sm90BackwardKernel(options), options, query, key, value, out, lse, d_out, d_lse,
+                             optional, OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows, backward_common.TILE_M)
