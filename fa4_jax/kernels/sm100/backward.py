@@ -33,10 +33,17 @@ dP^T [128, 256) with dS^T over its first half, then dQ over the same columns (is
 reads dS^T: tcgen05 runs in issue order); dV [256, 256 + d); dK [256 + d, 256 + 2 d). Hence head dims
 up to 128 (192 / 256 would need 2 d + 256 > 512 columns; they fall back with a reason).
 
-The barrier protocol is one table, `PROTOCOL`: every mbarrier with its arrival count, who signals and
-who waits, and each role's ordered steps per query block; the role loops below follow it step by step
-(`tests/test_kernel_compile_sm100_backward.py` checks the table's balance and that the kernel inits
-the counts it lists).
+Shared memory holds one stage of Q / dO (in both forms): at D = 128 K, V, K^T, the stage and the dS
+operand take 195 KiB, so the next block's loads wait for the current block's last MMA (two stages
+would fit at D <= 96; not done yet). deterministic=True orders the dQ atomics by the turns of
+`common/ordered_reduction.py` (pairs launched highest first, CTA 0 then CTA 1 of a pair).
+
+The barrier protocol is one table, `PROTOCOL` (BARRIERS, ROLE_STEPS): every mbarrier with its arrival
+count, home CTA, signaller and waiter, and each role's ordered steps with their phase parity. The
+kernel initialises the barriers from it, every wait takes its parity from it, and every step is
+recorded while the kernel is traced; tests/test_kernel_compile_sm100_backward.py checks the recording
+against the table and replays the table over both CTAs of a pair (deadlock, phase aliasing, arrival
+counts, commits landing after exit), with planted bugs that it catches.
 
 No Blackwell GPU was available while writing it: it is compiled for sm_100a and inspected
 (tests/test_kernel_compile_sm100_backward.py), not run.
