@@ -33,10 +33,17 @@ dP^T [128, 256) with dS^T over its first half, then dQ over the same columns (is
 reads dS^T: tcgen05 runs in issue order); dV [256, 256 + d); dK [256 + d, 256 + 2 d). Hence head dims
 up to 128 (192 / 256 would need 2 d + 256 > 512 columns; they fall back with a reason).
 
-The barrier protocol is one table, `PROTOCOL`: every mbarrier with its arrival count, who signals and
-who waits, and each role's ordered steps per query block; the role loops below follow it step by step
-(`tests/test_kernel_compile_sm100_backward.py` checks the table's balance and that the kernel inits
-the counts it lists).
+Shared memory holds one stage of Q / dO (in both forms): at D = 128 K, V, K^T, the stage and the dS
+operand take 195 KiB, so the next block's loads wait for the current block's last MMA (two stages
+would fit at D <= 96; not done yet). deterministic=True orders the dQ atomics by the turns of
+`common/ordered_reduction.py` (pairs launched highest first, CTA 0 then CTA 1 of a pair).
+
+The barrier protocol is one table, `PROTOCOL` (BARRIERS, ROLE_STEPS): every mbarrier with its arrival
+count, home CTA, signaller and waiter, and each role's ordered steps with their phase parity. The
+kernel initialises the barriers from it, every wait takes its parity from it, and every step is
+recorded while the kernel is traced; tests/test_kernel_compile_sm100_backward.py checks the recording
+against the table and replays the table over both CTAs of a pair (deadlock, phase aliasing, arrival
+counts, commits landing after exit), with planted bugs that it catches.
 
 No Blackwell GPU was available while writing it: it is compiled for sm_100a and inspected
 (tests/test_kernel_compile_sm100_backward.py), not run.
@@ -61,7 +68,6 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import backward_numerics, masking, ordered_reduction
-from fa4_jax.kernels.sm90 import backward_common
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 THREADS_PER_WARP = 32
@@ -148,8 +154,8 @@ class KernelOptions:
     has_kv_lengths: bool = False
     has_sinks: bool = False
     deterministic: bool = False
-    # Read by backward_common.run_backward, shared with the sm90 kernels: a CTA pair computes whole
-    # dK / dV (no head splits).
+    # Read by host.run_backward, shared with the sm90 kernels: a CTA pair computes whole dK / dV (no
+    # head splits).
     head_splits: int = 1
 
 
@@ -166,9 +172,10 @@ class Sm100BackwardKernel:
     load_warp_id = 9
     threads_per_cta = 12 * THREADS_PER_WARP
 
-    # setmaxnreg budget: 128 x (232 + 168 + 112) = 64 Ki registers.
-    registers_compute = 232
-    registers_dq = 168
+    # setmaxnreg budget: 128 x (240 + 160 + 112) = 64 Ki registers. Every role changes its count (ptxas
+    # launches 384 threads at 168), none to the launch value itself.
+    registers_compute = 240
+    registers_dq = 160
     registers_other = 112
 
     def __init__(self, options: KernelOptions):
@@ -784,8 +791,7 @@ def _dq_rows(dq_accum, q_len):
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
     """Fake tensors in the launcher's order, for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape,
-                                          tile_m=ROWS)
+    return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape, ROWS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -795,5 +801,5 @@ def _kernel(options: KernelOptions) -> Sm100BackwardKernel:
 
 def run(options: KernelOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_common.run_backward(_kernel(options), options, query, key, value, out, lse, d_out, d_lse,
-                                        optional, OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows, tile_m=ROWS)
+    return host.run_backward(_kernel(options), options, query, key, value, out, lse, d_out, d_lse, optional,
+                             OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows, ROWS)

@@ -1,6 +1,6 @@
 """Hopper (sm_90a) attention backward for head dims 64, 96 and 128: dQ, dK, dV in CuTe DSL.
 
-The preprocess, the launch and the postprocess are backward_common's; this kernel
+The preprocess, the launch and the postprocess are kernels/host.py's; this kernel
 (`Sm90BackwardKernel`): one CTA per (key block, KV head, batch) keeps its K and V tiles in shared
 memory and its dK, dV accumulators in registers while it walks the query blocks of every query head
 of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE, dP^T = V dO^T,
@@ -872,12 +872,12 @@ def head_splits_for(batch, kv_heads, group, q_len, kv_len, sm_count, determinist
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1,
-                   query_rows: int = backward_common.TILE_M, flat_dq: bool = False) -> list:
+                   query_rows: int = backward_common.TILE_M, flat_dq: bool = True) -> list:
     """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
     without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
     accumulator_shape = flat_dq_accumulator_shape(query_rows) if flat_dq else dq_accumulator_shape
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, accumulator_shape,
-                                          fp32_dkv=head_splits > 1, tile_m=query_rows)
+    return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, accumulator_shape, query_rows,
+                                        fp32_dkv=head_splits > 1)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
@@ -886,5 +886,5 @@ def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, opt
     accumulator_shape, dq_rows = dq_accumulator_shape, _dq_rows
     if options.tuning.flat_dq:
         accumulator_shape, dq_rows = flat_dq_accumulator_shape(kernel.tile_m), dq_from_fragments(kernel.tile_m)
-    return backward_common.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional,
-                                        OPTIONAL_INPUTS, accumulator_shape, dq_rows)
+    return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,
+                             accumulator_shape, dq_rows, kernel.tile_m)

@@ -1,16 +1,17 @@
-"""What the two sm90 backward kernels share: their static options, the device code both run
-(`Sm90BackwardBase`: the TMA producer, the dK / dV store through shared memory; P recomputed from the
-stored LSE and dS with the softcap slope are common/backward_numerics.py's, shared with the sm100
-backward) and the JAX side around the kernel call (the preprocess of dPsum and the LSE, the sinks
-gradient, the flow `run` drives), which the sm100 backward uses too.
+"""What the two sm90 backward kernels share: their static options and the device code both run
+(`Sm90BackwardBase`: the TMA producer, the dK / dV store through shared memory). P recomputed from the
+stored LSE and dS with the softcap slope are common/backward_numerics.py's, and the JAX side around
+the kernel call (the preprocess of dPsum and the LSE, the sinks gradient, the flow `run` drives) is
+kernels/host.py's: both are shared with the sm100 backward.
 
 Three stages, one obvious place each:
-- preprocess (`preprocess`, traceable JAX, one fused reduction): dPsum = rowsum(dO * O) - d_lse, the
-  log-sum-exp moved to the exp2 domain (rows with no visible key get +inf so that P = 0 there), both
-  padded to whole query blocks;
+- preprocess (`host.backward_preprocess`, traceable JAX, one fused reduction): dPsum = rowsum(dO * O)
+  - d_lse, the log-sum-exp moved to the exp2 domain (rows with no visible key get +inf so that P = 0
+  there), both padded to whole query blocks of TILE_M rows;
 - the kernel (backward.py for head dims 64-128, backward_large_heads.py for 192 / 256), which adds
   dQ into an fp32 accumulator and writes dK, dV;
-- postprocess (the kernel module's `finish_dq`, then `sinks_gradient`): dQ scaled and cast.
+- postprocess (`host.run_backward` with the kernel module's dQ read-back, then `host.sinks_gradient`):
+  dQ scaled and cast.
 
 A subclass of `Sm90BackwardBase` sets, besides what the base's __init__ sets: `tile_n` (keys per CTA),
 `stages` (Q / dO ring depth), `staged_row_stats` (whether the producer copies LSE / dPsum into the
@@ -21,10 +22,7 @@ query block) of iteration `it` of a CTA's walk; `_produce` reads those.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
-
-import jax.numpy as jnp
 
 import cutlass
 import cutlass.cute as cute
@@ -36,7 +34,6 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import backward_numerics, masking
 
-LOG2_E = math.log2(math.e)
 TILE_M = 64                    # query rows per block unless a kernel's options say otherwise
 SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
 DKV_STORE_BARRIER = 2          # named barrier of the consumers around the dK / dV store
@@ -202,91 +199,3 @@ class Sm90BackwardBase:
             cute.copy(tma_dv, tdVsdV, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# JAX side: the preprocess, the kernel call, the postprocess
-# ----------------------------------------------------------------------------------------------------
-
-def padded_rows(q_len, tile_m=TILE_M):
-    """Query rows padded to whole blocks of `tile_m`: the staged row statistics are copied a block at
-    a time, and the deterministic turn counters count blocks."""
-    return host.ceil_div(q_len, tile_m) * tile_m
-
-
-def preprocess(out, lse, d_out, d_lse, tile_m=TILE_M):
-    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible),
-    padded to whole query blocks of `tile_m` rows (the kernel's; the sm100 backward takes 128)."""
-    batch, q_len, heads, _ = out.shape
-    pad = padded_rows(q_len, tile_m) - q_len
-    dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        dpsum = dpsum - d_lse.astype(jnp.float32)
-    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2_E).astype(jnp.float32)
-    dpsum = jnp.pad(dpsum, [(0, 0), (0, 0), (0, pad)])
-    lse_log2 = jnp.pad(lse_log2, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
-    return dpsum, lse_log2
-
-
-def sinks_gradient(sinks, lse, dpsum_unpadded):
-    """dsink_h = -sum_{b,i} exp(sink_h - lse_{b,h,i}) * dPsum_{b,h,i}."""
-    p_sink = jnp.exp(sinks[None, :, None] - lse)
-    p_sink = jnp.where(jnp.isneginf(lse), 0.0, p_sink)
-    return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
-
-
-def _fake_optional(name, batch, q_len, kv_len):
-    shape = {"q_segment_ids": (batch, q_len), "kv_segment_ids": (batch, kv_len), "q_seq_lengths": (batch,),
-             "kv_seq_lengths": (batch,), "q_start": (1,)}[name]
-    return host.fake_tensor(cutlass.Int32, shape)
-
-
-def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inputs, dq_accumulator_shape,
-                   fp32_dkv: bool = False, tile_m: int = TILE_M) -> list:
-    """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
-    `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
-    q_heads, head_dim)`, the semaphores, then dK, dV: in the input type, or fp32 accumulators with
-    `fp32_dkv`), for compiling without a GPU; rows padded to the kernel's `tile_m`.
-    shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
-    element = host.cutlass_dtype(dtype_name)
-    padded = padded_rows(q_len, tile_m)
-    present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
-               "q_seq_lengths": config.has_q_seq_lengths, "kv_seq_lengths": config.has_kv_seq_lengths,
-               "q_start": config.has_q_start}
-    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
-    fake = host.fake_tensor
-    return [
-        fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
-        fake(element, query_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
-        *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
-        fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
-        fake(cutlass.Int32, (batch, q_heads, padded // tile_m)) if config.deterministic else None,
-        *(fake(Float32 if fp32_dkv else element, key_shape) for _ in range(2)),
-    ]
-
-
-def run_backward(kernel, options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict,
-                 optional_inputs, dq_accumulator_shape, dq_rows, tile_m=None):
-    """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `host.launch_backward` (its inputs
-    after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
-    layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient.
-    With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here."""
-    batch, q_len, q_heads, head_dim = query.shape
-    d_out = d_out.astype(query.dtype)
-    if tile_m is None:
-        tile_m = kernel.tile_m
-    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse, tile_m)
-    padded = dpsum.shape[-1]
-    dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, padded // tile_m), jnp.int32) if options.deterministic else None)
-    inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
-              dq_accum, semaphores)
-    dq_accum, d_key, d_value = host.launch_backward(kernel, options, inputs, key, value, query.dtype,
-                                                    dkv_accumulators=options.head_splits > 1)
-    d_key, d_value = d_key.astype(query.dtype), d_value.astype(query.dtype)   # no-ops unless accumulated
-    d_query = (dq_rows(dq_accum, q_len) * options.scale).astype(query.dtype)
-    d_sinks = None
-    if options.has_sinks:
-        d_sinks = sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
-    return d_query, d_key, d_value, d_sinks

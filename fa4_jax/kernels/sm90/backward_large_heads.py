@@ -33,7 +33,7 @@ block i + 1 while the other still reads block i); the dQ staging 64 x D x 4. At 
 each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the struct.)
 
 Preprocess (dPsum, the LSE in the exp2 domain) and postprocess (dQ scale and cast, the sinks
-gradient) are backward_common's, shared with backward.py.
+gradient) are kernels/host.py's, shared with backward.py and the sm100 backward.
 
 `Tuning` holds two candidates, both off by default so that what ships is what was measured:
 `diagonal_first` (backward.py's deterministic turn order; here deterministic dQ turns still go
@@ -478,7 +478,7 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
     """Fake tensors in the launcher's order, for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape)
+    return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape, TILE_M)
 
 
 def dq_from_accumulator(dq_accum, q_len: int):
@@ -498,6 +498,5 @@ def dq_from_accumulator(dq_accum, q_len: int):
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_common.run_backward(Sm90LargeHeadBackwardKernel(options), options, query, key, value, out,
-                                        lse, d_out, d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape,
-                                        dq_from_accumulator)
+    return host.run_backward(Sm90LargeHeadBackwardKernel(options), options, query, key, value, out, lse, d_out,
+                             d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape, dq_from_accumulator, TILE_M)
