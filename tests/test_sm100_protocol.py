@@ -58,13 +58,26 @@ def test_protocol_holds_for_every_stage_count(stages):
         assert sim.replay(schedule(*stages), tiles, seeds=SEEDS) == [], tiles
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "row_stats race: with a single-key-block tile after the first, softmax i can finish that tile "
-    "and overwrite row_stats[i] before the correction warpgroup has read the previous tile's"))
 @pytest.mark.parametrize("stages", [(2, 3, 1), (1, 2, 1)])
 def test_protocol_holds_with_single_block_tiles(stages):
     for tiles in SINGLE_BLOCK_TILES:
         assert sim.replay(schedule(*stages), tiles, seeds=SEEDS) == [], tiles
+
+
+def test_without_stats_free_a_single_block_tile_overwrites_row_stats():
+    """The race stats_free closes: softmax i finishing a one-block tile and writing row_stats[i]
+    before the correction warpgroup has read the previous tile's."""
+    def without_stats_free(step):
+        if (isinstance(step, ps.Wait) and step.barrier == "stats_free") or (
+                isinstance(step, ps.Flip) and step.phase == "stats_free_phase") or is_arrive("stats_free")(step):
+            return ()
+        return None
+    base = schedule()
+    bugged = sim.change_role(sim.change_role(base, "softmax", without_stats_free), "correction",
+                             without_stats_free)
+    bugged = bugged.replace(barriers=tuple(b for b in bugged.barriers if b.name != "stats_free"))
+    violation = sim.Simulation(bugged, [2, 1], "eager").run()
+    assert violation.kind == "overwrite" and "row_stats0" in violation.message, violation
 
 
 # ------------------------------------------------------------------------------------------------

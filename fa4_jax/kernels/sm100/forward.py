@@ -22,6 +22,8 @@ Hand-offs per query tile i and key block j (mbarriers; the MMA warp signals with
   p_ready[i]     softmax i + corr. -> MMA   P_i(j) is in TMEM and O_i is rescaled: PV_i(j) may run
   o_full[i]      MMA -> correction    the last PV of the tile has landed
   stats_final[i] softmax i -> corr.   the row's 1/sum and LSE (OnlineSoftmax.finalize) in shared memory
+  stats_free[i]  corr. -> softmax i   the correction has read them: the next tile's may be written (a
+                                      tile of one key block gives no other order between the two)
 The MMA warp issues PV_i(j-1) before QK_i(j), so tcgen05's in-order execution keeps P_i(j-1) alive until
 the PV that reads it is done, and S_i's columns can be reused for P without another barrier.
 These barriers and pipelines, their stage and arrival counts, and each role's order of waits and arrives
@@ -266,6 +268,7 @@ class Sm100ForwardKernel:
             p_ready_mbar: cute.struct.MemRange[Int64, schedule.barrier("p_ready").stages]
             stats_ready_mbar: cute.struct.MemRange[Int64, schedule.barrier("stats_ready").stages]
             stats_final_mbar: cute.struct.MemRange[Int64, schedule.barrier("stats_final").stages]
+            stats_free_mbar: cute.struct.MemRange[Int64, schedule.barrier("stats_free").stages]
             o_full_mbar: cute.struct.MemRange[Int64, schedule.barrier("o_full").stages]
             tmem_address: Int32
             row_scale: cute.struct.MemRange[Float32, self.q_stage * ROWS_PER_TILE]
@@ -336,12 +339,14 @@ class Sm100ForwardKernel:
         p_ready = storage.p_ready_mbar.data_ptr()
         stats_ready = storage.stats_ready_mbar.data_ptr()
         stats_final = storage.stats_final_mbar.data_ptr()
+        stats_free = storage.stats_free_mbar.data_ptr()
         o_full = storage.o_full_mbar.data_ptr()
         if warp_idx == self.mma_warp_id:
             with cute.arch.elect_one():
                 for stage in cutlass.range_constexpr(self.q_stage):
                     for name, barrier in (("s_full", s_full), ("o_full", o_full), ("p_ready", p_ready),
-                                          ("stats_ready", stats_ready), ("stats_final", stats_final)):
+                                          ("stats_ready", stats_ready), ("stats_final", stats_final),
+                                          ("stats_free", stats_free)):
                         cute.arch.mbarrier_init(barrier + stage, schedule.barrier(name).arrivals)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -387,7 +392,7 @@ class Sm100ForwardKernel:
                 self.tmem_ready_barrier.arrive_and_wait()
                 tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_address)
                 self.softmax_role(stage, tmem, qk_thr_mma, row_scale, row_stats, s_full, p_ready,
-                                  stats_ready, stats_final, problem, optional)
+                                  stats_ready, stats_final, stats_free, problem, optional)
             else:
                 cute.arch.setmaxregister_decrease(self.registers_other)
                 self.tmem_ready_barrier.arrive_and_wait()
@@ -398,8 +403,8 @@ class Sm100ForwardKernel:
             self.tmem_ready_barrier.arrive_and_wait()
             tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_address)
             self.correction_role(pv_thr_mma, tmem, sO, sLSE, row_scale, row_stats,
-                                 p_ready, stats_ready, stats_final, o_full, epilogue_producer,
-                                 problem, optional)
+                                 p_ready, stats_ready, stats_final, stats_free, o_full,
+                                 epilogue_producer, problem, optional)
             # The correction warpgroup is the last TMEM reader: free it once all four warps are done.
             self.correction_barrier.arrive_and_wait()
             if warp_idx == self.correction_warp_ids[0]:
@@ -624,7 +629,7 @@ class Sm100ForwardKernel:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def softmax_role(self, stage: Int32, tmem, qk_thr_mma, row_scale, row_stats, s_full, p_ready,
-                     stats_ready, stats_final, problem, optional):
+                     stats_ready, stats_final, stats_free, problem, optional):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
         mSinks, mQSegmentIds, mKVSegmentIds = optional.sinks, optional.q_segment_ids, optional.kv_segment_ids
         row = cute.arch.thread_idx()[0] % ROWS_PER_TILE
@@ -662,6 +667,7 @@ class Sm100ForwardKernel:
         # against softmax0's program, which differs from the others' only in the stage.
         self.protocol.begin("softmax0")
         s_full_phase = Int32(0)
+        stats_free_phase = Int32(1)  # the first tile has no previous row_stats to wait for
         num_tiles = num_m_blocks * num_q_heads * batch
         tile_index = cute.arch.block_idx()[0]
         self.protocol.loop("softmax0", "tiles")
@@ -706,6 +712,10 @@ class Sm100ForwardKernel:
             if const_expr(self.options.has_sinks):
                 sink_logit = Float32(mSinks[head])
             self.softmax.finalize(row_max, row_sum, sink_logit, lse_rows, output_scale)
+            self.protocol.expect("softmax0", WAIT, "stats_free", stage)
+            cute.arch.mbarrier_wait(stats_free + stage, stats_free_phase)
+            self.protocol.expect("softmax0", FLIP, "stats_free_phase")
+            stats_free_phase ^= 1
             row_stats[row, 0, stage] = output_scale[0]
             row_stats[row, 1, stage] = lse_rows[0]
             self.protocol.expect("softmax0", ARRIVE, "stats_final", stage)
@@ -741,7 +751,8 @@ class Sm100ForwardKernel:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def correction_role(self, pv_thr_mma, tmem, sO, sLSE, row_scale, row_stats, p_ready,
-                        stats_ready, stats_final, o_full, epilogue_producer, problem, optional):
+                        stats_ready, stats_final, stats_free, o_full, epilogue_producer, problem,
+                        optional):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
         row = cute.arch.thread_idx()[0] % ROWS_PER_TILE
         o_layout = pv_thr_mma.make_fragment_C(
@@ -805,6 +816,8 @@ class Sm100ForwardKernel:
                 cute.arch.mbarrier_wait(stats_final + stage, final_phase)
                 output_scale = row_stats[row, 0, stage]
                 lse = row_stats[row, 1, stage]
+                self.protocol.expect("correction", ARRIVE, "stats_free", stage)
+                cute.arch.mbarrier_arrive(stats_free + stage)
                 self.protocol.expect("correction", WAIT, "o_full", stage)
                 cute.arch.mbarrier_wait(o_full + stage, final_phase)
                 self.protocol.expect("correction", ACQUIRE, "epilogue")

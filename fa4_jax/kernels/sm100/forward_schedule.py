@@ -49,6 +49,10 @@ def _softmax_program():
             # Masked and unmasked blocks: each branch hands P over itself (Sm100ForwardKernel.hand_over_p).
             Either(hand_over_p, hand_over_p),
         )),
+        # The correction warpgroup may still be reading the previous tile's: with a single key block
+        # nothing else orders this write after that read.
+        Wait("stats_free", STAGE, "stats_free_phase"),
+        Flip("stats_free_phase"),
         Write("row_stats{stage}", lambda v: f"final{v.tile}", readers=("correction",)),
         Arrive("stats_final", STAGE),
     )),)
@@ -134,6 +138,7 @@ def _correction_program():
         Stages((
             Wait("stats_final", STAGE, "final_phase"),
             Read("row_stats{stage}", lambda v: f"final{v.tile}"),
+            Arrive("stats_free", STAGE),
             Wait("o_full", STAGE, "final_phase"),
             Acquire("epilogue", "o"),
             Read("tmem_o{stage}", _tag("O", lambda v: v.blocks - 1)),
@@ -163,6 +168,7 @@ def forward_schedule(q_stage: int, kv_stage: int, epi_stage: int, q_tile_bytes: 
         Barrier("p_ready", q_stage, SOFTMAX_THREADS + CORRECTION_THREADS),     # both -> MMA
         Barrier("stats_ready", q_stage, SOFTMAX_THREADS),                      # softmax i -> corr.
         Barrier("stats_final", q_stage, SOFTMAX_THREADS),
+        Barrier("stats_free", q_stage, CORRECTION_THREADS),                    # corr. -> softmax i
     )
     pipelines = (
         Pipeline("load_q", TMA_UMMA, q_stage, "load", "mma", ELECTED, ELECTED, "smem_q",
@@ -176,7 +182,9 @@ def forward_schedule(q_stage: int, kv_stage: int, epi_stage: int, q_tile_bytes: 
     roles = (
         Role("load", _load_program(q_tile_bytes, kv_tile_bytes), ELECTED),
         Role("mma", _mma_program(), ELECTED, mma=True),
-        *(Role(f"softmax{stage}", _softmax_program(), SOFTMAX_THREADS, stage=stage)
+        # stats_free's first wait passes: there is no previous tile's row_stats to wait for.
+        *(Role(f"softmax{stage}", _softmax_program(), SOFTMAX_THREADS, stage=stage,
+               initial_phases=(("stats_free_phase", 1),))
           for stage in range(q_stage)),
         Role("correction", _correction_program(), CORRECTION_THREADS),
         Role("epilogue", _epilogue_program(), EPILOGUE_THREADS),
