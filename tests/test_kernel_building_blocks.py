@@ -108,8 +108,8 @@ def test_fragment_order_dq_reads_back_every_element_once(tile_m, head_dim):
     """sm90 backward's `Tuning.flat_dq`: writing a [tile_m, D] block the way the consumers stage it
     (thread t of warp group g puts its accumulator values, in register order, as 4-value chunks at
     ((g K + k) 128 + t) 4, the wgmma D fragment giving each value's row and column) and reading it
-    back with `dq_from_fragments` gives the block, for every head dim and row count the kernel takes."""
-    from fa4_jax.kernels.sm90 import backward as sm90_backward
+    back with `backward_common.dq_from_fragments` (both sm90 backward kernels' reader) gives the block, for every head dim and row count the kernel takes."""
+    from fa4_jax.kernels.sm90 import backward_common
     rng = np.random.default_rng()
     block = rng.standard_normal((tile_m, head_dim)).astype(np.float32)
     half, chunks = head_dim // 2, tile_m * head_dim // 256 // 4
@@ -125,6 +125,6 @@ def test_fragment_order_dq_reads_back_every_element_once(tile_m, head_dim):
             flat[((g * chunks + k) * 128 + t) * 4 + v] = block[row, column]
     assert not np.isnan(flat).any()
     accumulator = np.stack([flat, 2 * flat]).reshape(1, 1, 2, tile_m * head_dim)   # two query blocks
-    rows = np.asarray(sm90_backward.dq_from_fragments(tile_m)(accumulator, 2 * tile_m - 3))
+    rows = np.asarray(backward_common.dq_from_fragments(tile_m)(accumulator, 2 * tile_m - 3))
     np.testing.assert_array_equal(rows[0, :tile_m, 0], block)
     np.testing.assert_array_equal(rows[0, tile_m:, 0], 2 * block[:tile_m - 3])

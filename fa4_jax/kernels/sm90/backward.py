@@ -100,7 +100,7 @@ class Tuning:
     flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
       by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
       takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
-      fp32 accumulator kept in that order ([B, Hq, query block, rows x D], `dq_from_fragments`
+      fp32 accumulator kept in that order ([B, Hq, query block, rows x D], `backward_common.dq_from_fragments`
       reads it back), instead of two TMA tensor reduces into a [B, Sq, Hq, D] accumulator.
       Measured 1.03-1.06x at D = 128 and 1.03-1.07x at D = 64 over the tiled staging (H200, rev
       82798e2, docs/sm90_backward_tuning.md); False keeps the tiled path for comparison.
@@ -716,29 +716,6 @@ def _dq_rows(dq_accum, q_len):
     return dq_accum[:, :q_len]
 
 
-def flat_dq_accumulator_shape(tile_m):
-    """`Tuning.flat_dq`'s fp32 dQ accumulator: [B, Hq, query block, tile_m x D] in the staging order."""
-    return lambda batch, padded_rows, q_heads, head_dim: (batch, q_heads, padded_rows // tile_m, tile_m * head_dim)
-
-
-def dq_from_fragments(tile_m):
-    """`Tuning.flat_dq`'s reader: the accumulator [B, Hq, query block, tile_m x D] as [B, q_len, Hq, D].
-
-    Within a block, consumer warp group g (columns g D/2 ...) puts thread t = 32 w + 4 q + r's chunk
-    k = m D/16 + j (rows 64 m ..., columns 8 j ... of its half) at ((g K + k) 128 + t) 4, K = tile_m D
-    / 256 chunks a thread; the chunk's 4 values are (row half h, column c) = (0, 0), (0, 1), (1, 0),
-    (1, 1). That value is row 64 m + 16 w + 8 h + q, column g D/2 + 8 j + 2 r + c of the block (the
-    PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m)."""
-    def rows(dq_accum, q_len: int):
-        batch, heads, blocks, flat = dq_accum.shape
-        head_dim = flat // tile_m
-        fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 64, head_dim // 16, 4, 8, 4, 2, 2)
-        #             axes:          0      1      2       g  m            j              w  q  r  h  c
-        rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
-        return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
-    return rows
-
-
 def head_splits_reason(head_splits: int, group: int, deterministic: bool, kv_heads: Optional[int] = None,
                        kv_len: Optional[int] = None, key_blocks_outer: bool = False) -> Optional[str]:
     """Why the kernel cannot take `head_splits` (and, given the shapes, the grid it makes), or None."""
@@ -875,7 +852,7 @@ def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits:
                    query_rows: int = backward_common.TILE_M, flat_dq: bool = True) -> list:
     """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
     without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    accumulator_shape = flat_dq_accumulator_shape(query_rows) if flat_dq else dq_accumulator_shape
+    accumulator_shape = backward_common.flat_dq_accumulator_shape(query_rows) if flat_dq else dq_accumulator_shape
     return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, accumulator_shape, query_rows,
                                         fp32_dkv=head_splits > 1)
 
@@ -885,6 +862,7 @@ def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, opt
     kernel = Sm90BackwardKernel(options)
     accumulator_shape, dq_rows = dq_accumulator_shape, _dq_rows
     if options.tuning.flat_dq:
-        accumulator_shape, dq_rows = flat_dq_accumulator_shape(kernel.tile_m), dq_from_fragments(kernel.tile_m)
+        accumulator_shape = backward_common.flat_dq_accumulator_shape(kernel.tile_m)
+        dq_rows = backward_common.dq_from_fragments(kernel.tile_m)
     return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,
                              accumulator_shape, dq_rows, kernel.tile_m)

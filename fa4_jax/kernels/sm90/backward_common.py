@@ -199,3 +199,31 @@ class Sm90BackwardBase:
             cute.copy(tma_dv, tdVsdV, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# JAX side: dQ staged in the wgmma accumulator's register order (both kernels)
+# ----------------------------------------------------------------------------------------------------
+
+def flat_dq_accumulator_shape(tile_m):
+    """The fp32 dQ accumulator of a kernel that stages dQ in register order (backward_large_heads;
+    backward with `Tuning.flat_dq`): [B, Hq, query block, tile_m x D] in the staging order."""
+    return lambda batch, padded_rows, q_heads, head_dim: (batch, q_heads, padded_rows // tile_m, tile_m * head_dim)
+
+
+def dq_from_fragments(tile_m):
+    """The reader of that accumulator: the accumulator [B, Hq, query block, tile_m x D] as [B, q_len, Hq, D].
+
+    Within a block, consumer warp group g (columns g D/2 ...) puts thread t = 32 w + 4 q + r's chunk
+    k = m D/16 + j (rows 64 m ..., columns 8 j ... of its half) at ((g K + k) 128 + t) 4, K = tile_m D
+    / 256 chunks a thread; the chunk's 4 values are (row half h, column c) = (0, 0), (0, 1), (1, 0),
+    (1, 1). That value is row 64 m + 16 w + 8 h + q, column g D/2 + 8 j + 2 r + c of the block (the
+    PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m)."""
+    def rows(dq_accum, q_len: int):
+        batch, heads, blocks, flat = dq_accum.shape
+        head_dim = flat // tile_m
+        fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 64, head_dim // 16, 4, 8, 4, 2, 2)
+        #             axes:          0      1      2       g  m            j              w  q  r  h  c
+        rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
+        return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
+    return rows

@@ -466,9 +466,10 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths")
 
 
-def dq_accumulator_shape(batch, padded_rows, q_heads, head_dim):
-    """The fp32 dQ accumulator in the kernel's staging order: [B, Hq, query block, 64 x D]."""
-    return (batch, q_heads, padded_rows // TILE_M, TILE_M * head_dim)
+# The fp32 dQ accumulator in the kernel's staging order, [B, Hq, query block, 64 x D], and its reader
+# (`backward_common.dq_from_fragments` says where each element sits).
+dq_accumulator_shape = backward_common.flat_dq_accumulator_shape(TILE_M)
+dq_from_accumulator = backward_common.dq_from_fragments(TILE_M)
 
 
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
@@ -479,21 +480,6 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
     """Fake tensors in the launcher's order, for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
     return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape, TILE_M)
-
-
-def dq_from_accumulator(dq_accum, q_len: int):
-    """The kernel's fp32 dQ accumulator [B, Hq, query block, 64 x D] as [B, q_len, Hq, D].
-
-    Within a block the kernel stores, for consumer warp group g (columns g D/2 ...), 4-value chunk j
-    and thread t = 32 w + 4 q + r of the group, the 4 values (row half h, column c) of the wgmma
-    accumulator: flat index ((g D/16 + j) 128 + t) 4 + 2 h + c. That element is row 16 w + 8 h + q,
-    column g D/2 + 8 j + 2 r + c of the block (the PTX ISA's wgmma D fragment layout)."""
-    batch, heads, blocks, _ = dq_accum.shape
-    head_dim = dq_accum.shape[-1] // TILE_M
-    fragments = dq_accum.reshape(batch, heads, blocks, 2, head_dim // 16, 4, 8, 4, 2, 2)
-    #             axes:          0      1      2       g  j              w  q  r  h  c
-    rows_columns = fragments.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
-    return rows_columns.reshape(batch, blocks * TILE_M, heads, head_dim)[:, :q_len]
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
