@@ -582,14 +582,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2)."""
         dq_pipe.producer_acquire(dq_state)
         if const_expr(self.tuning.flat_dq):
-            # Consumer thread t of warp group g puts its chunk k (4 values) at ((g K + k) 128 + t) 4
-            # (K chunks a thread): a warp stores 512 contiguous bytes per chunk.
             chunks = cute.size(acc_dq) // 4
-            tidx = cute.arch.thread_idx()[0] - WARP_GROUP
-            buffer = sdQ[None, dq_state.index]
-            staging = cute.make_tensor(
-                buffer.iterator + ((tidx // WARP_GROUP) * chunks * WARP_GROUP + tidx % WARP_GROUP) * 4,
-                cute.make_layout((4, chunks), stride=(1, 4 * WARP_GROUP)))
+            staging = backward_common.register_order_staging(
+                sdQ[None, dq_state.index].iterator, cute.arch.thread_idx()[0] - WARP_GROUP, chunks)
             cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, chunks))), staging)
         else:
             staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)

@@ -33,6 +33,7 @@ from cutlass.cute.nvgpu import cpasync
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import backward_numerics, masking
+from fa4_jax.kernels.sm90.wgmma import WARP_GROUP
 
 TILE_M = 64                    # query rows per block unless a kernel's options say otherwise
 SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
@@ -79,6 +80,16 @@ def unsupported_reason(kernel_name: str, config: AttentionConfig, problem: host.
     return (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims)
             or host.grid_unsupported_reason(kernel_name, problem)
             or host.q_start_unsupported_reason(kernel_name, config))
+
+
+def register_order_staging(buffer_iterator, consumer_tidx, chunks: int):
+    """Where consumer thread `consumer_tidx` (0 .. 255) stages its dQ accumulator, `chunks` 4-value
+    chunks in register order: thread t of warp group g puts chunk k at ((g K + k) 128 + t) 4 (K =
+    `chunks`), so a warp stores 512 contiguous bytes per chunk, without bank conflicts
+    (`dq_from_fragments` reads the accumulator this fills)."""
+    return cute.make_tensor(
+        buffer_iterator + ((consumer_tidx // WARP_GROUP) * chunks * WARP_GROUP + consumer_tidx % WARP_GROUP) * 4,
+        cute.make_layout((4, chunks), stride=(1, 4 * WARP_GROUP)))
 
 
 class Sm90BackwardBase:

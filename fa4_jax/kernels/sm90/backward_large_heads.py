@@ -333,12 +333,9 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
         tPsP = thr_sdp.partition_C(sP)          # where this thread's P and dS values go
         tdSsdS = thr_sdp.partition_C(sdS)
-        # This thread's dQ values in shared memory: 4 at a time (16 bytes), the 128 threads of a
-        # group side by side, so a warp's stores fill whole 512-byte lines.
+        # This thread's dQ values in shared memory, in register order.
         dq_chunks = self.head_dim // 16         # 64 x D/2 values / 128 threads / 4 per chunk
-        tdQsdQ = cute.make_tensor(
-            sdQ.iterator + ((tidx // WARP_GROUP) * dq_chunks * WARP_GROUP + tidx % WARP_GROUP) * 4,
-            cute.make_layout((4, dq_chunks), stride=(1, 4 * WARP_GROUP)))
+        tdQsdQ = backward_common.register_order_staging(sdQ.iterator, tidx, dq_chunks)
 
         tile_kd = (self.tile_n, self.head_dim)
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_kd), Float32)
