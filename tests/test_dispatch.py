@@ -166,20 +166,20 @@ def test_backward_on_blackwell_selects_the_sm100_kernel_or_names_its_head_dims(m
 
 
 @needs_cutlass
-def test_sm90_forward_takes_a_sequence_sharded_query(monkeypatch):
-    """The sm90 forward takes q_start (context parallelism's per-shard and ring-step calls)."""
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_sm90_kernels_take_a_sequence_sharded_query(monkeypatch, kind):
+    """The sm90 forward and backward take q_start (context parallelism's per-shard and ring-step calls;
+    the backward's shards against the oracle: tests/test_sm90_backward.py -k query_shard)."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
     config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute")
-    assert cuda.kernel_for("forward", config, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+    assert cuda.kernel_for(kind, config, *_head_dim_avals(jnp.bfloat16, 128)) is not None
     with_kv_lengths = config.replace(has_kv_seq_lengths=True)
-    assert cuda.kernel_for("forward", with_kv_lengths, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+    assert cuda.kernel_for(kind, with_kv_lengths, *_head_dim_avals(jnp.bfloat16, 128)) is not None
 
 
 # (what refuses, capability, pass, head dim, config changes, message)
 Q_START_REFUSALS = {
     "sm100-forward": ((10, 0), "forward", 128, {}, r"q_start\) is not yet verified on a GPU"),
-    # dK came out wrong on the H200 (tests/test_context_parallel_gpu.py, rev 82798e2).
-    "sm90-backward": ((9, 0), "backward", 128, {}, r"does not yet compute dK correctly"),
     "sm90-large-head-backward": ((9, 0), "backward", 256, {},
                                  r"large-head backward does not take a sequence-sharded query"),
     "sm90-forward-with-q-lengths": ((9, 0), "forward", 128, dict(has_q_seq_lengths=True),
