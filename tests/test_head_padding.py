@@ -42,7 +42,7 @@ def _next_kernel_head_dim(head_dim, kernel_head_dims):
 
 
 def _route(pass_, capability, head_dim, v_head_dim=None):
-    route, padding, reason = cuda._route_reason(pass_, capability, _problem(head_dim, v_head_dim))
+    route, padding, reason = cuda.route_for(pass_, capability, _problem(head_dim, v_head_dim))
     return route, padding, reason
 
 

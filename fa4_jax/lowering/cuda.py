@@ -77,8 +77,9 @@ def _describe_head_dims(problem: host.Problem) -> str:
     return f"{problem.head_dim} with value head dim {problem.v_head_dim}"
 
 
-def _route_reason(pass_: str, capability, problem: host.Problem):
-    """(the route for this call, its HeadPadding, None) or (None, None, why no route takes it)."""
+def route_for(pass_: str, capability, problem: host.Problem):
+    """(the route for this call on a GPU of `capability` (major, minor), its HeadPadding, None) or
+    (None, None, why no route takes it): the table alone, before any kernel module is asked."""
     if capability is None:
         return None, None, "no GPU is visible while lowering for CUDA, so no kernel can be compiled for it"
     major, minor = capability
@@ -108,7 +109,7 @@ def _route_reason(pass_: str, capability, problem: host.Problem):
 
 def _module_or_reason(pass_: str, config: AttentionConfig, problem: host.Problem):
     """(the kernel module that takes this call, its HeadPadding, None) or (None, None, why none does)."""
-    route, padding, reason = _route_reason(pass_, compute_capability(), problem)
+    route, padding, reason = route_for(pass_, compute_capability(), problem)
     if route is None:
         return None, None, reason
     try:
