@@ -4,7 +4,8 @@ On the CPU: which kernel head dims the routing table picks for every head dim an
 models use; that the padding itself is exact (pad, the reference at the padded dims with the call's
 scale, slice: forward and gradients against the float64 oracle); and the CUDA lowering rules end to
 end, with stand-in kernel modules that run the reference at the dims they are handed, through
-`fa4_jax.attention` and its VJP. The GPU cases are the padded rows of the shared grid
+`fa4_jax.attention` and its VJP; and the real sm90 and sm100 kernels, lowered at the padded dims
+(compiled for sm_90a / sm_100a here). The GPU cases are the padded rows of the shared grid
 (`test_attention.HEAD_DIM_CASES`, run by tests/test_attention_cute.py).
 """
 
@@ -26,7 +27,7 @@ from fa4_jax.kernels import host
 from fa4_jax.lowering import cuda, head_padding
 from fa4_jax.primitive import attention_bwd_inner_p, attention_fwd_inner_p
 from fa4_jax.reference import reference_backward, reference_forward
-from test_attention import AttentionTestBase, Case
+from test_attention import AttentionTestBase, Case, with_cases
 
 KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)   # every forward kernel's, and the sm90 backward's
 SM100_BACKWARD_HEAD_DIMS = (64, 96, 128)
@@ -245,6 +246,7 @@ class _KernelCalls:
 
     def __init__(self):
         self.calls = []
+        self.configs = []   # the AttentionConfig of each call
 
 
 def _stand_in_kernel(name, calls: _KernelCalls, pass_: str):
@@ -258,6 +260,7 @@ def _stand_in_kernel(name, calls: _KernelCalls, pass_: str):
         query, key, value = operands[:3]
         assert query.shape == problem.query and key.shape == problem.key and value.shape == problem.value
         calls.calls.append((name, problem.head_dim, problem.v_head_dim, config.scale))
+        calls.configs.append(config)
         if pass_ == "forward":
             return reference_forward(*operands, config)
         return reference_backward(*operands, config)
@@ -289,6 +292,10 @@ def _padded(case: Case) -> bool:
     return not padding.is_identity
 
 
+# return_lse=False and deterministic=True on padded head dims (the shared grid runs those on D 64).
+PADDED_OPTION_CASES = [Case(head_dim=80, causal=True, sinks=True), Case(head_dim=192, value_dim=128, kv_heads=1)]
+
+
 @pytest.mark.skipif(has_gpu(), reason="drives the CUDA rules on the CPU; on a GPU test_attention_cute.py runs them")
 class TestPaddedThroughCudaRules(AttentionTestBase):
     """The shared grid's padded head-dim cases through `fa4_jax.attention(implementation="cute")`,
@@ -308,6 +315,16 @@ class TestPaddedThroughCudaRules(AttentionTestBase):
 
     def supports(self, case: Case) -> bool:
         return _padded(case)
+
+    @with_cases(PADDED_OPTION_CASES)
+    def test_padded_without_lse(self, case, inputs):
+        AttentionTestBase.test_without_lse(self, case, inputs)
+
+    @with_cases(PADDED_OPTION_CASES)
+    def test_padded_deterministic_backward(self, case, inputs):
+        AttentionTestBase.test_deterministic_backward_is_reproducible(self, case, inputs)
+        backward = [config for (name, *_), config in zip(self.calls.calls, self.calls.configs) if "backward" in name]
+        assert len(backward) == 3 and all(config.deterministic for config in backward)   # three gradients taken
 
 
 def test_the_kernels_get_the_callers_scale(cuda_rules_on_cpu, inputs):
@@ -345,8 +362,8 @@ import json, sys
 import jax, jax.numpy as jnp
 import fa4_jax
 from fa4_jax.lowering import cuda
-cuda.compute_capability = lambda: (9, 0)
-head_dim, v_head_dim = json.loads(sys.argv[1])
+head_dim, v_head_dim, capability = json.loads(sys.argv[1])
+cuda.compute_capability = lambda: tuple(capability)
 query = jax.ShapeDtypeStruct((1, 200, 4, head_dim), jnp.bfloat16)
 key = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
 value = jax.ShapeDtypeStruct((1, 300, 2, v_head_dim), jnp.bfloat16)
@@ -359,13 +376,20 @@ print("LOWERED " + json.dumps([[line.split(" : ")[-1] for line in text.splitline
 """
 
 
-@pytest.mark.parametrize("head_dim, v_head_dim, kernel_head_dim", [(80, 80, 96), (192, 128, 192)],
-                         ids=["d80", "d192-v128"])
-def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim, v_head_dim, kernel_head_dim):
-    """`fa4_jax.attention` and its gradient, lowered for CUDA on a pretended compute capability 9.0 (the
-    DSL compiles the real sm90 kernels for sm_90a on this CPU): one forward kernel call, and one
-    backward call after it, each taking Q / K / V at the kernel's head dim; the program's results keep
-    the call's."""
+LOWERED_CASES = {
+    "sm90-d80": (80, 80, 96, (9, 0), "sm_90a"),
+    "sm90-d192-v128": (192, 128, 192, (9, 0), "sm_90a"),
+    "sm100-d80": (80, 80, 96, (10, 0), "sm_100a"),
+}
+
+
+@pytest.mark.parametrize("head_dim, v_head_dim, kernel_head_dim, capability, arch", LOWERED_CASES.values(),
+                         ids=LOWERED_CASES.keys())
+def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim, v_head_dim, kernel_head_dim,
+                                                            capability, arch):
+    """`fa4_jax.attention` and its gradient, lowered for CUDA on a pretended compute capability (the DSL
+    compiles the real kernels for sm_90a / sm_100a on this CPU): one forward kernel call, and one
+    backward call after it, each taking Q / K / V at the kernel's head dim."""
     import json
     import os
     import subprocess
@@ -373,10 +397,10 @@ def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim,
     pytest.importorskip("cutlass")
     from ptx_checks import REPO
 
-    environment = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FA4_JAX_CACHE_DIR=str(tmp_path),
+    environment = dict(os.environ, CUTE_DSL_ARCH=arch, FA4_JAX_CACHE_DIR=str(tmp_path),
                        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    process = subprocess.run([sys.executable, "-c", _LOWER, json.dumps([head_dim, v_head_dim])], env=environment,
-                             capture_output=True, text=True, timeout=900)
+    process = subprocess.run([sys.executable, "-c", _LOWER, json.dumps([head_dim, v_head_dim, capability])],
+                             env=environment, capture_output=True, text=True, timeout=900)
     assert process.returncode == 0, process.stderr[-4000:]
     line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
     forward_calls, gradient_calls = json.loads(line[len("LOWERED "):])
