@@ -567,7 +567,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="hopper_vs_peers.json")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="issue12",
-                        help="issue12: issue 12's rows; head-dims: zero-padded head dims (80, 192/128) and their kernels'")
+                        help="issue12: issue 12's rows; head-dims: zero-padded head dims (80, 192/128) "
+                             "beside the kernel head dims they pad to")
     parser.add_argument("--rows", metavar="REGEX", help="only the rows whose name matches (re.search)")
     parser.add_argument("--quick", action="store_true", help=f"only rows with S <= {QUICK_MAX_SEQ_LEN}")
     parser.add_argument("--iterations", type=int, default=20)

@@ -183,7 +183,8 @@ def test_plot_renders_from_a_result_file(benchmark, tmp_path):
 def test_arguments(benchmark, monkeypatch):
     seen = []
     monkeypatch.setattr(benchmark, "run", seen.append)
-    benchmark.main(["--rows", "backward D(64|128) ", "--quick", "--no-peer", "--precompile-workers", "12", "--grid", "head-dims",
+    benchmark.main(["--rows", "backward D(64|128) ", "--quick", "--no-peer", "--precompile-workers", "12",
+                    "--grid", "head-dims",
                     "--iterations", "5", "--max-seconds", "400", "--out", "x.json"])
     (args,) = seen
     assert (args.rows, args.quick, args.no_peer, args.precompile_workers, args.iterations, args.max_seconds,
@@ -212,7 +213,8 @@ def test_head_dim_grid_is_the_padded_head_dims_and_their_kernels(benchmark):
     assert {(row.shape.head_dim, row.shape.value_dim) for row in rows} == {(80, 80), (96, 96), (192, 128), (192, 192)}
     assert all(row.shape.batch * row.shape.seq_len == 16384 and row.shape.q_heads == 16 for row in rows)
     mla = benchmark.select_rows(rows, r"^forward D192/128 S2048 ")
-    assert [row.name for row in mla] == ["forward D192/128 S2048 B8 H16/16 full", "forward D192/128 S2048 B8 H16/16 causal"]
+    assert [row.name for row in mla] == ["forward D192/128 S2048 B8 H16/16 full",
+                                         "forward D192/128 S2048 B8 H16/16 causal"]
     assert mla[0].flops == 2 * 8 * 16 * 2048 * 2048 * (192 + 128)
     assert benchmark.select_rows(rows, r"D192 ") and all(row.shape.v_head_dim is None
                                                          for row in benchmark.select_rows(rows, r"D192 "))
