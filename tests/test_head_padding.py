@@ -376,8 +376,9 @@ print("LOWERED " + json.dumps([[line.split(" : ")[-1] for line in text.splitline
 """
 
 
+# One case per architecture (each compiles a forward and a backward kernel, ~1 min on a CI core):
+# 192/128 pads only the value side on sm90, 80 pads both to 96 on sm100.
 LOWERED_CASES = {
-    "sm90-d80": (80, 80, 96, (9, 0), "sm_90a"),
     "sm90-d192-v128": (192, 128, 192, (9, 0), "sm_90a"),
     "sm100-d80": (80, 80, 96, (10, 0), "sm_100a"),
 }
