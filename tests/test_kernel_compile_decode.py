@@ -17,6 +17,7 @@ import pytest
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
+import ptx_addresses
 from ptx_checks import assert_no_spills, compile_environment
 
 pytest.importorskip("cutlass")
@@ -34,6 +35,8 @@ CONFIGS = {
     "d128-mqa-page1-window": ({"window_left": 5, "window_right": 0}, [1, 3, 6, 1, 128, 300], "bfloat16", 1,
                               "sm_90a"),
     "d128-contiguous": ({}, [4, 2, 8, 8, 128, 1], "bfloat16", 4096, "sm_90a"),
+    # The case the first H200 run was bisected on (every case failed: misaligned shared addresses).
+    "d64-fp16-page64-sinks": ({"has_sinks": True}, [2, 1, 8, 2, 64, 8], "float16", 64, "sm_90a"),
     # Tuning alternatives: 32 keys per warp with two stages, and a four-stage ring of 64-key blocks.
     "d128-tile128-stages2": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"tile_n": 128, "num_stages": 2}),
     "d128-stages4": ({}, [2, 4, 32, 8, 128, 64], "bfloat16", 64, "sm_90a", {"num_stages": 4}),
@@ -105,6 +108,79 @@ def test_ptx_has_the_design(compiled, name):
 @pytest.mark.parametrize("name", sorted(name for name in CONFIGS if CONFIGS[name][4] == "sm_90a"))
 def test_no_register_spills(compiled, name):
     assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
+
+
+# Where the address check puts each buffer (256-byte aligned, as XLA's are, and far apart).
+_BASES = {name: (index + 1) << 36 for index, name in enumerate(("q", "k", "v", "tables", "lengths", "o", "lse"))}
+_FAKE_BLOCKS = 50   # cache blocks of the compile's fake tensors (decode.fake_arguments)
+
+
+def _compiled_options(name):
+    fields, (B, Sq, Hq, Hkv, D, max_blocks), dtype, page, _, *overrides = CONFIGS[name]
+    config = AttentionConfig(scale=D ** -0.5, causal=True, has_kv_seq_lengths=True, **fields)
+    logical = (B, max_blocks * page, Hkv, D)
+    problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
+    return decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
+
+
+def _buffer_bytes(options, name):
+    _, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
+    o_shape, lse_shape = decode.partial_shapes(options, B, Hkv)
+    cache = _FAKE_BLOCKS * options.page_size * Hkv * D * 2
+    return {"q": B * Sq * Hq * D * 2, "k": cache, "v": cache, "tables": B * max_blocks * 4, "lengths": B * 4,
+            "o": int(np.prod(o_shape)) * 4, "lse": int(np.prod(lse_shape)) * 4}
+
+
+@pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d64-softcap-window-fp16-page7", "d256-64-rows",
+                                  "d128-tile128-stages2"])
+def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
+    """Two CTAs of the compiled PTX, run thread by thread on the CPU (tests/ptx_addresses.py) over a
+    paged cache (random block ids, garbage past each sequence's last page): every 16-byte cp.async has
+    16-byte aligned source and destination, every ldmatrix row address is 16-byte aligned, every load
+    and store is aligned to its width and inside its buffer (shared: the CTA's allocation), no table
+    entry past a sequence's last page is read, and each CTA writes its (split, warp) partials, O and
+    LSE, every element once. The first H200 run failed on the ldmatrix / cp.async alignment."""
+    options = _compiled_options(name)
+    _, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
+    with open(compiled[name]["ptx"]) as handle:
+        program = ptx_addresses.parse(handle.read())
+    assert [size for _, size in program.params] == [8] * 7, "expected 7 static tensor pointers"
+    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, _BASES)}
+    max_len = max_blocks * options.page_size
+    lengths = [max_len] + [int(rng.integers(1, max_len + 1)) for _ in range(B - 1)]
+    pages = [-(-length // options.page_size) for length in lengths]
+    memory = {_BASES["lengths"] + 4 * b: length for b, length in enumerate(lengths)}
+    for b in range(B):
+        for j in range(max_blocks):
+            block = int(rng.integers(0, _FAKE_BLOCKS)) if j < pages[b] else int(rng.choice([-7, _FAKE_BLOCKS,
+                                                                                             2 ** 31 - 1]))
+            memory[_BASES["tables"] + 4 * (b * max_blocks + j)] = block & 0xFFFFFFFF
+    sizes = _buffer_bytes(options, name)
+    o_shape, lse_shape = decode.partial_shapes(options, B, Hkv)
+    head_tiles = Hkv * options.row_tiles
+    shared_end = 1024 + options.shared_memory_bytes()
+    for block in [(0, head_tiles - 1, 0), (options.num_splits - 1, 0, B - 1)]:
+        split, head_tile, batch = block
+        written = {"o": [], "lse": []}
+        for thread in range(decode.THREADS):
+            for access in ptx_addresses.thread_accesses(program, thread, block, params, memory):
+                where = f"{name} CTA {block} thread {thread}: {access}"
+                assert access.address % min(access.size, 16) == 0, f"misaligned {where}"
+                if access.space == "shared":
+                    assert 1024 <= access.address and access.address + access.size <= shared_end, where
+                    continue
+                buffer = max((b for b in _BASES if _BASES[b] <= access.address), key=_BASES.get)
+                offset = access.address - _BASES[buffer]
+                assert offset + access.size <= sizes[buffer], f"past the end of {buffer}: {where}"
+                if buffer == "tables":
+                    assert offset // 4 % max_blocks < pages[offset // 4 // max_blocks], f"table past length: {where}"
+                if buffer in written:
+                    assert access.kind == "st.global", where
+                    written[buffer].extend(range(offset // 4, (offset + access.size) // 4))
+        parts = slice(split * decode.WARPS, (split + 1) * decode.WARPS)
+        for buffer, shape in (("o", o_shape), ("lse", lse_shape)):
+            expected = np.arange(int(np.prod(shape))).reshape(shape)[batch, head_tile, parts].ravel()
+            assert sorted(written[buffer]) == sorted(expected.tolist()), f"{name} CTA {block}: {buffer} elements"
 
 
 def test_options_are_checked():

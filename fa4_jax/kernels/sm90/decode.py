@@ -39,12 +39,13 @@ import jax
 import jax.numpy as jnp
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import masking, online_softmax
 from fa4_jax.kernels.common.softcap import apply_softcap
-from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT
+from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, wgmma
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 THREADS = 128
@@ -101,6 +102,23 @@ class DecodeOptions:
 def _shared_memory_bytes(head_dim: int, tile_n: int, num_stages: int) -> int:
     """Q tile and the K / V rings (2-byte elements), each 1024-byte aligned."""
     return 2 * (TILE_M * head_dim + 2 * num_stages * tile_n * head_dim) + 3 * 1024
+
+
+def shared_layouts(dtype, head_dim: int, tile_n: int, num_stages: int):
+    """(Q [16, D], K / V ring [tile_n, D, stages]) shared-memory layouts: row-major, 128-byte swizzle.
+
+    The swizzle XORs the 16-byte chunk index of a 128-byte row with the row index mod 8, so the 8 rows
+    of one ldmatrix 8x8 matrix (same chunk, 8 rows) fall in distinct banks. The DSL applies a shared
+    tensor's swizzle to the *byte* address (as CuTe's swizzle pointer does), so it must be the byte-unit
+    Swizzle<3, 4, 3> of warpgroup.make_smem_layout_atom, not C++'s element-unit Swizzle<3, 3, 3> for
+    16-bit types: on bytes that one XORs bit 3 with bit 6, so chunks 4..7 of every 128-byte row start 8
+    bytes off and their 16-byte cp.async destinations and ldmatrix row addresses are misaligned (the H200
+    run of rev 82798e2 stopped with CUDA_ERROR_MISALIGNED_ADDRESS on every case). The layouts are built by
+    wgmma.k_major_layout, the one home of the swizzled row-major tile; `tile_to_shape` puts the row
+    blocks first, then the columns, then the stages.
+    """
+    return (wgmma.k_major_layout(dtype, TILE_M, head_dim),
+            wgmma.k_major_layout(dtype, tile_n, head_dim, num_stages))
 
 
 def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int, tile_n: int,
@@ -175,11 +193,7 @@ class Sm90DecodeKernel:
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mBlockTables: cute.Tensor, mKVSeqLengths: cute.Tensor, mPartialO: cute.Tensor,
                  mPartialLSE: cute.Tensor):
-        # Swizzled (8, 64) atoms: ldmatrix rows of one 8x8 matrix fall in distinct banks.
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
-        q_layout = cute.tile_to_shape(atom, (TILE_M, self.head_dim), (0, 1))
-        kv_layout = cute.tile_to_shape(atom, (self.tile_n, self.head_dim, self.num_stages), (0, 1, 2))
+        q_layout, kv_layout = shared_layouts(self.dtype, self.head_dim, self.tile_n, self.num_stages)
 
         @cute.struct
         class SharedStorage:
@@ -213,7 +227,7 @@ class Sm90DecodeKernel:
         head_kv = head_tile // self.options.row_tiles
         row_tile = head_tile % self.options.row_tiles
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = SmemAllocator().allocate(SharedStorage)
         sQ = storage.s_q.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.s_k.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = storage.s_v.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
