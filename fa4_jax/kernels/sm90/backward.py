@@ -165,7 +165,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
         self.head_splits = options.head_splits
-        self.has_q_start = options.has_q_start
         self.tile_n = TILE_N
         self.stages = QUERY_STAGES
         self.check_shared_memory()

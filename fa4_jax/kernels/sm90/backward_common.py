@@ -105,6 +105,7 @@ class Sm90BackwardBase:
         self.has_segment_ids = options.has_segment_ids
         self.has_q_seq_lengths = options.has_q_seq_lengths
         self.has_kv_seq_lengths = options.has_kv_seq_lengths
+        self.has_q_start = options.has_q_start
         self.q_total = options.q_total
         self.deterministic = options.deterministic
         self.tuning = options.tuning

@@ -51,7 +51,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
@@ -95,11 +95,7 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    reason = backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
-    if reason is None and config.has_q_start:
-        # Its query-block range and masks place local row 0 at offset, without the q_start shift.
-        reason = "the sm90 large-head backward does not take a sequence-sharded query (q_start)"
-    return reason
+    return backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
 
 
 def query_stages(head_dim: int) -> int:
@@ -182,7 +178,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
-                 mdQacc, mSemaphores, mdK, mdV):
+                 mQStart, mdQacc, mSemaphores, mdK, mdV):
         # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
         # mdQacc stays [B, Hq, query block, 64 x D] (see `dq_from_accumulator`).
         qkv_order = [1, 3, 2, 0]
@@ -234,15 +230,15 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
                     tma_v, tma_mV, mdQacc, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mdPsum,
-                    mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mSemaphores, mQ.shape[0], q_layout, k_layout, v_layout,
-                    pds_layout).launch(
+                    mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mSemaphores, mQ.shape[0],
+                    q_layout, k_layout, v_layout, pds_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                mdQacc, tma_dk, mdK, tma_dv, mdV, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
-               mSemaphores, q_len_static, q_layout, k_layout, v_layout, pds_layout):
+               mQStart, mSemaphores, q_len_static, q_layout, k_layout, v_layout, pds_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         if const_expr(self.diagonal_first):
@@ -278,12 +274,18 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Geometry as in backward.py: global row i sits at key position i + offset.
+        # Geometry as in backward.py: global row = local row + q_start, and global row i sits at key
+        # position i + offset. Every row position below (the query-block range, the masks, the
+        # deterministic turns) is global; the row statistics, Q / dO tiles, dQ accumulator and turn
+        # counters are indexed by local row or block.
         q_len, kv_len, offset = masking.batch_extents(batch, q_len_static, cute.size(mK, mode=[0]), mQSeqLengths,
                                                       mKVSeqLengths, self.q_total)
+        q_start = Int32(0)
+        if const_expr(self.has_q_start):
+            q_start = mQStart[0]
         num_m_blocks = cute.ceil_div(q_len_static, self.tile_m)
         m_lo, m_hi = masking.query_block_range(self.mask, n_block, self.tile_m, self.tile_n, kv_len,
-                                               offset, num_m_blocks)
+                                               offset + q_start, num_m_blocks)
         m_count = m_hi - m_lo
         iterations = m_count * self.group
 
@@ -295,13 +297,13 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                               m_lo, m_count, iterations)
             if warp_idx == 1:
                 self._write_dq(dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
-                               iterations, kv_len, offset)
+                               iterations, kv_len, offset, q_start)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
                           key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds,
                           (tma_dk, mdK, tma_dv, mdV), tidx - WARP_GROUP, n_block, kv_head, batch,
-                          m_lo, m_count, iterations, offset, kv_len, q_len)
+                          m_lo, m_count, iterations, offset, kv_len, q_len, q_start)
 
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
@@ -315,7 +317,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
     @cute.jit
     def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
                  key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, dkv_store, tidx, n_block, kv_head,
-                 batch, m_lo, m_count, iterations, offset, kv_len, q_len):
+                 batch, m_lo, m_count, iterations, offset, kv_len, q_len, q_start):
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
@@ -380,8 +382,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
             warpgroup.wait_group(1)
             scores = accumulator_mn(acc_s)
-            self.numerics.probabilities(acc_s, scores, coords, lse, n_block, row_base, row_base, key_base,
-                                kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
+            self.numerics.probabilities(acc_s, scores, coords, lse, n_block, q_start + row_base, row_base, key_base,
+                                        kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
             self._round_into(acc_s, tPsP[None, None, None, buffer])
 
             warpgroup.wait_group(0)
@@ -426,7 +428,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def _write_dq(self, dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
-                  iterations, kv_len, offset):
+                  iterations, kv_len, offset, q_start):
         """The dQ writer warp: per query block, wait for the staged dQ, add it into the fp32
         accumulator with one bulk reduce, free the buffer once the copy engine has read it.
         Deterministic: in the tile's turn (`ordered_reduction`), lowest key block first, or highest
@@ -441,7 +443,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             flag = None
             if const_expr(self.deterministic):
                 turn = ordered_reduction.key_block_turn(
-                    self.mask, n_block, m_block * self.tile_m, self.tile_m, self.tile_n, kv_len,
+                    self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n, kv_len,
                     offset, highest_first=self.diagonal_first)
                 flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), turn, lane)
             if lane == 0:
@@ -460,7 +462,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
 
 # The launcher's optional inputs after dPsum, by name (absent ones None).
-OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths")
+OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths", "q_start")
 
 
 # The fp32 dQ accumulator in the kernel's staging order, [B, Hq, query block, 64 x D], and its reader
