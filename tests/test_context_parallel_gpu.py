@@ -151,6 +151,20 @@ def test_per_shard_kernel_calls_equal_the_unsharded_kernel(inputs, case):
     _run_case(inputs, case, jnp.bfloat16, "cute", q_len=1024, head_dim=128, tolerance=2e-2)
 
 
+LARGE_HEAD_CASES = {"ring-causal-zigzag-d256": ("ring-causal-zigzag", 256),
+                    "allgather-causal-zigzag-kv-lengths-sinks-d192": ("allgather-causal-zigzag-kv-lengths-sinks", 192)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", LARGE_HEAD_CASES)
+def test_per_shard_large_head_kernel_calls_equal_the_unsharded_kernel(inputs, name):
+    """The same at D = 256 / 192, where the gradients run on the large-head backward kernel: the ring's
+    steps hand it q_start shifted by the step's key offset (rows that see no key, all keys, or a
+    diagonal), the all-gather the shard's own rows with key lengths."""
+    case, head_dim = LARGE_HEAD_CASES[name]
+    _run_case(inputs, CASES[case], jnp.bfloat16, "cute", q_len=1024, head_dim=head_dim, tolerance=2e-2)
+
+
 def _gpu_count() -> int:
     try:
         return len(jax.devices("gpu"))

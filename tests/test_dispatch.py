@@ -176,22 +176,26 @@ def test_backward_on_blackwell_selects_the_sm100_kernel_or_names_its_head_dims(m
 
 
 @needs_cutlass
-@pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_sm90_kernels_take_a_sequence_sharded_query(monkeypatch, kind):
-    """The sm90 forward and backward take q_start (context parallelism's per-shard and ring-step calls;
-    the backward's shards against the oracle: tests/test_sm90_backward.py -k query_shard)."""
+@pytest.mark.parametrize("kind, head_dim", [("forward", 128), ("backward", 128), ("backward", 192),
+                                            ("backward", 256)])
+def test_sm90_kernels_take_a_sequence_sharded_query(monkeypatch, kind, head_dim):
+    """The sm90 forward and both sm90 backward kernels (D <= 128 and the large-head one) take q_start
+    (context parallelism's per-shard and ring-step calls; the backwards' shards against the oracle:
+    tests/test_sm90_backward.py and tests/test_sm90_backward_large_heads.py, -k query_shard)."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
     config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute")
-    assert cuda.kernel_for(kind, config, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+    assert cuda.kernel_for(kind, config, *_head_dim_avals(jnp.bfloat16, head_dim)) is not None
     with_kv_lengths = config.replace(has_kv_seq_lengths=True)
-    assert cuda.kernel_for(kind, with_kv_lengths, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+    assert cuda.kernel_for(kind, with_kv_lengths, *_head_dim_avals(jnp.bfloat16, head_dim)) is not None
 
 
 # (what refuses, capability, pass, head dim, config changes, message)
 Q_START_REFUSALS = {
     "sm100-forward": ((10, 0), "forward", 128, {}, r"q_start\) is not yet verified on a GPU"),
-    "sm90-large-head-backward": ((9, 0), "backward", 256, {},
-                                 r"large-head backward does not take a sequence-sharded query"),
+    "sm100-backward": ((10, 0), "backward", 128, {}, r"sm100 backward does not yet take a sequence-sharded query"),
+    "sm90-large-head-backward-with-q-lengths": ((9, 0), "backward", 256, dict(has_q_seq_lengths=True),
+                                                r"large-head backward does not combine a sequence-sharded "
+                                                r"query \(q_start\) with q_seq_lengths"),
     "sm90-forward-with-q-lengths": ((9, 0), "forward", 128, dict(has_q_seq_lengths=True),
                                     r"does not combine a sequence-sharded query \(q_start\) with q_seq_lengths"),
     "sm90-backward-with-key-offset": ((9, 0), "backward", 128, dict(has_kv_seq_lengths=True, has_kv_start=True,

@@ -69,6 +69,14 @@ CASES = {
                                    tuning=dict(stagger=False), shape=[2, 300, 333, 8, 2, 256]),
     "d192-segments-no-stagger": dict(config=dict(scale=192 ** -0.5, has_segment_ids=True),
                                      tuning=dict(stagger=False), shape=[1, 200, 333, 4, 4, 192]),
+    # Sequence-sharded queries (q_start, a runtime operand): the query-block range, masks and dQ turns
+    # at global rows, with key lengths (the combination context parallelism's all-gather passes).
+    "d256-causal-gqa-q-start": dict(config=dict(scale=256 ** -0.5, causal=True, has_q_start=True, q_total=1200),
+                                    shape=[2, 300, 333, 8, 2, 256]),
+    "d192-deterministic-window-q-start-kv-lengths-diagonal-first": dict(
+        config=dict(scale=192 ** -0.5, deterministic=True, window_left=70, window_right=20, has_q_start=True,
+                    q_total=900, has_kv_seq_lengths=True),
+        tuning=dict(diagonal_first=True), shape=[2, 300, 333, 4, 2, 192]),
 }
 
 

@@ -321,13 +321,19 @@ Q_START_CASES = [
 @pytest.mark.parametrize("tuning", ["default", "tiled_dq"])
 @pytest.mark.parametrize("name,case,shards", Q_START_CASES, ids=[c[0] for c in Q_START_CASES])
 def test_query_shard_backward_matches_oracle(name, case, shards, tuning, inputs):
+    _check_query_shards(case, shards, TUNINGS[tuning], inputs)
+
+
+def _check_query_shards(case: Case, shards, tuning, inputs, deterministic=False, kernel=sm90_backward):
+    """`kernel.run` on each of `shards` equal row shards of `case` at its q_start, against the whole
+    keys, against the unsharded oracle's gradients with d_out and d_lse zeroed outside the shard."""
     query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
     d_lse = inputs.normal((case.batch, case.q_heads, case.q_len), jnp.float32)
     as64 = numpy_reference.to_float64
     numpy_options = _numpy_options(options)
     out64, lse64 = numpy_reference.attention_forward(as64(query), as64(key), as64(value), **numpy_options)
     rows = case.q_len // shards
-    tuning = TUNINGS[tuning]
+    shard_config = config.replace(has_q_start=True, q_total=case.q_len, deterministic=deterministic)
     failures = []
     for shard in range(shards):
         part = slice(shard * rows, (shard + 1) * rows)
@@ -337,15 +343,15 @@ def test_query_shard_backward_matches_oracle(name, case, shards, tuning, inputs)
         d_lse64[..., part] = np.asarray(d_lse, np.float64)[..., part]
         expected = numpy_reference.attention_backward(as64(query), as64(key), as64(value), d_out64, d_lse64,
                                                       **numpy_options)
-        shard_config = config.replace(has_q_start=True, q_total=case.q_len)
         shard_query = query[:, part]
         problem = host.Problem.of(shard_query, key, value)
-        kernel_options = sm90_backward.options(shard_config, problem, tuning)
+        assert kernel.unsupported_reason(shard_config, problem) is None
+        kernel_options = kernel.options(shard_config, problem, tuning)
         shard_optional = dict(optional, q_start=jnp.asarray([shard * rows], jnp.int32))
         out = jnp.asarray(out64[:, part], jnp.float32).astype(case.dtype)
         lse = jnp.asarray(lse64[..., part], jnp.float32)
         poison_device_memory(4 * (query.size + 2 * key.size))
-        grads = jax.jit(lambda *a: sm90_backward.run(kernel_options, *a, shard_optional))(
+        grads = jax.jit(lambda *a: kernel.run(kernel_options, *a, shard_optional))(
             shard_query, key, value, out, lse, d_out[:, part], d_lse[..., part])
         wanted = {"dq": expected["dq"][:, part], "dk": expected["dk"], "dv": expected["dv"]}
         for grad_name, actual in zip(("dq", "dk", "dv"), grads):
@@ -358,4 +364,4 @@ def test_query_shard_backward_matches_oracle(name, case, shards, tuning, inputs)
             if np.any(np.isnan(actual)) or max(blocks) > 4 * ROUNDING[case.dtype]:
                 failures.append(f"shard {shard} {grad_name}: NaN={bool(np.any(np.isnan(actual)))} relative error "
                                 f"per 128-block {[round(b, 4) for b in blocks]}")
-    assert not failures, f"{name} ({kernel_options}):\n" + "\n".join(failures)
+    assert not failures, f"{case.name} ({kernel_options}):\n" + "\n".join(failures)

@@ -22,7 +22,7 @@ pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Li
 from fa4_jax import reference  # noqa: E402
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm90 import backward_large_heads as sm90_backward_large_heads  # noqa: E402
-from test_sm90_backward import _check_against_oracle  # noqa: E402
+from test_sm90_backward import _check_against_oracle, _check_query_shards  # noqa: E402
 
 VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
@@ -60,6 +60,35 @@ CASES = [
 def test_backward_matches_oracle(case: Case, variant, inputs):
     tuning, deterministic = VARIANTS[variant]
     _check_against_oracle(case, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
+
+
+# Sequence-sharded queries (q_start), as context parallelism calls the kernel: each shard's rows at their
+# global offset against the whole keys, checked as in tests/test_sm90_backward.py (`_check_query_shards`:
+# the unsharded oracle's gradients with d_out and d_lse zeroed outside the shard's rows). Causal shard 0
+# leaves most key blocks with no query block to visit, the last shard every key block with all of them;
+# the window shards cut key blocks' query ranges at both ends. Deterministic mode takes its dQ turns at
+# the shard's global rows, lowest key block first or (diagonal_first) highest first.
+Q_START_CASES = [
+    # (case over the whole sequence, shards)
+    (Case("q-start-causal-gqa-d256", head_dim=256, q_heads=4, kv_heads=2, q_len=1024, kv_len=1024, causal=True), 4),
+    (Case("q-start-causal-d192", head_dim=192, q_len=512, kv_len=512, causal=True), 2),
+    (Case("q-start-window-d256", head_dim=256, q_len=1024, kv_len=1024, window=(200, 200)), 4),
+    (Case("q-start-causal-window-cross-d192", head_dim=192, q_len=512, kv_len=1024, causal=True,
+          window=(300, None)), 2),
+]
+Q_START_VARIANTS = {   # name -> (Tuning, deterministic)
+    "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
+    "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
+    "diagonal_first": (sm90_backward_large_heads.Tuning(diagonal_first=True), True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(Q_START_VARIANTS))
+@pytest.mark.parametrize("case,shards", Q_START_CASES, ids=[case.name for case, _ in Q_START_CASES])
+def test_query_shard_backward_matches_oracle(case: Case, shards, variant, inputs):
+    tuning, deterministic = Q_START_VARIANTS[variant]
+    _check_query_shards(case, shards, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
 DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()
