@@ -66,15 +66,19 @@ def test_backward_matches_oracle(case: Case, variant, inputs):
 # global offset against the whole keys, checked as in tests/test_sm90_backward.py (`_check_query_shards`:
 # the unsharded oracle's gradients with d_out and d_lse zeroed outside the shard's rows). Causal shard 0
 # leaves most key blocks with no query block to visit, the last shard every key block with all of them;
-# the window shards cut key blocks' query ranges at both ends. Deterministic mode takes its dQ turns at
-# the shard's global rows, lowest key block first or (diagonal_first) highest first.
+# the window shards cut key blocks' query ranges at both ends; the cross case's shards of 150 rows start
+# off the 64-row tiles. Deterministic mode takes its dQ turns at the shard's global rows, lowest key block
+# first or (diagonal_first) highest first. Small batches and heads: the float64 oracle runs once per shard.
 Q_START_CASES = [
     # (case over the whole sequence, shards)
-    (Case("q-start-causal-gqa-d256", head_dim=256, q_heads=4, kv_heads=2, q_len=1024, kv_len=1024, causal=True), 4),
-    (Case("q-start-causal-d192", head_dim=192, q_len=512, kv_len=512, causal=True), 2),
-    (Case("q-start-window-d256", head_dim=256, q_len=1024, kv_len=1024, window=(200, 200)), 4),
-    (Case("q-start-causal-window-cross-d192", head_dim=192, q_len=512, kv_len=1024, causal=True,
-          window=(300, None)), 2),
+    (Case("q-start-causal-gqa-d256", head_dim=256, batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512,
+          causal=True), 4),
+    (Case("q-start-causal-d192", head_dim=192, batch=1, q_heads=2, kv_heads=2, q_len=512, kv_len=512,
+          causal=True), 2),
+    (Case("q-start-window-d256", head_dim=256, batch=1, q_heads=2, kv_heads=2, q_len=512, kv_len=512,
+          window=(100, 100)), 4),
+    (Case("q-start-causal-window-cross-mqa-d192", head_dim=192, batch=1, q_heads=2, kv_heads=1, q_len=300,
+          kv_len=512, causal=True, window=(150, None)), 2),
 ]
 Q_START_VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
