@@ -437,16 +437,24 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
+        # A shared-memory operand is one descriptor per warp group: sliced at the warp group's first
+        # thread, a warp-uniform index, its descriptors are built in uniform registers (one 64-bit add
+        # per wgmma), as the forward kernel's are; sliced at `tidx` they were built per thread and
+        # moved over with two R2UR per wgmma (83 of 555 SASS instructions per block at D = 128).
+        warpgroup_thread = cute.arch.make_warp_uniform(tidx // WARP_GROUP) * WARP_GROUP
+        warpgroup_sdp = mma_sdp.get_slice(warpgroup_thread)
+        warpgroup_dkv = mma_dkv.get_slice(warpgroup_thread)
+        warpgroup_dq = mma_dq.get_slice(warpgroup_thread)
 
         # Operand fragments (shared-memory descriptors, or registers for the RS operand).
-        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
-        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
-        tdPrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
-        tdPrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdO)))
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sQ)))
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
+        tSrK = warpgroup_sdp.make_fragment_A(warpgroup_sdp.partition_A(sK))
+        tSrQ = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sQ))
+        tdPrV = warpgroup_sdp.make_fragment_A(warpgroup_sdp.partition_A(sV))
+        tdPrdO = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sdO))
+        tdVrdO = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sdO)))
+        tdKrQ = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sQ)))
+        tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
+        tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
 
         shape_st = (self.tile_n, self.tile_m)
@@ -476,8 +484,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         ds_barrier = pipeline.NamedBarrier(barrier_id=DS_READY_BARRIER,
                                            num_threads=self.consumer_threads)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DQ_BUFFERS)
+        q_head, m_block = self._first_head(kv_head), m_lo
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             row_base = m_block * self.tile_m
             stage = query_state.index
             ds_stage = it % 2
@@ -566,6 +574,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             if const_expr(not self.stage_dq_under_dk):
                 self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
                 dq_state.advance()
+            q_head, m_block = self._next_query_block(q_head, m_block, m_lo, m_count)
 
         if const_expr(self.head_splits > 1):
             self._add_dkv_partials(acc_dK, acc_dV, sQ, sK, *dkv_store, thr_dkv, n_block, kv_head, batch,
@@ -598,12 +607,26 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         blocks this key block sees, lowest first. (`n_block` is unused here; the large-head kernel,
         which shares `_produce`, staggers its walk by it.) With head splits the walk covers this
         CTA's share of the group: its split, grid y modulo head_splits, offsets the heads."""
-        step = it % m_count
+        return self._first_head(kv_head) + it // m_count, m_lo + it % m_count
+
+    @cute.jit
+    def _first_head(self, kv_head):
+        """The first query head of this CTA's walk."""
         if const_expr(self.head_splits > 1):
             split = cute.arch.block_idx()[0 if self.key_blocks_outer else 1] % self.head_splits
-            first_head = kv_head * self.group + split * (self.group // self.head_splits)
-            return first_head + it // m_count, m_lo + step
-        return kv_head * self.group + it // m_count, m_lo + step
+            return kv_head * self.group + split * (self.group // self.head_splits)
+        return kv_head * self.group
+
+    @cute.jit
+    def _next_query_block(self, q_head, m_block, m_lo, m_count):
+        """The step of `_query_block`'s walk after (q_head, m_block): the consumers and the dQ writer
+        carry it from one iteration to the next with an add and a compare, where `_query_block`
+        divides by the dynamic m_count (a signed division, ~25 SASS instructions per iteration
+        under a causal mask, where m_count depends on the key block)."""
+        m_block = m_block + 1
+        wrapped = m_block == m_lo + m_count
+        return (q_head + cutlass.select_(wrapped, Int32(1), Int32(0)),
+                cutlass.select_(wrapped, m_lo, m_block))
 
     @cute.jit
     def _as_operand(self, accumulator, thr_dkv):
@@ -624,8 +647,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         (`ordered_reduction`)."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
+        q_head, m_block = self._first_head(kv_head), m_lo
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             tdQsdQ, tdQgdQ = None, None
             if const_expr(not self.tuning.flat_dq):
                 gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
@@ -654,6 +677,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
             dq_state.advance()
+            q_head, m_block = self._next_query_block(q_head, m_block, m_lo, m_count)
 
     @cute.jit
     def _add_dkv_partials(self, acc_dK, acc_dV, sQ, sK, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
