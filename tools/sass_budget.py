@@ -10,6 +10,7 @@ out-of-line mbarrier spin loops), names each by what it issues (HGMMA: the consu
 UTMALDG: the producer warp, a bulk reduce: the dQ writer warp) and counts its body by class.
 
     python tools/sass_budget.py build --out DIR [--tree TREE] [--configs d128 d128-causal d64] [--jobs 2]
+                                      [--tuning '{"ds_stmatrix": true}']
     python tools/sass_budget.py report DIR [--json out.json]
     python tools/sass_budget.py compare BEFORE_DIR AFTER_DIR
 
@@ -43,7 +44,7 @@ CONFIGS = {
 }
 
 _LOWER = r"""
-import json, sys
+import dataclasses, json, sys
 import jax, jax.numpy as jnp
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
@@ -51,8 +52,9 @@ from fa4_jax.kernels.sm90 import backward as sm90_backward
 batch, length, heads, head_dim, causal = json.loads(sys.argv[1])
 query = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
 lse = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
+tuning = dataclasses.replace(sm90_backward.DEFAULT_TUNING, **json.loads(sys.argv[2]))
 options = sm90_backward.options(AttentionConfig(scale=head_dim ** -0.5, causal=causal),
-                                host.Problem.of(query, query, query))
+                                host.Problem.of(query, query, query), tuning)
 jax.jit(lambda q, k, v, o, l, g: sm90_backward.run(options, q, k, v, o, l, g, None, {})).trace(
     query, query, query, query, lse, query).lower(lowering_platforms=("cuda",))
 """
@@ -182,7 +184,7 @@ def find_nvdisasm(explicit=None):
     raise SystemExit("nvdisasm not found: pass --nvdisasm (docstring says where to get it)")
 
 
-def _build_one(tree, name, spec, out, nvdisasm, ptxas) -> dict:
+def _build_one(tree, name, spec, tuning, out, nvdisasm, ptxas) -> dict:
     directory = os.path.join(out, name)
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(os.path.join(directory, "dump"))
@@ -191,7 +193,7 @@ def _build_one(tree, name, spec, out, nvdisasm, ptxas) -> dict:
     environment.update(PYTHONPATH=tree, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", JAX_PLATFORMS="cpu",
                        CUTE_DSL_DUMP_DIR=os.path.join(directory, "dump"),
                        FA4_JAX_CACHE_DIR=os.path.join(directory, "cache"))
-    process = subprocess.run([sys.executable, "-c", _LOWER, json.dumps(spec)], env=environment, cwd=directory,
+    process = subprocess.run([sys.executable, "-c", _LOWER, json.dumps(spec), json.dumps(tuning)], env=environment, cwd=directory,
                              capture_output=True, text=True, timeout=1800)
     if process.returncode != 0:
         raise RuntimeError(f"{name}: lowering failed\n{process.stderr[-3000:]}")
@@ -200,7 +202,7 @@ def _build_one(tree, name, spec, out, nvdisasm, ptxas) -> dict:
     sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
     with open(os.path.join(directory, "sass.txt"), "w") as handle:
         handle.write(sass)
-    record = {"spec": spec}
+    record = {"spec": spec, "tuning": tuning}
     if ptxas:
         report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True)
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report.stderr)
@@ -213,18 +215,18 @@ def _build_one(tree, name, spec, out, nvdisasm, ptxas) -> dict:
     return record
 
 
-def build(tree, out, names, jobs, nvdisasm) -> int:
+def build(tree, out, names, tuning, jobs, nvdisasm) -> int:
     sys.path.insert(0, REPO)
     from tools.sm100_inspect import find_ptxas
     nvdisasm, ptxas = find_nvdisasm(nvdisasm), find_ptxas()
     os.makedirs(out, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        records = dict(zip(names, pool.map(lambda n: _build_one(tree, n, CONFIGS[n], out, nvdisasm, ptxas), names)))
+        records = dict(zip(names, pool.map(lambda n: _build_one(tree, n, CONFIGS[n], tuning, out, nvdisasm, ptxas), names)))
     failed = 0
     for name, record in records.items():
         bad = record.get("spill_bytes") or record.get("stack_bytes") or record.get("wgmma_serialized")
         failed += bool(bad)
-        print(f"{name}: ptxas {'FAIL ' if bad else ''}{ {k: v for k, v in record.items() if k != 'spec'} }")
+        print(f"{name}: ptxas {'FAIL ' if bad else ''}{ {k: v for k, v in record.items() if k not in ('spec', 'tuning')} }")
     return 1 if failed else 0
 
 
@@ -290,6 +292,8 @@ def main(argv=None) -> int:
     build_parser.add_argument("--tree", default=REPO, help="the source tree to compile (default: this one)")
     build_parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     build_parser.add_argument("--jobs", type=int, default=2)
+    build_parser.add_argument("--tuning", type=json.loads, default={},
+                              help="Tuning fields over the default, as JSON (a candidate's budget)")
     build_parser.add_argument("--nvdisasm")
     report_parser = commands.add_parser("report")
     report_parser.add_argument("directory")
@@ -299,7 +303,7 @@ def main(argv=None) -> int:
     compare_parser.add_argument("after")
     arguments = parser.parse_args(argv)
     if arguments.command == "build":
-        return build(os.path.abspath(arguments.tree), arguments.out, arguments.configs, arguments.jobs, arguments.nvdisasm)
+        return build(os.path.abspath(arguments.tree), arguments.out, arguments.configs, arguments.tuning, arguments.jobs, arguments.nvdisasm)
     if arguments.command == "report":
         return report(arguments.directory, arguments.json)
     return compare(arguments.before, arguments.after)

@@ -53,6 +53,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
@@ -104,6 +105,12 @@ class Tuning:
       reads it back), instead of two TMA tensor reduces into a [B, Sq, Hq, D] accumulator.
       Measured 1.03-1.06x at D = 128 and 1.03-1.07x at D = 64 over the tiled staging (H200, rev
       82798e2, docs/sm90_backward_tuning.md); False keeps the tiled path for comparison.
+    ds_stmatrix: stage dS^T for dQ with stmatrix (four 8x8 matrices per instruction, rows of one key
+      and 8 contiguous queries) instead of one 32-bit store per register: at D = 128 4 STSM where 16
+      STS and the 48 instructions of their swizzled addresses were, which ptxas recomputes every
+      block for want of registers (SASS per block 472 -> 421; D = 64 at 128 rows 767 -> 648). Same
+      values at the same places (`_ds_store_copy`, checked on the CPU by
+      tests/test_kernel_compile_sm90_backward.py); off until its GPU tests and timing have run.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -119,6 +126,7 @@ class Tuning:
     key_blocks_outer: bool = False
     query_rows: Optional[int] = None
     flat_dq: bool = True
+    ds_stmatrix: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -456,6 +464,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
         tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
+        if const_expr(self.tuning.ds_stmatrix):
+            ds_store = self._ds_store_copy(mma_sdp)
+            thread_ds_store = ds_store.get_slice(tidx)
+            tdSsdS = thread_ds_store.partition_D(transpose_view(sdS))
 
         shape_st = (self.tile_n, self.tile_m)
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
@@ -544,8 +556,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             if const_expr(not self.early_dv):
                 gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
                 warpgroup.commit_group()
-            cute.autovec_copy(cute.make_tensor(frag_ds.iterator, acc_dp.layout),
-                              tdSsdS[None, None, None, ds_stage])
+            ds_rows = cute.make_tensor(frag_ds.iterator, acc_dp.layout)
+            if const_expr(self.tuning.ds_stmatrix):
+                cute.copy(ds_store, thread_ds_store.retile(ds_rows), tdSsdS[None, None, None, ds_stage])
+            else:
+                cute.autovec_copy(ds_rows, tdSsdS[None, None, None, ds_stage])
             if const_expr(not self.stage_dq_under_dk):
                 gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
                 warpgroup.commit_group()
@@ -600,6 +615,13 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
         cute.arch.fence_proxy("async.shared", space="cta")
         dq_pipe.producer_commit(dq_state)
+
+    def _ds_store_copy(self, mma_sdp):
+        """`Tuning.ds_stmatrix`'s store of dS^T: stmatrix tiled over the S^T / dP^T accumulator of
+        `mma_sdp`, non-transposed because sdS keeps the queries (the accumulator's columns, which a
+        register's two values are) contiguous."""
+        return cute.make_tiled_copy_C(sm90_helpers.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                      mma_sdp)
 
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
