@@ -193,7 +193,8 @@ def _build_one(tree, name, spec, tuning, out, nvdisasm, ptxas) -> dict:
     environment.update(PYTHONPATH=tree, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", JAX_PLATFORMS="cpu",
                        CUTE_DSL_DUMP_DIR=os.path.join(directory, "dump"),
                        FA4_JAX_CACHE_DIR=os.path.join(directory, "cache"))
-    process = subprocess.run([sys.executable, "-c", _LOWER, json.dumps(spec), json.dumps(tuning)], env=environment, cwd=directory,
+    process = subprocess.run([sys.executable, "-c", _LOWER, json.dumps(spec), json.dumps(tuning)],
+                             env=environment, cwd=directory,
                              capture_output=True, text=True, timeout=1800)
     if process.returncode != 0:
         raise RuntimeError(f"{name}: lowering failed\n{process.stderr[-3000:]}")
@@ -221,12 +222,14 @@ def build(tree, out, names, tuning, jobs, nvdisasm) -> int:
     nvdisasm, ptxas = find_nvdisasm(nvdisasm), find_ptxas()
     os.makedirs(out, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        records = dict(zip(names, pool.map(lambda n: _build_one(tree, n, CONFIGS[n], tuning, out, nvdisasm, ptxas), names)))
+        built = pool.map(lambda name: _build_one(tree, name, CONFIGS[name], tuning, out, nvdisasm, ptxas), names)
+        records = dict(zip(names, built))
     failed = 0
     for name, record in records.items():
         bad = record.get("spill_bytes") or record.get("stack_bytes") or record.get("wgmma_serialized")
         failed += bool(bad)
-        print(f"{name}: ptxas {'FAIL ' if bad else ''}{ {k: v for k, v in record.items() if k not in ('spec', 'tuning')} }")
+        resources = {key: value for key, value in record.items() if key not in ("spec", "tuning")}
+        print(f"{name}: ptxas {'FAIL ' if bad else ''}{resources}")
     return 1 if failed else 0
 
 
@@ -241,24 +244,33 @@ def _budgets(directory) -> dict:
     return result
 
 
-def _table(budgets, role) -> list:
-    names = list(budgets)
-    lines = [f"| {role} | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    rows = ["total", "conditional"] + CLASS_NAMES
-    for row in rows:
-        cells = []
-        for name in names:
-            entry = budgets[name].get(role, {})
-            cells.append(str(entry.get(row, entry.get("classes", {}).get(row, 0))))
-        if any(cell != "0" for cell in cells):
-            lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    return lines
+ROWS = ["total", "conditional"] + CLASS_NAMES
+
+
+def _count(budgets, name, role, row) -> int:
+    entry = budgets[name].get(role, {})
+    return entry.get(row, entry.get("classes", {}).get(row, 0))
+
+
+def _print_tables(sides) -> None:
+    """One markdown table per role: a row per class, a column per configuration; a cell is the count,
+    or "a -> b" where `sides` (one or two budgets) differ."""
+    names = [name for name in sides[0] if all(name in side for side in sides)]
+    for role in ROLES:
+        print(f"| {role} | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        for row in ROWS:
+            cells = []
+            for name in names:
+                counts = [_count(side, name, role, row) for side in sides]
+                cells.append(" -> ".join(map(str, counts)) if len(set(counts)) > 1 else str(counts[0]))
+            if any(cell != "0" for cell in cells):
+                print(f"| {row} | " + " | ".join(cells) + " |")
+        print()
 
 
 def report(directory, json_path=None) -> int:
     budgets = _budgets(directory)
-    for role in ROLES:
-        print("\n".join(_table(budgets, role)) + "\n")
+    _print_tables([budgets])
     if json_path:
         with open(json_path, "w") as handle:
             json.dump(budgets, handle, indent=1)
@@ -266,21 +278,7 @@ def report(directory, json_path=None) -> int:
 
 
 def compare(before_directory, after_directory) -> int:
-    before, after = _budgets(before_directory), _budgets(after_directory)
-    for role in ROLES:
-        names = [name for name in before if name in after]
-        print(f"| {role} | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
-        for row in ["total", "conditional"] + CLASS_NAMES:
-            cells = []
-            for name in names:
-                def count(budgets):
-                    entry = budgets[name].get(role, {})
-                    return entry.get(row, entry.get("classes", {}).get(row, 0))
-                old, new = count(before), count(after)
-                cells.append(f"{old} -> {new}" if old != new else str(old))
-            if any(cell != "0" for cell in cells):
-                print(f"| {row} | " + " | ".join(cells) + " |")
-        print()
+    _print_tables([_budgets(before_directory), _budgets(after_directory)])
     return 0
 
 
@@ -303,7 +301,8 @@ def main(argv=None) -> int:
     compare_parser.add_argument("after")
     arguments = parser.parse_args(argv)
     if arguments.command == "build":
-        return build(os.path.abspath(arguments.tree), arguments.out, arguments.configs, arguments.tuning, arguments.jobs, arguments.nvdisasm)
+        return build(os.path.abspath(arguments.tree), arguments.out, arguments.configs, arguments.tuning,
+                     arguments.jobs, arguments.nvdisasm)
     if arguments.command == "report":
         return report(arguments.directory, arguments.json)
     return compare(arguments.before, arguments.after)
