@@ -132,6 +132,11 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, flat_dq=False), deterministic,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "tiled_dq"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
+        # dS^T staged with stmatrix (docs/sm90_backward_tuning.md, "SASS budget"), default and deterministic.
+        **{f"{prefix}ds_stmatrix": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_stmatrix=True), deterministic,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_stmatrix"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
         # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
         **{f"{prefix}query_rows_64": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),

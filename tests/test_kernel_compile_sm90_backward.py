@@ -122,6 +122,16 @@ CASES = {
     "d128-segments-lengths-head-splits-4": dict(
         config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 8, 2, 128], head_splits=4),
+    # dS^T staged with stmatrix (`Tuning(ds_stmatrix=True)`, the candidate of docs/sm90_backward_tuning.md,
+    # "SASS budget"): D 128, D 64 at 128 rows, and a configuration short of registers, fp16.
+    "d128-ds-stmatrix": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128],
+                             tuning=dict(ds_stmatrix=True)),
+    "d64-causal-gqa-deterministic-ds-stmatrix": dict(
+        config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
+        tuning=dict(ds_stmatrix=True)),
+    "d96-segments-ds-stmatrix-fp16": dict(config=dict(scale=96 ** -0.5, has_segment_ids=True),
+                                          shape=[1, 300, 300, 4, 4, 96], dtype="float16",
+                                          tuning=dict(ds_stmatrix=True)),
 }
 
 
@@ -200,6 +210,10 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
         # The dQ turn order is highest key block first, launched in that order.
         axis = "z" if kernel.key_blocks_outer else "x"
         assert f"%nctaid.{axis}" in ptx, "key block not taken from the end of the grid"
+    # dS^T goes to shared memory through stmatrix with the candidate only (the forward's O epilogue
+    # has its own; this kernel has none else).
+    stmatrix = re.findall(r"stmatrix\.sync\.aligned[.\w]*", ptx)
+    assert set(stmatrix) == ({"stmatrix.sync.aligned.m8n8.x4.shared.b16"} if kernel.tuning.ds_stmatrix else set())
     assert ".local" not in ptx, "local memory in the PTX"
     ptxas = find_ptxas()
     if ptxas is None:
@@ -279,3 +293,80 @@ def test_query_rows_default(shape, extra, rows):
         rows = 64
     assert options.tuning.query_rows == rows
     assert sm90_backward.Sm90BackwardKernel(options).tile_m == rows
+
+
+# Traces (on the CPU, no kernel launched) where the plain stores and stmatrix put each consumer
+# thread's dS^T values, as (key, query) coordinates. Plain: register value v at partition_C's
+# coordinate v. stmatrix (non-transposed .x4, the PTX ISA's semantics): copy call c moves value u of
+# lane l of a warp, which is matrix u // 2's row l // 4, column 2 (l % 4) + u % 2, to the row address
+# that lane 8 (u // 2) + l // 4 of the same warp supplies, i.e. to that lane's destination
+# coordinate (2 (l % 4) + u % 2) of call c; `retile` must keep the register order (value u + 8 c of
+# the call order is register value u + 8 c), and each supplied row must be 8 consecutive queries of
+# one key (16 contiguous bytes of the query-contiguous sdS).
+_DS_STORE_CHECK = r"""
+import json, sys
+import cutlass, cutlass.cute as cute
+from cutlass import Float32
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm90 import backward as sm90_backward
+spec = json.loads(sys.argv[1])
+head_dim = spec["head_dim"]
+query = (1, 256, 4, head_dim)
+problem = host.Problem(query, query, query, spec["dtype"])
+kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(
+    AttentionConfig(scale=head_dim ** -0.5), problem, sm90_backward.Tuning(ds_stmatrix=True)))
+found = {"rows": kernel.tile_m, "mismatches": 0, "not_in_order": 0, "rows_not_contiguous": 0, "coordinates": set()}
+
+@cute.jit
+def trace():
+    mma_sdp, _, _ = kernel._tiled_mmas()
+    store = kernel._ds_store_copy(mma_sdp)
+    coordinates = cute.make_identity_tensor((kernel.tile_n, kernel.tile_m))
+    threads = kernel.consumer_threads
+    plain = [mma_sdp.get_slice(t).partition_C(coordinates) for t in range(threads)]
+    rows = [store.get_slice(t).partition_D(coordinates) for t in range(threads)]
+    for t in cutlass.range_constexpr(threads):
+        fragment = cute.make_rmem_tensor(mma_sdp.get_slice(t).partition_shape_C(
+            (kernel.tile_n, kernel.tile_m)), Float32)
+        retiled = store.get_slice(t).retile(fragment).layout
+        values = cute.size(plain[t])
+        assert cute.size(retiled) == cute.size(rows[t]) == values and values % 8 == 0
+        lane, warp = t % 32, t - t % 32
+        for v in cutlass.range_constexpr(values):
+            call, u = v // 8, v % 8
+            found["not_in_order"] += int(retiled(v) != v)
+            supplier = warp + 8 * (u // 2) + lane // 4
+            written = tuple(rows[supplier][8 * call + 2 * (lane % 4) + u % 2])
+            found["mismatches"] += int(written != tuple(plain[t][v]))
+            found["coordinates"].add(written)
+            key, first = tuple(rows[t][8 * call])
+            found["rows_not_contiguous"] += int(first % 8 != 0 or tuple(rows[t][v]) != (key, first + u))
+
+trace()
+found["coordinates"] = len(found["coordinates"])
+print("DS_STORE " + json.dumps(found))
+"""
+
+
+@pytest.mark.parametrize("head_dim,rows", [(128, 64), (64, 128)])
+def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, rows, tmp_path):
+    """`Tuning.ds_stmatrix` changes how dS^T reaches shared memory, not where each value goes: for every
+    consumer thread and register value, stmatrix (as the PTX ISA defines it) writes it at the plain
+    store's coordinate, and the values cover the [keys, queries] tile once (64 and 128 query rows).
+    The compile test checks that the copy is the non-transposed x4 form this models."""
+    import json
+    import subprocess
+    import sys
+
+    from ptx_checks import compile_environment
+
+    script = tmp_path / "ds_store_check.py"      # a file: the DSL compiles a function from its source
+    script.write_text(_DS_STORE_CHECK)
+    result = subprocess.run([sys.executable, str(script), json.dumps({"head_dim": head_dim, "dtype": "bfloat16"})],
+                            env=compile_environment(tmp_path), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("DS_STORE "))
+    found = json.loads(line[len("DS_STORE "):])
+    assert found == {"rows": rows, "mismatches": 0, "not_in_order": 0, "rows_not_contiguous": 0,
+                     "coordinates": sm90_backward.TILE_N * rows}

@@ -53,6 +53,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
@@ -104,6 +105,12 @@ class Tuning:
       reads it back), instead of two TMA tensor reduces into a [B, Sq, Hq, D] accumulator.
       Measured 1.03-1.06x at D = 128 and 1.03-1.07x at D = 64 over the tiled staging (H200, rev
       82798e2, docs/sm90_backward_tuning.md); False keeps the tiled path for comparison.
+    ds_stmatrix: stage dS^T for dQ with stmatrix (four 8x8 matrices per instruction, rows of one key
+      and 8 contiguous queries) instead of one 32-bit store per register: at D = 128 4 STSM where 16
+      STS and the 48 instructions of their swizzled addresses were, which ptxas recomputes every
+      block for want of registers (SASS per block 472 -> 421; D = 64 at 128 rows 767 -> 648). Same
+      values at the same places (`_ds_store_copy`, checked on the CPU by
+      tests/test_kernel_compile_sm90_backward.py); off until its GPU tests and timing have run.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -119,6 +126,7 @@ class Tuning:
     key_blocks_outer: bool = False
     query_rows: Optional[int] = None
     flat_dq: bool = True
+    ds_stmatrix: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -436,17 +444,29 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
+        # A shared-memory operand is one descriptor per warp group: sliced at the warp group's first
+        # thread, a warp-uniform index, its descriptors are built in uniform registers (one 64-bit add
+        # per wgmma), as the forward kernel's are; sliced at `tidx` they were built per thread and
+        # moved over with two R2UR per wgmma (83 of 555 SASS instructions per block at D = 128).
+        warpgroup_thread = cute.arch.make_warp_uniform(tidx // WARP_GROUP) * WARP_GROUP
+        warpgroup_sdp = mma_sdp.get_slice(warpgroup_thread)
+        warpgroup_dkv = mma_dkv.get_slice(warpgroup_thread)
+        warpgroup_dq = mma_dq.get_slice(warpgroup_thread)
 
         # Operand fragments (shared-memory descriptors, or registers for the RS operand).
-        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
-        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
-        tdPrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
-        tdPrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdO)))
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sQ)))
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
+        tSrK = warpgroup_sdp.make_fragment_A(warpgroup_sdp.partition_A(sK))
+        tSrQ = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sQ))
+        tdPrV = warpgroup_sdp.make_fragment_A(warpgroup_sdp.partition_A(sV))
+        tdPrdO = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sdO))
+        tdVrdO = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sdO)))
+        tdKrQ = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sQ)))
+        tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
+        tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
+        if const_expr(self.tuning.ds_stmatrix):
+            ds_store = self._ds_store_copy(mma_sdp)
+            thread_ds_store = ds_store.get_slice(tidx)
+            tdSsdS = thread_ds_store.partition_D(transpose_view(sdS))
 
         shape_st = (self.tile_n, self.tile_m)
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, d)), Float32)
@@ -475,8 +495,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         ds_barrier = pipeline.NamedBarrier(barrier_id=DS_READY_BARRIER,
                                            num_threads=self.consumer_threads)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DQ_BUFFERS)
+        q_head, m_block = self._first_head(kv_head), m_lo
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             row_base = m_block * self.tile_m
             stage = query_state.index
             ds_stage = it % 2
@@ -535,8 +555,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             if const_expr(not self.early_dv):
                 gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
                 warpgroup.commit_group()
-            cute.autovec_copy(cute.make_tensor(frag_ds.iterator, acc_dp.layout),
-                              tdSsdS[None, None, None, ds_stage])
+            ds_rows = cute.make_tensor(frag_ds.iterator, acc_dp.layout)
+            if const_expr(self.tuning.ds_stmatrix):
+                cute.copy(ds_store, thread_ds_store.retile(ds_rows), tdSsdS[None, None, None, ds_stage])
+            else:
+                cute.autovec_copy(ds_rows, tdSsdS[None, None, None, ds_stage])
             if const_expr(not self.stage_dq_under_dk):
                 gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
                 warpgroup.commit_group()
@@ -565,6 +588,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             if const_expr(not self.stage_dq_under_dk):
                 self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
                 dq_state.advance()
+            q_head, m_block = self._next_query_block(q_head, m_block, m_lo, m_count)
 
         if const_expr(self.head_splits > 1):
             self._add_dkv_partials(acc_dK, acc_dV, sQ, sK, *dkv_store, thr_dkv, n_block, kv_head, batch,
@@ -591,18 +615,39 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         cute.arch.fence_proxy("async.shared", space="cta")
         dq_pipe.producer_commit(dq_state)
 
+    def _ds_store_copy(self, mma_sdp):
+        """`Tuning.ds_stmatrix`'s store of dS^T: stmatrix tiled over the S^T / dP^T accumulator of
+        `mma_sdp`, non-transposed because sdS keeps the queries (the accumulator's columns, which a
+        register's two values are) contiguous."""
+        return cute.make_tiled_copy_C(sm90_helpers.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                      mma_sdp)
+
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
         """(query head, query block) of iteration `it`: the group's heads in turn, each over the query
         blocks this key block sees, lowest first. (`n_block` is unused here; the large-head kernel,
         which shares `_produce`, staggers its walk by it.) With head splits the walk covers this
         CTA's share of the group: its split, grid y modulo head_splits, offsets the heads."""
-        step = it % m_count
+        return self._first_head(kv_head) + it // m_count, m_lo + it % m_count
+
+    @cute.jit
+    def _first_head(self, kv_head):
+        """The first query head of this CTA's walk."""
         if const_expr(self.head_splits > 1):
             split = cute.arch.block_idx()[0 if self.key_blocks_outer else 1] % self.head_splits
-            first_head = kv_head * self.group + split * (self.group // self.head_splits)
-            return first_head + it // m_count, m_lo + step
-        return kv_head * self.group + it // m_count, m_lo + step
+            return kv_head * self.group + split * (self.group // self.head_splits)
+        return kv_head * self.group
+
+    @cute.jit
+    def _next_query_block(self, q_head, m_block, m_lo, m_count):
+        """The step of `_query_block`'s walk after (q_head, m_block): the consumers and the dQ writer
+        carry it from one iteration to the next with an add and a compare, where `_query_block`
+        divides by the dynamic m_count (a signed division, ~25 SASS instructions per iteration
+        under a causal mask, where m_count depends on the key block)."""
+        m_block = m_block + 1
+        wrapped = m_block == m_lo + m_count
+        return (q_head + cutlass.select_(wrapped, Int32(1), Int32(0)),
+                cutlass.select_(wrapped, m_lo, m_block))
 
     @cute.jit
     def _as_operand(self, accumulator, thr_dkv):
@@ -623,8 +668,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         (`ordered_reduction`)."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
+        q_head, m_block = self._first_head(kv_head), m_lo
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             tdQsdQ, tdQgdQ = None, None
             if const_expr(not self.tuning.flat_dq):
                 gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
@@ -653,6 +698,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
             dq_state.advance()
+            q_head, m_block = self._next_query_block(q_head, m_block, m_lo, m_count)
 
     @cute.jit
     def _add_dkv_partials(self, acc_dK, acc_dV, sQ, sK, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
