@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax.config import IMPLEMENTATIONS, AttentionConfig
-from fa4_jax.primitive import attention_vjp
+from fa4_jax.primitive import attention_differentiable
 
 Array = jax.Array
 # Logits are float32 on every path; Python floats, so that comparisons with them never round to float32.
@@ -200,4 +200,4 @@ def attention(
         has_segment_ids=segment_ids is not None, has_q_seq_lengths=q_seq_lengths is not None,
         has_kv_seq_lengths=kv_seq_lengths is not None, deterministic=bool(deterministic),
         implementation=implementation)
-    return attention_vjp(config, bool(return_lse), query, key, value, arrays)
+    return attention_differentiable(config, bool(return_lse), query, key, value, arrays)
