@@ -126,6 +126,17 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=splits), False,
             small_heads.SUPPORTED_HEAD_DIMS, None if splits == 1 else ("test_sm90_backward.py", f"split{splits}"))
            for splits in HEAD_SPLITS},
+        # dQ staged as a swizzled tile with TMA tensor reduces (the default: in the accumulator's
+        # register order, one 1-D bulk reduce), default and deterministic.
+        **{f"{prefix}tiled_dq": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, flat_dq=False), deterministic,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "tiled_dq"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
+        **{f"{prefix}query_rows_64": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),
+            ("test_sm90_backward.py", "query_rows_64"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
         "deterministic_head_splits_1": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=1), True,
             small_heads.SUPPORTED_HEAD_DIMS),

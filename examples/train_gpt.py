@@ -3,7 +3,10 @@
 The mesh has two axes: `data` splits the batch, `model` splits attention heads and the MLP's hidden
 units (tensor parallelism: the query/key/value and MLP-up kernels by columns, the attention-out and
 MLP-down kernels by rows, so each block needs one all-reduce per projection pair and attention itself
-none). Any device count works; `--mesh data=2,model=4` picks the split.
+none). Any device count works; `--mesh data=2,model=4` picks the split. `--context-parallel N` adds a
+third axis, `seq`, that splits every sequence N ways (context parallelism: fa4_jax.attention's
+all-gather or ring strategy, `--context-parallel-strategy`); `--zigzag` feeds the sequences in
+`fa4_jax.zigzag` order so that each of the N shards gets the same causal work.
 
 `--attention` swaps only the attention core, everything else (parameters, initial values, data) is
 identical: `fa4` is `fa4_jax.flax_layer.MultiHeadAttention`, `cudnn` and `xla` are
@@ -14,6 +17,8 @@ graph (every token has a few possible successors), and its second half repeats t
 falls as the model learns the graph and then learns to copy from the first half (which needs attention).
 
     python examples/train_gpt.py --steps 30                                     # CPU, about a minute
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+        python examples/train_gpt.py --context-parallel 4 --zigzag --steps 5       # 8 fake CPU devices
     python examples/train_gpt.py --attention cudnn --dtype bfloat16 --layers 8 --d-model 1024 \\
         --heads 8 --seq-len 2048 --batch 16 --steps 200 --json out.json          # one GPU
 """
@@ -42,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import fa4_jax
 from fa4_jax import flax_layer
 
-DATA, MODEL = "data", "model"
+DATA, MODEL, SEQ = "data", "model", "seq"
 SUCCESSORS_PER_TOKEN = 4
 
 # Tensor-parallel layout, by the trailing names of a parameter's path. Parameters not listed (embeddings,
@@ -59,7 +64,11 @@ PARAMETER_LAYOUT = {
     ("mlp_up", "bias"): P(MODEL),
     ("mlp_down", "kernel"): P(MODEL, None),                   # [4 d_model, d_model]
 }
-ACTIVATION = P(DATA, None, None)   # [batch, seq, features]: split by batch only
+ACTIVATION = P(DATA, None, None)   # [batch, seq, features]: split by batch (and by SEQ when the mesh has it)
+
+
+def activation_spec(mesh: Mesh) -> P:
+    return P(DATA, SEQ, None) if SEQ in mesh.axis_names else ACTIVATION
 
 
 def xla_attention_fn(implementation: str):
@@ -72,6 +81,19 @@ def xla_attention_fn(implementation: str):
     return attention_fn
 
 
+def fa4_context_parallel_attention_fn(args):
+    """attention_fn for flax.nnx.MultiHeadAttention with the sequence split over the `seq` mesh axis."""
+    def attention_fn(query, key, value, *, mask=None, is_causal=False, dtype=None, **_ignored):
+        if mask is not None:
+            raise NotImplementedError("this example's context-parallel attention takes no mask")
+        dtype = dtype or query.dtype
+        return fa4_jax.attention(query.astype(dtype), key.astype(dtype), value.astype(dtype), causal=is_causal,
+                                 implementation=args.fa4_implementation,
+                                 context_parallel=args.context_parallel_strategy,
+                                 zigzag_shards=args.context_parallel if args.zigzag else None)
+    return attention_fn
+
+
 class Block(nnx.Module):
     def __init__(self, args, activation_sharding: NamedSharding, rngs: nnx.Rngs):
         dtype = jnp.dtype(args.dtype)
@@ -80,7 +102,10 @@ class Block(nnx.Module):
             num_heads=args.heads, in_features=args.d_model, num_kv_heads=args.kv_heads, decode=False,
             dtype=dtype, rngs=rngs)
         self.attention_norm = nnx.LayerNorm(args.d_model, dtype=dtype, rngs=rngs)
-        if args.attention == "fa4":
+        if args.attention == "fa4" and args.context_parallel > 1:
+            self.attention = nnx.MultiHeadAttention(
+                **attention_settings, attention_fn=fa4_context_parallel_attention_fn(args))
+        elif args.attention == "fa4":
             self.attention = flax_layer.MultiHeadAttention(
                 **attention_settings, implementation=args.fa4_implementation)
         else:
@@ -100,15 +125,20 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     def __init__(self, args, mesh: Mesh, rngs: nnx.Rngs):
         dtype = jnp.dtype(args.dtype)
-        self.activation_sharding = NamedSharding(mesh, ACTIVATION)
+        self.activation_sharding = NamedSharding(mesh, activation_spec(mesh))
+        self.zigzag_shards = args.context_parallel if args.zigzag else None
         self.token_embedding = nnx.Embed(args.vocab, args.d_model, dtype=dtype, rngs=rngs)
         self.position_embedding = nnx.Embed(args.seq_len, args.d_model, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List([Block(args, self.activation_sharding, rngs) for _ in range(args.layers)])
         self.final_norm = nnx.LayerNorm(args.d_model, dtype=dtype, rngs=rngs)
         self.lm_head = nnx.Linear(args.d_model, args.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens):
-        positions = jnp.arange(tokens.shape[1])
+    def __call__(self, tokens, positions=None):
+        """Logits [batch, seq, vocab]; `positions` [seq] default 0.. (decoding passes where the tokens sit)."""
+        if positions is None:
+            positions = jnp.arange(tokens.shape[1])
+            if self.zigzag_shards:  # the tokens come in zigzag order; so must their positions
+                positions = fa4_jax.zigzag(positions[None], self.zigzag_shards)[0]
         x = self.token_embedding(tokens) + self.position_embedding(positions)[None]
         x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
         for block in self.blocks:
@@ -168,10 +198,12 @@ def parse_mesh(text: str, device_count: int) -> dict:
     return sizes
 
 
-def make_mesh(sizes: dict) -> Mesh:
-    count = sizes[DATA] * sizes[MODEL]
-    devices = np.array(jax.devices()[:count]).reshape(sizes[DATA], sizes[MODEL])
-    return Mesh(devices, (DATA, MODEL))
+def make_mesh(sizes: dict, context_parallel: int = 1) -> Mesh:
+    count = sizes[DATA] * sizes[MODEL] * context_parallel
+    if context_parallel == 1:
+        return Mesh(np.array(jax.devices()[:count]).reshape(sizes[DATA], sizes[MODEL]), (DATA, MODEL))
+    devices = np.array(jax.devices()[:count]).reshape(sizes[DATA], context_parallel, sizes[MODEL])
+    return Mesh(devices, (DATA, SEQ, MODEL))
 
 
 def collective_counts(hlo_text: str) -> dict:
@@ -217,8 +249,11 @@ def build_training(args, mesh: Mesh, donate: bool = True):
     batch_sharding = NamedSharding(mesh, P(DATA, None))
 
     def loss_fn(params, tokens):
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if args.zigzag:  # the mean over tokens does not depend on their order
+            inputs, labels = (fa4_jax.zigzag(x, args.context_parallel) for x in (inputs, labels))
+        logits = nnx.merge(graphdef, params)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     def train_step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
@@ -290,6 +325,12 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="compute dtype (parameters stay float32)")
     parser.add_argument("--mesh", default="", help="e.g. data=2,model=4 (default: all devices on data)")
+    parser.add_argument("--context-parallel", type=int, default=1,
+                        help="split every sequence over this many devices (a `seq` mesh axis)")
+    parser.add_argument("--context-parallel-strategy", choices=("auto", "all_gather", "ring"), default="auto",
+                        help="fa4_jax.attention(context_parallel=...); auto: the cost model")
+    parser.add_argument("--zigzag", action="store_true",
+                        help="with --context-parallel: sequences in fa4_jax.zigzag order (balanced causal work)")
     parser.add_argument("--seed", type=int, default=0, help="parameters and data")
     parser.add_argument("--timing-skip", type=int, default=2,
                         help="first steps left out of the step-time median")
@@ -301,18 +342,27 @@ def parse_args(argv=None):
                      "timed; run more steps or skip fewer")
     if args.fa4_implementation == "auto":
         args.fa4_implementation = None
+    if args.context_parallel_strategy == "auto":
+        args.context_parallel_strategy = None
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    sizes = parse_mesh(args.mesh, jax.device_count())
+    if args.context_parallel < 1 or jax.device_count() % args.context_parallel:
+        raise SystemExit(f"--context-parallel {args.context_parallel} must divide the {jax.device_count()} devices")
+    if args.context_parallel > 1 and args.attention != "fa4":
+        raise SystemExit("--context-parallel needs --attention fa4 (cuDNN attention refuses a split sequence)")
+    if args.seq_len % (args.context_parallel * (2 if args.zigzag else 1)):
+        raise SystemExit(f"--seq-len {args.seq_len} must divide by {'2 * ' if args.zigzag else ''}"
+                         f"--context-parallel {args.context_parallel}")
+    sizes = parse_mesh(args.mesh, jax.device_count() // args.context_parallel)
     kv_heads = args.kv_heads or args.heads
     if args.heads % sizes[MODEL] or kv_heads % sizes[MODEL]:
         raise SystemExit(f"--heads {args.heads} and kv heads {kv_heads} must divide by model={sizes[MODEL]}")
     if args.batch % sizes[DATA]:
         raise SystemExit(f"--batch {args.batch} must divide by data={sizes[DATA]}")
-    mesh = make_mesh(sizes)
+    mesh = make_mesh(sizes, args.context_parallel)
 
     compile_start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -342,7 +392,7 @@ def main(argv=None) -> dict:
         "fa4_implementation": (args.fa4_implementation or "auto") if args.attention == "fa4" else None,
         "warnings": [str(warning.message) for warning in caught],
         "config": {key: value for key, value in vars(args).items() if key not in ("json", "quiet")},
-        "mesh": sizes,
+        "mesh": dict(sizes, **({SEQ: args.context_parallel} if args.context_parallel > 1 else {})),
         "parameters": int(parameter_count),
         "tokens_per_step": tokens_per_step,
         "compile_seconds": compile_seconds,
@@ -353,7 +403,7 @@ def main(argv=None) -> dict:
         "collectives": collective_counts(hlo_text),
         "custom_calls": custom_call_targets(hlo_text),
         "devices": {"platform": jax.devices()[0].platform, "kind": jax.devices()[0].device_kind,
-                    "count": jax.device_count(), "used": sizes[DATA] * sizes[MODEL]},
+                    "count": jax.device_count(), "used": sizes[DATA] * sizes[MODEL] * args.context_parallel},
         "versions": versions(),
         "git_revision": git_revision(),
     }

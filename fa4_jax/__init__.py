@@ -9,8 +9,11 @@ from fa4_jax import lowering as _lowering  # noqa: F401  (registers the per-plat
 from fa4_jax import sharding as _sharding  # noqa: F401  (registers the partitioned lowering)
 from fa4_jax.api import attention
 from fa4_jax.config import AttentionConfig
+from fa4_jax.context_parallel import unzigzag, zigzag
 from fa4_jax.nn import dot_product_attention
+from fa4_jax.paged import paged_attention
 from fa4_jax.primitive import RESIDUAL_NAMES
 
-__all__ = ["attention", "dot_product_attention", "AttentionConfig", "RESIDUAL_NAMES"]
+__all__ = ["attention", "dot_product_attention", "paged_attention", "AttentionConfig", "RESIDUAL_NAMES", "zigzag",
+           "unzigzag"]
 __version__ = "0.1.0"

@@ -12,7 +12,8 @@ import jax.export
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.config import IMPLEMENTATIONS, AttentionConfig
+from fa4_jax import context_parallel as _context_parallel
+from fa4_jax.config import CONTEXT_PARALLEL_STRATEGIES, IMPLEMENTATIONS, AttentionConfig
 from fa4_jax.primitive import attention_differentiable
 
 Array = jax.Array
@@ -116,6 +117,9 @@ def attention(
     return_lse: bool = False,
     deterministic: bool = False,
     implementation: Optional[str] = None,
+    context_parallel: Optional[str] = None,
+    zigzag_shards: Optional[int] = None,
+    context_parallel_axis: Union[str, Sequence[str], None] = None,
 ):
     """Scaled dot-product attention, FlashAttention-style: fused, O(S) memory, differentiable.
 
@@ -140,6 +144,14 @@ def attention(
       deterministic: make the backward pass bitwise reproducible from run to run.
       implementation: None (fastest available), "cute" (our GPU kernels, or NotImplementedError naming
         what they cannot take) or "reference" (pure JAX, any platform).
+      context_parallel: with q/k/v split on sequence, how K/V reach every query shard: "all_gather"
+        (gather once, reduce-scatter dK/dV), "ring" (pass K/V around the devices, overlapped with the
+        attention), or None (by the cost model in the README). Ignored when the sequence is not split.
+      zigzag_shards: n when the sequence axis of every operand is in `zigzag(x, n)` order (balances
+        causal work over n sequence shards); positions (causal, window, lengths) are those of the
+        original order and the results come back in the zigzag order.
+      context_parallel_axis: inside shard_map, the mesh axis (or axes) that splits the sequence of the
+        local q/k/v (under jit the sharding says it).
 
     Returns:
       out [batch, q_len, q_heads, v_head_dim] in query's dtype, or (out, lse) with return_lse. A query
@@ -173,7 +185,26 @@ def attention(
                                 or not _FLOAT32_SMALLEST_NORMAL <= softcap <= _FLOAT32_MAX):
         raise ValueError(f"softcap must be a positive number within float32's range ({_FLOAT32_SMALLEST_NORMAL:.4g} "
                          f"to {_FLOAT32_MAX:.4g}) or None (no capping); got {softcap!r}.")
-    window_left, window_right = _window(window, query.shape[1], key.shape[1])
+    if context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
+        raise ValueError(f"context_parallel must be one of {CONTEXT_PARALLEL_STRATEGIES}; got {context_parallel!r}.")
+    if isinstance(context_parallel_axis, str):
+        context_parallel_axis = (context_parallel_axis,)
+    elif context_parallel_axis is not None:
+        context_parallel_axis = tuple(context_parallel_axis)
+        if not context_parallel_axis or not all(isinstance(a, str) for a in context_parallel_axis):
+            raise ValueError("context_parallel_axis must be a mesh axis name or a sequence of them; got "
+                             f"{context_parallel_axis!r}.")
+    # Positions, lengths and windows are global; inside shard_map with context_parallel_axis the
+    # operands hold 1/shards of the sequence.
+    shards = math.prod(jax.lax.axis_size(a) for a in context_parallel_axis) if context_parallel_axis else 1
+    q_total, kv_total = query.shape[1] * shards, key.shape[1] * shards
+    window_left, window_right = _window(window, q_total, kv_total)
+    if zigzag_shards is not None:
+        # Shards of the zigzag order are checked against the mesh where it is known (the partition
+        # rule); the chunks must be whole on every path.
+        _context_parallel.check_zigzag(q_total, zigzag_shards, "query sequence")
+        _context_parallel.check_zigzag(kv_total, zigzag_shards, "key/value sequence")
+        zigzag_shards = int(zigzag_shards)
 
     optional = {}
     if sinks is not None:
@@ -187,9 +218,9 @@ def attention(
     # Lengths are clipped to [0, axis] here, once, so that the alignment offset is the same on every
     # path (reference, kernels, shards): a length past the axis means the whole axis, below 0 nothing.
     if q_seq_lengths is not None:
-        optional["q_seq_lengths"] = _integer_operand("q_seq_lengths", q_seq_lengths, clip_to=query.shape[1])
+        optional["q_seq_lengths"] = _integer_operand("q_seq_lengths", q_seq_lengths, clip_to=q_total)
     if kv_seq_lengths is not None:
-        optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths, clip_to=key.shape[1])
+        optional["kv_seq_lengths"] = _integer_operand("kv_seq_lengths", kv_seq_lengths, clip_to=kv_total)
 
     arrays = _vary_together(dict(optional, query=query, key=key, value=value))
     query, key, value = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")
@@ -199,5 +230,7 @@ def attention(
         softcap=None if softcap is None else float(softcap), has_sinks=sinks is not None,
         has_segment_ids=segment_ids is not None, has_q_seq_lengths=q_seq_lengths is not None,
         has_kv_seq_lengths=kv_seq_lengths is not None, deterministic=bool(deterministic),
-        implementation=implementation)
+        implementation=implementation, context_parallel=context_parallel, zigzag_shards=zigzag_shards,
+        context_parallel_axis=context_parallel_axis)
+    _context_parallel.check_placement(config, query)
     return attention_differentiable(config, bool(return_lse), query, key, value, arrays)

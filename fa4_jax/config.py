@@ -18,10 +18,12 @@ OPTIONAL_OPERANDS = (
     "q_seq_lengths",    # int32 [B]                          has_q_seq_lengths
     "kv_seq_lengths",   # int32 [B]                          has_kv_seq_lengths
     "q_start",          # int32 [1], global row of local row 0 (Q sharded on sequence)   has_q_start
+    "kv_start",         # int32 [1], global key of local key 0 (a ring step's K/V chunk)  has_kv_start
 )
 
 SUPPORTED_HEAD_DIM_MAX = 256
 IMPLEMENTATIONS = (None, "cute", "reference")
+CONTEXT_PARALLEL_STRATEGIES = (None, "all_gather", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,8 @@ class AttentionConfig:
     """Everything about an attention call that is not an array.
 
     Positions: query row i (global) sits at key position i + off, off = Sk - Sq (bottom-right
-    alignment), or kv_len[b] - q_len[b] per batch when sequence lengths are given.
+    alignment), or kv_len[b] - q_len[b] per batch when sequence lengths are given. With q_start (and
+    kv_start) the local rows (keys) sit at those global positions, Sq is q_total and Sk kv_total.
     """
 
     scale: float
@@ -45,6 +48,16 @@ class AttentionConfig:
     # first global row and q_total the global query length used for alignment.
     has_q_start: bool = False
     q_total: Optional[int] = None
+    # Set only by the context-parallel code for one ring step's K/V chunk: the operand kv_start gives the
+    # chunk's first global key and kv_total the global key length (fa4_jax/context_parallel.py).
+    has_kv_start: bool = False
+    kv_total: Optional[int] = None
+    # Context parallelism (the sequence split over devices): the strategy (None: by the cost model),
+    # the dual-chunk order of the sequence axis (zigzag_shards), and inside shard_map the mesh axes that
+    # split the sequence. The per-shard calls that reach a kernel never carry these.
+    context_parallel: Optional[str] = None
+    zigzag_shards: Optional[int] = None
+    context_parallel_axis: Optional[tuple[str, ...]] = None
     deterministic: bool = False
     implementation: Optional[str] = None
 
@@ -65,6 +78,7 @@ class AttentionConfig:
             "q_seq_lengths": self.has_q_seq_lengths,
             "kv_seq_lengths": self.has_kv_seq_lengths,
             "q_start": self.has_q_start,
+            "kv_start": self.has_kv_start,
         }
         return tuple(name for name in OPTIONAL_OPERANDS if flags[name])
 

@@ -30,6 +30,14 @@ How Flax's masking maps onto our options (`fa4_jax.nn.attention_top_left` does t
   new tokens replace the cache's last slots and attend to the whole cache (Flax's layer does the same
   for one token), and `cache_index` keeps counting.
 
+- A paged cache (`init_paged_cache(batch, max_length, page_size)` instead of `init_cache`): the keys
+  and values live in `cached_key` / `cached_value` [blocks, page_size, kv_heads, head_dim] with a
+  `block_tables` [batch, pages] cache (sequence b owns blocks b * pages ..; swap rows of it to share or
+  move pages), and decoding attends through `fa4_jax.paged_attention`, which on a GPU is the split-KV
+  decode kernel. The new tokens are causal among themselves (paged attention always is); one batch
+  dimension, no mask; writing past `max_length` is not detected (the positions are traced values) and
+  such tokens are dropped from the cache, while `cache_index` keeps counting.
+
 Not supported, with an error that says so: attention dropout while not deterministic, `bias`, sowing
 the attention weights (`sow_weights=True` / `module`; the weights never exist in memory), custom
 einsum classes.
@@ -226,6 +234,17 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         super().__init__(*args, attention_fn=functools.partial(dot_product_attention,
                                                                 implementation=implementation), **kwargs)
         self.implementation = implementation
+        self.block_tables: Optional[nnx.Cache] = nnx.data(None)   # set by init_paged_cache
+
+    def init_paged_cache(self, batch_size: int, max_length: int, page_size: int, dtype=jnp.float32):
+        """A paged KV cache for decoding (see the module docstring): ceil(max_length / page_size) pages
+        per sequence, sequence b in cache blocks b * pages .. (b + 1) * pages - 1."""
+        pages = -(-max_length // page_size)
+        shape = (batch_size * pages, page_size, self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+        self.block_tables = nnx.Cache(jnp.arange(batch_size * pages, dtype=jnp.int32).reshape(batch_size, pages))
 
     def __call__(
         self,
@@ -272,7 +291,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
             _reject_dropout(self.dropout_rate,
                             _first_set(deterministic, self.deterministic, name="deterministic"))
 
-        if _first_set(decode, self.decode, name="decode"):
+        if _first_set(decode, self.decode, name="decode") and self.block_tables is not None:
+            x = self._attend_paged(query, key, value, mask=mask, is_causal=is_causal)
+        elif _first_set(decode, self.decode, name="decode"):
             key, value, kv_lengths = self._append_to_cache(key, value)
             x = _attend(query, key, value, mask=mask, is_causal=is_causal, decode_kv_lengths=kv_lengths,
                         dtype=self.dtype, implementation=self.implementation)
@@ -302,3 +323,35 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         self.cache_index[...] = index + new_tokens
         kv_lengths = jnp.full((math.prod(batch_dims),), index + new_tokens, jnp.int32)
         return key, value, kv_lengths
+
+    def _attend_paged(self, query, key, value, *, mask, is_causal: bool):
+        """Writes the new keys/values into their pages, then paged attention over the cache."""
+        if mask is not None:
+            raise ValueError("the paged cache takes no mask: its sequences are their valid prefixes")
+        if query.ndim != 4:
+            raise ValueError(f"the paged cache takes one batch dimension, [batch, length, heads, depth]; got "
+                             f"query {query.shape}")
+        new_tokens = query.shape[1]
+        if new_tokens > 1 and not is_causal:
+            raise ValueError("paged decoding is causal among the new tokens: pass is_causal=True to decode "
+                             f"{new_tokens} tokens at once")
+        cached_key, cached_value, tables = self.cached_key[...], self.cached_value[...], self.block_tables[...]
+        page_size = cached_key.shape[1]
+        index = self.cache_index[...]
+        positions = index + jnp.arange(new_tokens, dtype=jnp.int32)
+        batch = jnp.arange(query.shape[0])[:, None]
+        # Positions past the table go to an out-of-bounds block and are dropped by the scatter.
+        pages = jnp.where(positions < tables.shape[1] * page_size,
+                          tables[batch, jnp.minimum(positions // page_size, tables.shape[1] - 1)],
+                          cached_key.shape[0])
+        slots = (positions % page_size)[None, :]
+        cached_key = cached_key.at[pages, slots].set(key.astype(cached_key.dtype), mode="drop")
+        cached_value = cached_value.at[pages, slots].set(value.astype(cached_value.dtype), mode="drop")
+        self.cached_key[...] = cached_key
+        self.cached_value[...] = cached_value
+        self.cache_index[...] = index + new_tokens
+        compute_dtype = self.dtype if self.dtype is not None else jnp.result_type(query, key, value)
+        lengths = jnp.full((query.shape[0],), index + new_tokens, jnp.int32)
+        return fa4_jax.paged_attention(query.astype(compute_dtype), cached_key.astype(compute_dtype),
+                                       cached_value.astype(compute_dtype), tables, lengths,
+                                       implementation=self.implementation)

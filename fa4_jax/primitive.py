@@ -16,6 +16,7 @@ Two layers, as in TransformerEngine's JAX extension:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 from jax.sharding import NamedSharding, PartitionSpec
 
+from fa4_jax import context_parallel
 from fa4_jax.config import AttentionConfig
 from fa4_jax.reference import reference_backward, reference_tangent
 from fa4_jax.validation import validate_operands
@@ -144,7 +146,7 @@ _NOT_MAPPED = None  # how JAX marks an operand without a vmapped axis
 _BATCH_AXIS = {"query": 0, "key": 0, "value": 0, "out": 0, "lse": 0, "d_out": 0, "d_lse": 0,
                "t_query": 0, "t_key": 0, "t_value": 0,
                "q_segment_ids": 0, "kv_segment_ids": 0, "q_seq_lengths": 0, "kv_seq_lengths": 0,
-               "sinks": None, "t_sinks": None, "q_start": None}
+               "sinks": None, "t_sinks": None, "q_start": None, "kv_start": None}
 _HEAD_AXIS = {"query": 2, "key": 2, "value": 2, "out": 2, "d_out": 2, "lse": 1, "d_lse": 1, "sinks": 0,
               "t_query": 2, "t_key": 2, "t_value": 2, "t_sinks": 0}
 # Operands whose head axis holds query heads, grouped per KV head (the others hold the KV heads).
@@ -245,6 +247,9 @@ batching.primitive_batchers[attention_tangent_p] = _tangent_batch_rule
 
 def attention_differentiable(config: AttentionConfig, return_lse: bool, query, key, value, optional: dict):
     """Attention over the primitives, differentiable in both modes; returns out, or (out, lse)."""
+    if config.context_parallel_axis:
+        # Inside shard_map the sequence split runs per shard at trace time, under a custom VJP.
+        return attention_vjp(config, return_lse, query, key, value, optional)
     out, lse = attention_fwd_p.bind(*config.join_operands(query, key, value, optional), config=config)
     return (out, lse) if return_lse else out
 
@@ -281,6 +286,63 @@ def _tangent_transpose(cotangents, *operands, config: AttentionConfig):
         if ad.is_undefined_primal(tangent):
             result[names.index(name)] = grad
     return result
+
+
+# Inside shard_map with context_parallel_axis the sequence split runs per shard at trace time.
+
+def _manual_split(config: AttentionConfig, query, key) -> context_parallel.SequenceSplit:
+    """Inside shard_map, the sequence split over `context_parallel_axis`: the per-shard calls bind the
+    outer primitives (which batch), and the collectives name the axis directly."""
+    axes = config.context_parallel_axis
+    strategy = context_parallel.choose_strategy(config, query.shape[1], query.shape[2], key.shape[2])
+    return context_parallel.SequenceSplit(
+        axes=axes, num_shards=math.prod(jax.lax.axis_size(a) for a in axes), strategy=strategy,
+        kv_whole=False, forward_p=attention_fwd_p, backward_p=attention_bwd_p)
+
+
+def _forward(config, query, key, value, optional):
+    operands = config.join_operands(query, key, value, optional)
+    if config.context_parallel_axis:
+        return context_parallel.forward(config, operands, _manual_split(config, query, key))
+    return attention_fwd_p.bind(*operands, config=config)
+
+
+def _backward(config, has_d_lse, operands):
+    if config.context_parallel_axis:
+        query, key = operands[:2]
+        return context_parallel.backward(config, has_d_lse, operands, _manual_split(config, query, key),
+                                         split_backward_operands)
+    return attention_bwd_p.bind(*operands, config=config, has_d_lse=has_d_lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def attention_vjp(config: AttentionConfig, return_lse: bool, query, key, value, optional: dict):
+    """Differentiable attention over the primitives; returns out, or (out, lse) when return_lse."""
+    out, lse = _forward(config, query, key, value, optional)
+    return (out, lse) if return_lse else out
+
+
+def _attention_fwd_rule(config, return_lse, query, key, value, optional):
+    out, lse = _forward(config, query, key, value, optional)
+    residuals = tuple(checkpoint_name(x, name) for x, name in zip((query, key, value, out, lse), RESIDUAL_NAMES))
+    return ((out, lse) if return_lse else out), (residuals, optional)
+
+
+def _attention_bwd_rule(config, return_lse, saved, cotangent):
+    (query, key, value, out, lse), optional = saved
+    d_out, d_lse = cotangent if return_lse else (cotangent, None)
+    operands = (query, key, value, out, lse, d_out) + ((d_lse,) if d_lse is not None else ())
+    operands += tuple(optional[name] for name in config.present_operands())
+    grads = _backward(config, d_lse is not None, operands)
+    d_query, d_key, d_value = grads[:3]
+    # Integer operands (segment ids, lengths, q_start, kv_start) get no cotangent.
+    d_optional = {name: None for name in optional}
+    if config.has_sinks:
+        d_optional["sinks"] = grads[3]
+    return d_query, d_key, d_value, d_optional
+
+
+attention_vjp.defvjp(_attention_fwd_rule, _attention_bwd_rule)
 
 
 def _reference_backward(*operands, config: AttentionConfig, has_d_lse: bool):

@@ -31,6 +31,7 @@ class _Layout:
         self.v_head_dim = value.shape[-1]
         self.group = self.q_heads // self.kv_heads
         self.q_total = config.q_total if config.q_total is not None else self.q_len
+        self.kv_total = config.kv_total if config.kv_total is not None else self.kv_len
         self.block = min(KEY_BLOCK, self.kv_len)
         self.num_blocks = -(-self.kv_len // self.block)
         self.padded_kv_len = self.num_blocks * self.block
@@ -87,15 +88,22 @@ def _scan_blocks(step, init, blocks):
 
 def _block_mask(layout: _Layout, config: AttentionConfig, optional, block_index, kv_segment_block):
     """Boolean [B, 1, 1, Sq, blk]: may query row i attend to key j of this key block?"""
-    keys = (block_index * layout.block + jnp.arange(layout.block, dtype=jnp.int32))[None, None, :]
+    local_keys = (block_index * layout.block + jnp.arange(layout.block, dtype=jnp.int32))[None, None, :]
+    keys = local_keys
+    if "kv_start" in optional:
+        keys = keys + optional["kv_start"].reshape(()).astype(jnp.int32)
     rows = jnp.arange(layout.q_len, dtype=jnp.int32)
     if "q_start" in optional:
         rows = rows + optional["q_start"].reshape(()).astype(jnp.int32)
     rows = rows[None, :, None]
     full = lambda n: jnp.full((layout.batch,), n, jnp.int32)
     q_valid = optional.get("q_seq_lengths", full(layout.q_total)).astype(jnp.int32)[:, None, None]
-    kv_valid = optional.get("kv_seq_lengths", full(layout.kv_len)).astype(jnp.int32)[:, None, None]
-    visible = (keys < kv_valid) & (keys < layout.kv_len) & (rows < q_valid)
+    kv_valid = optional.get("kv_seq_lengths", full(layout.kv_total)).astype(jnp.int32)[:, None, None]
+    visible = (keys < kv_valid) & (local_keys < layout.kv_len)
+    # Every local row exists; only query lengths hide rows. (Without them q_start may be a pure shift
+    # of the diagonal, as the context-parallel code passes it, and then need not lie below q_total.)
+    if "q_seq_lengths" in optional:
+        visible &= rows < q_valid
     diagonal = rows + (kv_valid - q_valid)  # the key position each query row is aligned with
     if config.causal:
         visible &= keys <= diagonal

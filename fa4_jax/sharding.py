@@ -9,23 +9,26 @@ What each shard needs, whatever the operands arrive with:
   dK / dV (and the sink gradient) over those shards, and over head shards that share one KV head.
 - an uneven split of batch, rows or heads is not kept (XLA gathers that axis): its shards' padding
   would enter those sums.
-- key/value are always whole along sequence on each shard; a split there is gathered by XLA because
-  `partition` asks for it. (Ring attention, which avoids the gather, is future work.)
+- context parallelism (fa4_jax/context_parallel.py): when the keys are split on sequence like the
+  query rows (or `context_parallel="ring"` asks for it), each shard keeps its slice of K/V and either
+  gathers them itself and reduce-scatters dK/dV ("all_gather"), or passes them around the ring
+  ("ring"); otherwise K/V are whole on each shard (XLA gathers a split because `partition` asks for it).
+  With `zigzag_shards` every shard's rows and keys are pieces of the original order.
 """
 
 from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from fa4_jax import context_parallel
 from fa4_jax.config import AttentionConfig
 from fa4_jax.primitive import (attention_bwd_inner_p, attention_bwd_p, attention_fwd_inner_p,
-                               attention_fwd_p, backward_operand_names)
+                               attention_fwd_p, backward_operand_names, split_backward_operands)
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
@@ -41,7 +44,7 @@ def _entry(axes: tuple[str, ...]):
 class _Plan:
     """Mesh axes for batch, query sequence, query heads and KV heads, chosen from the query's sharding."""
 
-    def __init__(self, mesh, query_info, key_info):
+    def __init__(self, config, mesh, query_info, key_info):
         spec = tuple(getattr(query_info.sharding, "spec", ()))
         spec = spec + (None,) * (4 - len(spec))
         self.mesh = mesh
@@ -49,12 +52,25 @@ class _Plan:
         batch, self.q_len, q_heads = query_info.shape[:3]
         # An uneven split pads shards with entries of unspecified content, and the backward sums over
         # shards (dK/dV over rows and over the heads sharing one KV head, dsinks over batch and rows):
-        # an axis that does not divide stays whole.
+        # an axis that does not divide stays whole. A context-parallel request says it, rather than
+        # quietly computing every row on every shard.
         if batch % self.size(self.batch):
             self.batch = ()
         if self.q_len % self.size(self.seq):
+            if config.context_parallel is not None:
+                context_parallel.pieces(self.q_len, self.size(self.seq), None, "query")  # raises
             self.seq = ()
         kv_heads = key_info.shape[2]
+        # Keys split on sequence like the rows stay split (context parallelism); the cost model picks
+        # the strategy only then, and "ring" splits them whatever they arrive with.
+        key_spec = tuple(getattr(key_info.sharding, "spec", ())) + (None,) * 4
+        kv_len = key_info.shape[1]
+        keys_split = bool(self.seq) and _mesh_axes(key_spec[1]) == self.seq and kv_len % self.size(self.seq) == 0
+        self.strategy = "all_gather"
+        if self.seq and (keys_split or config.context_parallel == "ring"):
+            self.strategy = context_parallel.choose_strategy(
+                config, self.q_len // self.size(self.seq), q_heads, kv_heads)
+        self.kv_seq = self.strategy == "ring" or keys_split
         ways = self.size(self.heads)
         if q_heads % ways:
             self.heads = self.kv_heads = ()
@@ -70,25 +86,24 @@ class _Plan:
 
     def spec(self, name):
         b, s, h, g = (_entry(x) for x in (self.batch, self.seq, self.heads, self.kv_heads))
+        t = s if self.kv_seq else None
         specs = {
             "query": (b, s, h, None), "out": (b, s, h, None), "d_out": (b, s, h, None),
             "lse": (b, h, s), "d_lse": (b, h, s),
-            "key": (b, None, g, None), "value": (b, None, g, None),
-            "sinks": (h,), "q_segment_ids": (b, s), "kv_segment_ids": (b, None),
+            "key": (b, t, g, None), "value": (b, t, g, None),
+            "sinks": (h,), "q_segment_ids": (b, s), "kv_segment_ids": (b, t),
             "q_seq_lengths": (b,), "kv_seq_lengths": (b,),
         }
         return NamedSharding(self.mesh, PartitionSpec(*specs[name]))
 
-    def local_config(self, config: AttentionConfig, operands):
-        """Config and operands for one shard: adds q_start when rows are split and positions matter."""
-        if not self.seq or not config.needs_positions:
-            return config, operands
-        index = 0
-        for axis in self.seq:
-            index = index * self.mesh.shape[axis] + lax.axis_index(axis)
-        local_len = self.q_len // self.size(self.seq)
-        q_start = (index * local_len).astype(jnp.int32).reshape(1)
-        return config.replace(has_q_start=True, q_total=self.q_len), tuple(operands) + (q_start,)
+    def split(self) -> context_parallel.SequenceSplit:
+        return context_parallel.SequenceSplit(
+            axes=self.seq, num_shards=self.size(self.seq), strategy=self.strategy, kv_whole=not self.kv_seq,
+            forward_p=attention_fwd_inner_p, backward_p=attention_bwd_inner_p)
+
+    def splits_sequence(self, config: AttentionConfig) -> bool:
+        """Whether the rows' positions differ from their local order (the context-parallel code runs)."""
+        return bool(self.seq) or config.zigzag_shards is not None
 
 
 def _forward_names(config):
@@ -97,21 +112,28 @@ def _forward_names(config):
 
 # ---------------------------------------------------------------------------------------------- forward
 
+_UNSPLIT = dict(axes=(), num_shards=1, strategy="all_gather", kv_whole=True,
+                forward_p=attention_fwd_inner_p, backward_p=attention_bwd_inner_p)
+
+
 def _forward_shard(config, *operands):
+    if config.zigzag_shards is not None:
+        return tuple(context_parallel.forward(config, operands, context_parallel.SequenceSplit(**_UNSPLIT)))
     return tuple(attention_fwd_inner_p.bind(*operands, config=config))
 
 
 def _forward_infer(config, mesh, arg_infos, result_infos):
-    plan = _Plan(mesh, arg_infos[0], arg_infos[1])
+    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
     return plan.spec("out"), plan.spec("lse")
 
 
 def _forward_partition(config, mesh, arg_infos, result_infos):
-    plan = _Plan(mesh, arg_infos[0], arg_infos[1])
+    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
 
     def lower(*operands):
-        local_config, local_operands = plan.local_config(config, operands)
-        return tuple(attention_fwd_inner_p.bind(*local_operands, config=local_config))
+        if plan.splits_sequence(config):
+            return tuple(context_parallel.forward(config, operands, plan.split()))
+        return tuple(attention_fwd_inner_p.bind(*operands, config=config))
 
     arg_shardings = tuple(plan.spec(n) for n in _forward_names(config))
     return mesh, lower, (plan.spec("out"), plan.spec("lse")), arg_shardings
@@ -135,6 +157,9 @@ forward_sharded.def_partition(partition=_forward_partition, infer_sharding_from_
 # --------------------------------------------------------------------------------------------- backward
 
 def _backward_shard(config, has_d_lse, *operands):
+    if config.zigzag_shards is not None:
+        return tuple(context_parallel.backward(config, has_d_lse, operands,
+                                               context_parallel.SequenceSplit(**_UNSPLIT), split_backward_operands))
     return tuple(attention_bwd_inner_p.bind(*operands, config=config, has_d_lse=has_d_lse))
 
 
@@ -143,19 +168,23 @@ def _gradient_names(config):
 
 
 def _backward_infer(config, has_d_lse, mesh, arg_infos, result_infos):
-    plan = _Plan(mesh, arg_infos[0], arg_infos[1])
+    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
     return tuple(plan.spec(n) for n in _gradient_names(config))
 
 
 def _backward_partition(config, has_d_lse, mesh, arg_infos, result_infos):
-    plan = _Plan(mesh, arg_infos[0], arg_infos[1])
+    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
 
     def lower(*operands):
-        local_config, local_operands = plan.local_config(config, operands)
-        grads = list(attention_bwd_inner_p.bind(*local_operands, config=local_config, has_d_lse=has_d_lse))
-        # dK / dV are partial sums when other shards used the same keys: row shards (every key
-        # each), and head shards sharing a single replicated KV head (MQA).
-        shared_kv = plan.seq + tuple(a for a in plan.heads if a not in plan.kv_heads)
+        if plan.splits_sequence(config):
+            grads = list(context_parallel.backward(config, has_d_lse, operands, plan.split(),
+                                                   split_backward_operands))
+        else:
+            grads = list(attention_bwd_inner_p.bind(*operands, config=config, has_d_lse=has_d_lse))
+        # dK / dV are partial sums when other shards used the same keys: row shards holding every key
+        # (the context-parallel code has already summed split keys over them), and head shards
+        # sharing a single replicated KV head (MQA).
+        shared_kv = (() if plan.kv_seq else plan.seq) + tuple(a for a in plan.heads if a not in plan.kv_heads)
         if shared_kv:
             grads[1] = lax.psum(grads[1], shared_kv)
             grads[2] = lax.psum(grads[2], shared_kv)

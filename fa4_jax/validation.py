@@ -65,6 +65,7 @@ def validate_operands(config: AttentionConfig, query, key, value, optional: dict
         "q_seq_lengths": ((batch,), "int32", "one valid query length per batch element"),
         "kv_seq_lengths": ((batch,), "int32", "one valid key length per batch element"),
         "q_start": ((1,), "int32", "the global row of the first local query row"),
+        "kv_start": ((1,), "int32", "the global key of the first local key"),
     }
     for name, array in optional.items():
         shape, dtype_name, meaning = expected[name]
@@ -75,3 +76,5 @@ def validate_operands(config: AttentionConfig, query, key, value, optional: dict
                             f".astype(jnp.{dtype_name}).")
     if q_total < q_len:
         raise ValueError(f"q_total ({q_total}) cannot be smaller than the local q_len ({q_len}).")
+    if config.kv_total is not None and config.kv_total < kv_len:
+        raise ValueError(f"kv_total ({config.kv_total}) cannot be smaller than the local kv_len ({kv_len}).")

@@ -25,7 +25,8 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=repr)
-@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 128), (64, 64)])
+# (128, 256): the sm100 backward's query block and CTA pair of keys.
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 128), (64, 64), (128, 256)])
 def test_query_block_range_inverts_key_block_range(shape, tile_m, tile_n):
     num_m_blocks = 12
     for kv_len, row_offset in itertools.product((1, 130, 700, 1000), (0, 300, -200, 37, -4000)):
@@ -41,9 +42,10 @@ def test_query_block_range_inverts_key_block_range(shape, tile_m, tile_n):
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:6], ids=repr)
-def test_block_ranges_cover_every_visible_pair(shape):
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 256)], ids=["sm90", "sm100-pair"])
+def test_block_ranges_cover_every_visible_pair(shape, tile_m, tile_n):
     """Every (row, key) pair visible under the element rule lies in a visited block pair."""
-    tile_m, tile_n, q_len, kv_len = 64, 128, 300, 517
+    q_len, kv_len = 300, 517
     offset = kv_len - q_len
     rows = np.arange(q_len)[:, None] + offset
     keys = np.arange(kv_len)[None, :]

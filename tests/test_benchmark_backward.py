@@ -92,9 +92,10 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
     shape = dict(batch=1, seq_len=1024, heads=8, head_dim=head_dim, causal=False)
     runs = [name for name, variant in benchmark._variants().items() if variant.skip_reason(shape) is None]
     if head_dim in (64, 96, 128):
-        # MHA: no split divides a group of 1.
-        assert runs == [*SHIPPED, "per_thread_release", *UNSPLIT, "key_blocks_outer",
-                        "key_blocks_outer_head_splits_1"]
+        # MHA: no split divides a group of 1; 64 query rows forced at D = 64 only.
+        wide = ["query_rows_64", "deterministic_query_rows_64"] if head_dim == 64 else []
+        assert runs == [*SHIPPED, "per_thread_release", *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", *wide,
+                        *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
         assert runs == [*SHIPPED, "no_stagger", "deterministic_diagonal_first"]
     dims = (1, 1024, 8, head_dim)

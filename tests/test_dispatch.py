@@ -138,23 +138,69 @@ def test_gpu_without_kernel_names_its_capability(fake_gpu, monkeypatch):
         _choose("cute", jnp.bfloat16)
 
 
-def test_backward_on_blackwell_names_the_capabilities_it_has(monkeypatch):
-    """The real backward table has no 10.x entry: the message says which capabilities it does cover."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
+def test_backward_on_an_unknown_gpu_names_the_capabilities_it_has(monkeypatch):
+    """The real backward table has no 12.x entry: the message says which capabilities it does cover."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (12, 0))
     config = AttentionConfig(scale=0.125, implementation="cute")
-    with pytest.raises(NotImplementedError, match=r"no CuTe backward kernel for compute capability 10\.0 "
-                                                  r"\(backward kernels exist for compute capability 9\.x only\)"):
+    with pytest.raises(NotImplementedError, match=r"no CuTe backward kernel for compute capability 12\.0 "
+                                                  r"\(backward kernels exist for compute capability 9\.x, 10\.x only\)"):
         cuda.kernel_for("backward", config, *_avals(jnp.bfloat16))
 
 
+def _head_dim_avals(dtype, head_dim):
+    return [jax.ShapeDtypeStruct(shape[:-1] + (head_dim,), dtype) for shape in SHAPES]
+
+
 @needs_cutlass
-@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
-def test_sequence_sharded_query_takes_the_reference(monkeypatch, capability):
-    """Neither forward kernel's q_start path has run on a GPU, so both refuse it (the real table)."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
+def test_backward_on_blackwell_selects_the_sm100_kernel_or_names_its_head_dims(monkeypatch):
+    """The real table: on 10.x, head dims 64, 96 and 128 get the 2-CTA sm100 backward; the others say
+    which head dims the Blackwell backward takes."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
+    config = AttentionConfig(scale=0.125, causal=True, implementation="cute")
+    for head_dim in (64, 96, 128):
+        avals = [jax.ShapeDtypeStruct((1, 8, 2, head_dim), jnp.bfloat16) for _ in range(3)]
+        assert cuda.kernel_for("backward", config, *avals).__name__ == "fa4_jax.kernels.sm100.backward"
+    avals = [jax.ShapeDtypeStruct((1, 8, 2, 192), jnp.bfloat16) for _ in range(3)]
+    with pytest.raises(NotImplementedError, match=r"the backward kernels for compute capability 10\.x take "
+                                                  r"head dims \(64, 96, 128\), not 192"):
+        cuda.kernel_for("backward", config, *avals)
+
+
+@needs_cutlass
+def test_sm90_forward_takes_a_sequence_sharded_query(monkeypatch):
+    """The sm90 forward takes q_start (context parallelism's per-shard and ring-step calls)."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
     config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute")
-    with pytest.raises(NotImplementedError, match=r"q_start\) is not yet verified on a GPU"):
-        cuda.kernel_for("forward", config, *_avals(jnp.bfloat16))
+    assert cuda.kernel_for("forward", config, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+    with_kv_lengths = config.replace(has_kv_seq_lengths=True)
+    assert cuda.kernel_for("forward", with_kv_lengths, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+
+
+# (what refuses, capability, pass, head dim, config changes, message)
+Q_START_REFUSALS = {
+    "sm100-forward": ((10, 0), "forward", 128, {}, r"q_start\) is not yet verified on a GPU"),
+    # dK came out wrong on the H200 (tests/test_context_parallel_gpu.py, rev 82798e2).
+    "sm90-backward": ((9, 0), "backward", 128, {}, r"does not yet compute dK correctly"),
+    "sm90-large-head-backward": ((9, 0), "backward", 256, {},
+                                 r"large-head backward does not take a sequence-sharded query"),
+    "sm90-forward-with-q-lengths": ((9, 0), "forward", 128, dict(has_q_seq_lengths=True),
+                                    r"does not combine a sequence-sharded query \(q_start\) with q_seq_lengths"),
+    "sm90-backward-with-key-offset": ((9, 0), "backward", 128, dict(has_kv_seq_lengths=True, has_kv_start=True,
+                                                                    kv_total=32),
+                                      r"does not take a key offset \(kv_start"),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("capability, kind, head_dim, changes, message", Q_START_REFUSALS.values(),
+                         ids=Q_START_REFUSALS.keys())
+def test_sequence_sharded_query_refusals_name_the_reason(monkeypatch, capability, kind, head_dim, changes,
+                                                         message):
+    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
+    config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute",
+                             **changes)
+    with pytest.raises(NotImplementedError, match=message):
+        cuda.kernel_for(kind, config, *_head_dim_avals(jnp.bfloat16, head_dim))
 
 
 def test_missing_kernel_module_is_reported(fake_gpu, monkeypatch):
@@ -169,6 +215,7 @@ KERNELS = {
     "sm100-forward": ("forward", (10, 0), 128),
     "sm90-backward": ("backward", (9, 0), 128),
     "sm90-backward-large-heads": ("backward", (9, 0), 256),
+    "sm100-backward": ("backward", (10, 0), 128),
 }
 
 
@@ -244,17 +291,18 @@ def test_gpu_float32_falls_back_to_reference_or_raises(inputs):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-6, rtol=1e-6)
 
 
-BACKWARD_HEAD_DIMS = {name: head_dim for name, (kind, _, head_dim) in KERNELS.items() if kind == "backward"}
+BACKWARD_KERNELS = {name: (capability, head_dim) for name, (kind, capability, head_dim) in KERNELS.items()
+                    if kind == "backward"}
 
 
 @needs_cutlass
-@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS.values(), ids=BACKWARD_HEAD_DIMS.keys())
+@pytest.mark.parametrize("capability, head_dim", BACKWARD_KERNELS.values(), ids=BACKWARD_KERNELS.keys())
 @pytest.mark.parametrize("axis, batch, heads", [("z", 65536, 2), ("y", 1, 65536)], ids=["batch", "kv-heads"])
-def test_backward_grid_limit_falls_back(monkeypatch, head_dim, axis, batch, heads):
-    """Both backward kernels launch a (key blocks, KV heads, batch) grid, and CUDA caps gridDim.y and .z at
+def test_backward_grid_limit_falls_back(monkeypatch, capability, head_dim, axis, batch, heads):
+    """The backward kernels launch a (key blocks, KV heads, batch) grid, and CUDA caps gridDim.y and .z at
     65535: one more KV head or batch element would fail to launch, so the call takes the reference and
     the warning names the limit. 65535 of each still gets the kernel."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
     monkeypatch.setattr(cuda, "_warned", set())
     config = AttentionConfig(scale=0.125, causal=True)
 

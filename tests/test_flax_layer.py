@@ -314,3 +314,31 @@ def test_bfloat16_layer_on_gpu_matches_flax(inputs, head_dim):
     prompt = length - 4
     decoded = [step(ours, x[:, :prompt])] + [step(ours, x[:, i:i + 1]) for i in range(prompt, length)]
     assert max(relative_errors(jnp.concatenate(decoded, axis=1), full)) < 3e-2
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_paged_cache_decodes_like_the_contiguous_one(inputs, page_size):
+    """init_paged_cache: a chunk then single tokens (inside nnx.jit) give what the full causal pass gives,
+    with pages in permuted cache blocks (the block table is the layer's state)."""
+    _, ours = make_pair(num_kv_heads=2)
+    batch, prompt, length = 3, 4, 9
+    x = inputs.normal((batch, length, FEATURES))
+    full = ours(x, is_causal=True)
+    ours.init_paged_cache(batch, length, page_size)
+    tables = ours.block_tables[...]
+    ours.block_tables[...] = jnp.flip(tables.reshape(-1)).reshape(tables.shape)   # any block order works
+    step = nnx.jit(lambda layer, chunk: layer(chunk, decode=True, is_causal=True))
+    assert_same(step(ours, x[:, :prompt]), full[:, :prompt])
+    for position in range(prompt, length):
+        assert_same(step(ours, x[:, position:position + 1]), full[:, position:position + 1])
+    assert int(ours.cache_index[...]) == length
+
+
+def test_paged_cache_refuses_what_it_cannot_take(inputs):
+    _, ours = make_pair(num_kv_heads=2)
+    ours.init_paged_cache(2, 8, 4)
+    x = inputs.normal((2, 3, FEATURES))
+    with pytest.raises(ValueError, match="is_causal=True"):
+        ours(x, decode=True)
+    with pytest.raises(ValueError, match="no mask"):
+        ours(x, decode=True, is_causal=True, mask=jnp.ones((2, 1, 3, 8), bool))

@@ -44,7 +44,8 @@ problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_hea
 tuning = sm90_backward.Tuning(**spec.get("tuning", {}), head_splits=spec.get("head_splits", 1))
 kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
-             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits))
+             *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits, kernel.tile_m,
+                                           kernel.tuning.flat_dq))
 """
 
 # The default tuning everywhere: D 64 / 96 / 128, causal, GQA, deterministic, and the configurations
@@ -77,7 +78,7 @@ CASES = {
     "d64-deterministic-per-thread-release": dict(
         config=dict(scale=0.125, deterministic=True), shape=[1, 200, 200, 2, 2, 64],
         tuning=dict(per_thread_query_release=True)),
-    # Compiled (the path exists) though unsupported_reason still refuses it until it runs on a GPU.
+    # A sequence-sharded query (q_start): context parallelism's per-shard and ring-step calls.
     "sharded-query": dict(config=dict(scale=128 ** -0.5, causal=True, has_q_start=True, q_total=1024),
                           shape=[1, 256, 1024, 4, 4, 128]),
     # Head splits: fp32 partial dK / dV reduce-added, on GQA; deterministic with two; and the
@@ -103,6 +104,21 @@ CASES = {
     "d64-deterministic-key-blocks-outer-head-splits-2": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
         tuning=dict(key_blocks_outer=True), head_splits=2),
+    # The dQ staging as a swizzled tile with two TMA tensor reduces (`Tuning(flat_dq=False)`; the
+    # default stages it in register order with one 1-D bulk reduce): D 128, D 64 at 128 rows,
+    # deterministic GQA D 96, head splits.
+    "d128-tiled-dq": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128], tuning=dict(flat_dq=False)),
+    "d64-causal-tiled-dq": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
+                                tuning=dict(flat_dq=False)),
+    "d96-causal-gqa-deterministic-tiled-dq": dict(
+        config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
+        tuning=dict(flat_dq=False)),
+    "d128-causal-gqa-head-splits-2-tiled-dq": dict(config=dict(scale=128 ** -0.5, causal=True),
+                                                   shape=[2, 300, 333, 8, 2, 128], head_splits=2,
+                                                   tuning=dict(flat_dq=False)),
+    # 64 query rows forced at D = 64 (the default takes 128 there).
+    "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
+                              tuning=dict(query_rows=64)),
     "d128-segments-lengths-head-splits-4": dict(
         config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 8, 2, 128], head_splits=4),
@@ -156,7 +172,7 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
         releasers //= 32
     assert _query_release_counts(ptx) == [releasers] * 2
     assert ".target sm_90a" in ptx
-    # 5 GEMMs per query block: S^T, dP^T (K = D), dV, dK (K = 64 query rows), dQ (K = 128 keys).
+    # 5 GEMMs per query block: S^T, dP^T (K = D), dV, dK (K = the query rows), dQ (K = 128 keys).
     assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
@@ -166,9 +182,15 @@ def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
         assert not dkv_store, "head splits add dK / dV, they do not store them"
     elif kernel.tma_dkv_store:   # the tuning as the kernel applies it to this config
         assert dkv_store, "no TMA store of dK / dV"
-    assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add\.", ptx)
-    assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits), len(reduces)
+    if kernel.tuning.flat_dq:
+        # dQ: one 1-D bulk reduce-add per block; tensor reduces only for head-split dK / dV.
+        assert re.search(r"cp\.reduce\.async\.bulk\.global\.shared::cta[^;]*\.add\.f32", ptx), "no dQ bulk add"
+        assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits) - _bulk_reduce_count(
+            kernel.head_dim, 1), len(reduces)
+    else:
+        assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"
+        assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits), len(reduces)
     assert not re.search(r"red(\.[a-z]+)*\.global(\.[a-z0-9]+)*\.add\.f32", ptx), "per-element dQ red.add"
     # The dQ turns (ordered_reduction): an acquire spin and a release add, in deterministic mode only.
     deterministic = CASES[name]["config"].get("deterministic", False)
@@ -220,3 +242,40 @@ def test_the_resolved_split_is_the_compile_key():
     assert chosen.head_splits > 1 and chosen.tuning.head_splits is None
     assert sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=chosen.head_splits)) == chosen
     assert sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=1)).head_splits == 1
+
+
+@pytest.mark.parametrize("head_dim,extra,match", [
+    (128, dict(), "head dims"), (64, dict(softcap=5.0), "softcap or segment ids"),
+    (64, dict(has_segment_ids=True), "softcap or segment ids"), (64, dict(), "must be one of")])
+def test_query_rows_the_kernel_cannot_take_are_refused(head_dim, extra, match):
+    """128 query rows fit registers and shared memory at D = 64 only, and not beside softcap or segment
+    ids (those spill); other counts are not tile shapes. `options` refuses them by name; at D = 64
+    without either, and with an explicit head split of 1, 128 rows are taken."""
+    config = AttentionConfig(scale=head_dim ** -0.5, **extra)
+    problem = _problem([1, 256, 256, 4, 4, head_dim])
+    rows = 96 if match == "must be one of" else 128
+    with pytest.raises(ValueError, match=match):
+        sm90_backward.options(config, problem, sm90_backward.Tuning(query_rows=rows))
+    wide = sm90_backward.options(AttentionConfig(scale=0.125), _problem([1, 256, 256, 8, 2, 64]),
+                                 sm90_backward.Tuning(query_rows=128))
+    assert wide.tuning.query_rows == 128 and wide.head_splits == 1
+    with pytest.raises(ValueError, match="head_splits"):
+        sm90_backward.options(AttentionConfig(scale=0.125), _problem([1, 256, 256, 8, 2, 64]),
+                              sm90_backward.Tuning(query_rows=128, head_splits=2))
+
+
+@pytest.mark.parametrize("shape,extra,rows", [
+    ([2, 1024, 1024, 8, 8, 64], dict(), 128), ([2, 1024, 1024, 8, 8, 64], dict(deterministic=True), 128),
+    ([2, 1024, 1024, 8, 8, 64], dict(softcap=5.0), 64), ([2, 1024, 1024, 8, 8, 64], dict(has_segment_ids=True), 64),
+    ([2, 1024, 1024, 8, 8, 128], dict(), 64), ([2, 1024, 1024, 8, 8, 96], dict(), 64),
+    ([1, 2048, 2048, 16, 1, 64], dict(causal=True), None)])
+def test_query_rows_default(shape, extra, rows):
+    """`options` takes 128 query rows wherever the kernel can (D = 64 without softcap, segment ids or a
+    head split), else 64; a head split chosen by head_splits_for (MQA here) keeps 64."""
+    config = AttentionConfig(scale=shape[-1] ** -0.5, **extra)
+    options = sm90_backward.options(config, _problem(shape))
+    if rows is None:
+        assert options.head_splits > 1
+        rows = 64
+    assert options.tuning.query_rows == rows
+    assert sm90_backward.Sm90BackwardKernel(options).tile_m == rows

@@ -1,11 +1,11 @@
 """The package's layers, read from its source (every import, including those inside functions): no
 import cycle, and no module imports one of a higher layer.
 
-From the bottom: the static configuration; the checks and the pure-JAX reference; the kernels'
-building blocks (`kernels/common`); the kernels' host side (`kernels/host`, the compile cache); the
-kernels themselves, a wing per architecture that may use its own wing but not another; the
-primitives; their lowerings and sharding rules; the public function, jax.nn's signature over it
-(`fa4_jax.nn`) and the package; the Flax layer.
+From the bottom: the static configuration; the checks, the pure-JAX reference and the context-parallel
+algorithm (given the primitives it binds); the kernels' building blocks (`kernels/common`); the
+kernels' host side (`kernels/host`, the compile cache); the kernels themselves, a wing per
+architecture that may use its own wing but not another; the primitives; their lowerings and sharding
+rules; the public function, jax.nn's signature over it (`fa4_jax.nn`) and the package; the Flax layer.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fa4_jax"
 LAYERS = [
     (0, "fa4_jax.config"),
     (1, "fa4_jax.validation"), (1, "fa4_jax.reference"),
+    (1, "fa4_jax.context_parallel"),  # per-shard algorithm; binds the primitives it is handed
     (2, "fa4_jax.kernels.common"),
     (3, "fa4_jax.kernels.host"), (3, "fa4_jax.kernels.compile_cache"),
     (4, "fa4_jax.kernels.sm90"), (4, "fa4_jax.kernels.sm100"),
     (2, "fa4_jax.kernels"),          # the package's __init__: documentation only
     (5, "fa4_jax.primitive"),
     (6, "fa4_jax.lowering"), (6, "fa4_jax.sharding"),
-    (7, "fa4_jax.api"),
+    (7, "fa4_jax.api"), (7, "fa4_jax.paged"),
     (7.2, "fa4_jax.nn"),             # jax.nn's signature over the public function; the Flax layer uses it
     (8, "fa4_jax.flax_layer"),
     (7.5, "fa4_jax"),                # the package: the public names

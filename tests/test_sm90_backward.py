@@ -55,12 +55,15 @@ CASES = [
 
 # The default, and the candidates under measurement: every consumer thread releases a query stage
 # (docs/sm90_backward_tuning.md, "racecheck"); the grid launched key block slowest (longest walks
-# first). Select a candidate's tests with `-k per_thread_release` or `-k key_blocks_outer`.
+# first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
+# accumulator's register order). Select their tests with `-k per_thread_release`, `-k key_blocks_outer`
+# or `-k tiled_dq`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
                                               per_thread_query_release=True),
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
+    "tiled_dq": dataclasses.replace(sm90_backward.DEFAULT_TUNING, flat_dq=False),
 }
 
 # Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.
@@ -83,6 +86,16 @@ HEAD_SPLITS = (2, 4, 8, 16)
 # Deterministic mode takes head splits of 2 (two partial sums add onto zero in either order alike).
 DETERMINISTIC_HEAD_SPLIT_CASES = ["gqa4-causal", "gqa8-causal-cross-d96", "mqa16-causal",
                                   "gqa4-lengths-causal", "gqa4-window"]
+
+
+# 128 query rows per block (`Tuning.query_rows`, head dim 64 only, without softcap or segment ids; the
+# default there) and 64 forced: the D = 64 cases, and the others that make sense at D = 64, with
+# lengths off the 128-row blocks; default and deterministic.
+WIDE_QUERY_CASES = [case if case.head_dim == 64 else dataclasses.replace(case, name=f"{case.name}-d64", head_dim=64)
+                    for case in CASES if case.head_dim in (64, 128) and case.name not in ("plain-d128", "causal-d128")
+                    and case.softcap is None and not case.segments]
+WIDE_QUERY_TUNINGS = {f"query_rows_{rows}{'' if flat else '_tiled_dq'}": dataclasses.replace(
+    sm90_backward.DEFAULT_TUNING, query_rows=rows, flat_dq=flat) for rows in (64, 128) for flat in (False, True)}
 
 
 def _head_split_parameters(cases, splits=HEAD_SPLITS):
@@ -154,9 +167,10 @@ def test_deterministic_matches_oracle(case: Case, tuning, inputs):
     _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=True)
 
 
+@pytest.mark.parametrize("flat_dq", [True, False], ids=["flat_dq", "tiled_dq"])
 @pytest.mark.parametrize("case,head_splits", _head_split_parameters(HEAD_SPLIT_CASES))
-def test_head_splits_match_oracle(case: Case, head_splits, inputs):
-    tuning = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits)
+def test_head_splits_match_oracle(case: Case, head_splits, flat_dq, inputs):
+    tuning = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits, flat_dq=flat_dq)
     _check_against_oracle(case, tuning, inputs)
 
 
@@ -166,6 +180,13 @@ def test_head_splits_match_oracle(case: Case, head_splits, inputs):
 def test_deterministic_head_splits_match_oracle(case: Case, head_splits, tuning, inputs):
     tuning = dataclasses.replace(TUNINGS[tuning], head_splits=head_splits)
     _check_against_oracle(case, tuning, inputs, deterministic=True)
+
+
+@pytest.mark.parametrize("tuning", sorted(WIDE_QUERY_TUNINGS))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["unordered_dq", "deterministic"])
+@pytest.mark.parametrize("case", WIDE_QUERY_CASES, ids=lambda case: case.name)
+def test_wide_query_blocks_match_oracle(case: Case, deterministic, tuning, inputs):
+    _check_against_oracle(case, WIDE_QUERY_TUNINGS[tuning], inputs, deterministic=deterministic)
 
 
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):

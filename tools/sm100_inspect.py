@@ -28,6 +28,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
+from fa4_jax.kernels.sm100 import backward as sm100_backward
 from fa4_jax.kernels.sm100 import forward as sm100_forward
 
 specs = json.loads(sys.argv[1])
@@ -38,9 +39,13 @@ for name, spec in specs.items():
     config = AttentionConfig(**spec["config"])
     B, Sq, Sk, Hq, Hkv, D = spec["shape"]
     problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), spec["dtype"])
-    options = sm100_forward.options(config, problem, sm_count=spec["sm_count"])
-    kernel = sm100_forward.Sm100ForwardKernel(options)
-    arguments = host.forward_fake_arguments(config, spec["shape"], spec["dtype"])
+    if spec["direction"] == "backward":
+        kernel = sm100_backward.Sm100BackwardKernel(sm100_backward.options(config, problem))
+        arguments = sm100_backward.fake_arguments(config, spec["shape"], spec["dtype"])
+    else:
+        options = sm100_forward.options(config, problem, sm_count=spec["sm_count"])
+        kernel = sm100_forward.Sm100ForwardKernel(options)
+        arguments = host.forward_fake_arguments(config, spec["shape"], spec["dtype"])
     start = time.perf_counter()
     cute.compile(kernel, make_fake_stream(), *arguments)
     seconds = time.perf_counter() - start
@@ -48,6 +53,19 @@ for name, spec in specs.items():
     (ptx,) = set(glob.glob(os.path.join(dump_dir, "*.ptx"))) - named
     named.add(os.path.join(dump_dir, name + ".ptx"))
     os.replace(ptx, os.path.join(dump_dir, name + ".ptx"))
+    if spec["direction"] == "backward":
+        layout = {
+            "keys_per_cta_pair": sm100_backward.PAIR_KEYS,
+            "query_block": sm100_backward.ROWS,
+            "tmem_columns_used": kernel.tmem_columns_used,
+            "tmem_columns_allocated": kernel.tmem_columns_allocated,
+            "shared_memory_bytes": kernel.shared_storage.size_in_bytes(),
+            "threads_per_cta": kernel.threads_per_cta,
+        }
+        print("SM100_KERNEL " + json.dumps({"name": name, "compile_seconds": round(seconds, 2),
+                                            "layout": layout, "protocol_trace": kernel.protocol_trace}),
+              flush=True)
+        continue
     print("SM100_KERNEL " + json.dumps({"name": name, "compile_seconds": round(seconds, 2), "layout": {
         "query_tiles_per_cta": kernel.q_stage,
         "key_block": kernel.n_block,
@@ -60,13 +78,15 @@ for name, spec in specs.items():
 """
 
 
-def compile_kernels(specs: dict, directory: str) -> dict:
-    """Compile each named spec {config, shape [B, Sq, Sk, Hq, Hkv, D], dtype} for sm_100a.
+def compile_kernels(specs: dict, directory: str, direction: str = "forward") -> dict:
+    """Compile each named spec {config, shape [B, Sq, Sk, Hq, Hkv, D], dtype} of the sm100 forward (or,
+    `direction` "backward" or a spec's own "direction", backward) kernel for sm_100a.
 
     One subprocess compiles them in turn (the DSL import is paid once). Returns, per name,
     {"ptx_path", "ptx", "compile_seconds", "layout": query tiles, key block, TMEM columns, ...}.
     """
-    specs = {name: {"dtype": "bfloat16", "sm_count": 148, **spec} for name, spec in specs.items()}
+    specs = {name: {"dtype": "bfloat16", "sm_count": 148, "direction": direction, **spec}
+             for name, spec in specs.items()}
     os.makedirs(directory, exist_ok=True)
     environment = dict(os.environ, CUTE_DSL_ARCH=TARGET, CUTE_DSL_KEEP="ptx",
                        CUTE_DSL_DUMP_DIR=str(directory),
@@ -185,17 +205,40 @@ REPORT_SPECS = {
         shape=[2, 2048, 2048, 16, 4, 128]),
 }
 
-def kernel_record(compiled: dict) -> dict:
-    """The reported facts of one compiled kernel (everything but timing, so reruns reproduce it)."""
-    from fa4_jax.kernels.sm100.forward import Sm100ForwardKernel
 
+BACKWARD_REPORT_PATH = os.path.join(REPO, "benchmarks", "results", "sm100_backward_compile_report.json")
+
+# The backward's head dims, causal and not, in bf16 with GQA; plus fp16 and the feature paths.
+BACKWARD_REPORT_SPECS = {
+    **{f"d{d}{'-causal' if causal else ''}": dict(
+        config=dict(scale=d ** -0.5, causal=causal), shape=[2, 2048, 2048, 16, 4, d])
+       for d in (64, 96, 128) for causal in (False, True)},
+    "d128-fp16": dict(config=dict(scale=128 ** -0.5), shape=[2, 2048, 2048, 16, 16, 128], dtype="float16"),
+    "d128-window-softcap-sinks-segments-lengths": dict(
+        config=dict(scale=128 ** -0.5, window_left=512, window_right=0, softcap=30.0, has_sinks=True,
+                    has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
+        shape=[2, 2048, 2048, 16, 4, 128]),
+}
+
+
+def registers_per_role(direction: str) -> dict:
+    """The setmaxnreg split of the forward or backward kernel, per role."""
+    if direction == "backward":
+        from fa4_jax.kernels.sm100.backward import Sm100BackwardKernel as Kernel
+
+        return {"compute": Kernel.registers_compute, "dq": Kernel.registers_dq,
+                "mma_load": Kernel.registers_other}
+    from fa4_jax.kernels.sm100.forward import Sm100ForwardKernel as Kernel
+
+    return {"softmax": Kernel.registers_softmax, "correction": Kernel.registers_correction,
+            "mma_load_epilogue": Kernel.registers_other}
+
+
+def kernel_record(compiled: dict, direction: str = "forward") -> dict:
+    """The reported facts of one compiled kernel (everything but timing, so reruns reproduce it)."""
     ptx = compiled["ptx"]
     record = dict(compiled["layout"])
-    record["registers_per_role"] = {
-        "softmax": Sm100ForwardKernel.registers_softmax,
-        "correction": Sm100ForwardKernel.registers_correction,
-        "mma_load_epilogue": Sm100ForwardKernel.registers_other,
-    }
+    record["registers_per_role"] = registers_per_role(direction)
     resources = ptxas_resources(compiled["ptx_path"])
     if resources is not None:
         record.update(resources)
@@ -205,15 +248,17 @@ def kernel_record(compiled: dict) -> dict:
     return record
 
 
-def build_report(directory: str, names=None) -> dict:
+def build_report(directory: str, names=None, direction: str = "forward") -> dict:
+    """The compile report of the forward (REPORT_SPECS) or backward (BACKWARD_REPORT_SPECS) kernel."""
     import importlib.metadata
 
-    specs = {name: REPORT_SPECS[name] for name in (names or REPORT_SPECS)}
-    compiled = compile_kernels(specs, directory)
+    all_specs = BACKWARD_REPORT_SPECS if direction == "backward" else REPORT_SPECS
+    specs = {name: all_specs[name] for name in (names or all_specs)}
+    compiled = compile_kernels(specs, directory, direction)
     return {
-        "what": "sm100 forward kernel compiled for sm_100a on a CPU (fake tensors), not run: no "
+        "what": f"sm100 {direction} kernel compiled for sm_100a on a CPU (fake tensors), not run: no "
                 "Blackwell GPU was available. Regenerate: python benchmarks/sm100_report.py",
         "target": TARGET,
         "cutlass_dsl": importlib.metadata.version("nvidia-cutlass-dsl"),
-        "configs": {name: {"spec": specs[name], **kernel_record(compiled[name])} for name in specs},
+        "configs": {name: {"spec": specs[name], **kernel_record(compiled[name], direction)} for name in specs},
     }

@@ -1,6 +1,7 @@
 """The host side every CuTe kernel shares: the `Problem` a call poses, the checks no kernel can pass
 whatever its design (dtypes, shapes, scale, grid limits), the element-type map, fake tensors for
-compiling without a GPU, and the `cutlass_call` launches with their compile keys and disk cache.
+compiling without a GPU, the `cutlass_call` launches with their compile keys and disk cache, and the
+backward's JAX side around its kernel (preprocess, sinks gradient, dQ postprocess).
 
 Importing this module imports no cutlass (the dispatch asks kernels' `unsupported_reason` through it on
 machines without the DSL); the functions that need it import it when called.
@@ -9,24 +10,29 @@ machines without the DSL); the functions that need it import it when called.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 KERNEL_DTYPES = ("bfloat16", "float16")
+LOG2_E = math.log2(math.e)
 MAX_GRID_Y_Z = 65535   # CUDA's limit on gridDim.y and gridDim.z (gridDim.x allows 2^31 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """The shapes and input type of one attention call: what a kernel decides on besides the
-    `AttentionConfig`. Shapes are [B, Sq, Hq, D], [B, Sk, Hkv, D], [B, Sk, Hkv, Dv]."""
+    `AttentionConfig`. Shapes are [B, Sq, Hq, D], [B, Sk, Hkv, D], [B, Sk, Hkv, Dv]; for a paged KV
+    cache (`fa4_jax.paged_attention`) key and value are the logical shapes, Sk = pages per sequence ·
+    page_size, and `page_size` is set (None: a contiguous cache)."""
 
     query: tuple
     key: tuple
     value: tuple
     dtype: str
+    page_size: Optional[int] = None
 
     @classmethod
     def of(cls, query, key, value) -> "Problem":
@@ -101,7 +107,27 @@ def grid_unsupported_reason(kernel_name: str, problem: Problem) -> Optional[str]
 def kernel_unsupported_reason(kernel_name: str, config, problem: Problem, head_dims) -> Optional[str]:
     """The checks every kernel's `unsupported_reason` starts with: dtypes and shapes, then the scale."""
     return (shape_unsupported_reason(kernel_name, problem, head_dims)
-            or scale_unsupported_reason(kernel_name, config))
+            or scale_unsupported_reason(kernel_name, config)
+            or key_offset_unsupported_reason(kernel_name, config))
+
+
+def q_start_unsupported_reason(kernel_name: str, config) -> Optional[str]:
+    """The sm90 kernels take q_start (rows at q_start + i, offset kv_len - q_total, a runtime int32[1]
+    operand, so one compiled kernel serves every shard and ring step). They count query lengths in
+    local rows, while q_seq_lengths with q_start are global: that combination stays on the reference."""
+    if config.has_q_start and config.has_q_seq_lengths:
+        return (f"{kernel_name} does not combine a sequence-sharded query (q_start) with q_seq_lengths; "
+                "pad with kv_seq_lengths only, or leave the query sequence unsplit")
+    return None
+
+
+def key_offset_unsupported_reason(kernel_name: str, config) -> Optional[str]:
+    """The kernels place keys at 0..kv_len-1. A ring step with sequence lengths needs its K/V chunk at a
+    global offset (kv_start); without lengths the context-parallel code folds that offset into q_start."""
+    if config.has_kv_start:
+        return (f"{kernel_name} does not take a key offset (kv_start: a ring-attention step combined with "
+                "q_seq_lengths / kv_seq_lengths); use context_parallel='all_gather' with sequence lengths")
+    return None
 
 
 def sm_count(default: int) -> int:
@@ -207,3 +233,93 @@ def launch_backward(kernel, options, inputs, key, value, dtype, dkv_accumulators
     results = cutlass_call(run, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
                            compile_key=compile_key)(*inputs)
     return results[0], results[-2], results[-1]
+
+
+# --------------------------------------------------------------------------------------------------
+# The backward's JAX side, shared by every backward kernel (sm90 and sm100): the preprocess, the
+# kernel call, the postprocess. `tile_m` is the kernel's query block, to which the row statistics pad.
+# --------------------------------------------------------------------------------------------------
+
+def backward_padded_rows(q_len, tile_m):
+    return ceil_div(q_len, tile_m) * tile_m
+
+
+def backward_preprocess(out, lse, d_out, d_lse, tile_m):
+    """dPsum [B, Hq, S_pad] = rowsum(dO * O) - d_lse and the LSE in the exp2 domain [B, Hq, S_pad] (+inf
+    where no key is visible, so that P = 0 there), padded to whole query blocks of `tile_m` rows."""
+    batch, q_len, heads, _ = out.shape
+    pad = backward_padded_rows(q_len, tile_m) - q_len
+    dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        dpsum = dpsum - d_lse.astype(jnp.float32)
+    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2_E).astype(jnp.float32)
+    dpsum = jnp.pad(dpsum, [(0, 0), (0, 0), (0, pad)])
+    lse_log2 = jnp.pad(lse_log2, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
+    return dpsum, lse_log2
+
+
+def sinks_gradient(sinks, lse, dpsum_unpadded):
+    """dsink_h = -sum_{b,i} exp(sink_h - lse_{b,h,i}) * dPsum_{b,h,i}."""
+    p_sink = jnp.exp(sinks[None, :, None] - lse)
+    p_sink = jnp.where(jnp.isneginf(lse), 0.0, p_sink)
+    return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
+
+
+def _fake_optional(name, batch, q_len, kv_len):
+    import cutlass
+
+    shape = {"q_segment_ids": (batch, q_len), "kv_segment_ids": (batch, kv_len), "q_seq_lengths": (batch,),
+             "kv_seq_lengths": (batch,), "q_start": (1,)}[name]
+    return fake_tensor(cutlass.Int32, shape)
+
+
+def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_accumulator_shape, tile_m,
+                            fp32_dkv: bool = False) -> list:
+    """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
+    `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
+    q_heads, head_dim)`, the semaphores, then dK, dV: in the input type, or fp32 accumulators with
+    `fp32_dkv`), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    import cutlass
+    from cutlass import Float32
+
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    element = cutlass_dtype(dtype_name)
+    padded = backward_padded_rows(q_len, tile_m)
+    present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
+               "q_seq_lengths": config.has_q_seq_lengths, "kv_seq_lengths": config.has_kv_seq_lengths,
+               "q_start": config.has_q_start}
+    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    fake = fake_tensor
+    return [
+        fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
+        fake(element, query_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
+        *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
+        fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
+        fake(cutlass.Int32, (batch, q_heads, padded // tile_m)) if config.deterministic else None,
+        *(fake(Float32 if fp32_dkv else element, key_shape) for _ in range(2)),
+    ]
+
+
+def run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional: dict, optional_inputs,
+                 dq_accumulator_shape, dq_rows, tile_m):
+    """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `launch_backward` (its inputs
+    after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
+    layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient.
+    With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here.
+    `options` (the kernel's compile key) has `scale`, `deterministic`, `has_sinks` and `head_splits`."""
+    batch, q_len, q_heads, head_dim = query.shape
+    d_out = d_out.astype(query.dtype)
+    dpsum, lse_log2 = backward_preprocess(out, lse, d_out, d_lse, tile_m)
+    padded = dpsum.shape[-1]
+    dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
+    semaphores = (jnp.zeros((batch, q_heads, padded // tile_m), jnp.int32) if options.deterministic else None)
+    inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
+              dq_accum, semaphores)
+    dq_accum, d_key, d_value = launch_backward(kernel, options, inputs, key, value, query.dtype,
+                                               dkv_accumulators=options.head_splits > 1)
+    d_key, d_value = d_key.astype(query.dtype), d_value.astype(query.dtype)   # no-ops unless accumulated
+    d_query = (dq_rows(dq_accum, q_len) * options.scale).astype(query.dtype)
+    d_sinks = None
+    if options.has_sinks:
+        d_sinks = sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
+    return d_query, d_key, d_value, d_sinks

@@ -12,6 +12,7 @@ import importlib
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.interpreters import mlir
 
 from fa4_jax.config import AttentionConfig
@@ -39,6 +40,10 @@ ROUTES = (
     Route(9, "backward", (64, 96, 128), "fa4_jax.kernels.sm90.backward"),
     Route(9, "backward", (192, 256), "fa4_jax.kernels.sm90.backward_large_heads"),
     Route(10, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm100.forward"),
+    Route(10, "backward", (64, 96, 128), "fa4_jax.kernels.sm100.backward"),
+    # Paged / short-query decode: mma.sync + cp.async only, the same code on sm_90 and sm_100.
+    Route(9, "decode", (64, 128, 256), "fa4_jax.kernels.sm90.decode"),
+    Route(10, "decode", (64, 128, 256), "fa4_jax.kernels.sm90.decode"),
 )
 
 _warned: set[str] = set()
@@ -74,22 +79,31 @@ def _route_reason(pass_: str, capability, problem: host.Problem):
                   f"not {problem.head_dim}")
 
 
+def _module_or_reason(pass_: str, config: AttentionConfig, problem: host.Problem):
+    """(the kernel module that takes this call, None) or (None, why none does)."""
+    route, reason = _route_reason(pass_, compute_capability(), problem)
+    if route is None:
+        return None, reason
+    try:
+        module = importlib.import_module(route.module)
+    except ImportError as error:
+        return None, f"the {pass_} kernel module {route.module} is not available ({error})"
+    reason = module.unsupported_reason(config, problem)
+    return (module, None) if reason is None else (None, reason)
+
+
 def kernel_for(pass_: str, config: AttentionConfig, query, key, value):
     """The kernel module to run, or None for the reference (after warning or raising as configured)."""
+    return kernel_for_problem(pass_, config, host.Problem.of(query, key, value))
+
+
+def kernel_for_problem(pass_: str, config: AttentionConfig, problem: host.Problem):
+    """`kernel_for` of a `Problem` (the paged decode describes its cache by one)."""
     if config.implementation == "reference":
         return None
-    problem = host.Problem.of(query, key, value)
-    route, reason = _route_reason(pass_, compute_capability(), problem)
-    module = None
-    if route is not None:
-        try:
-            module = importlib.import_module(route.module)
-        except ImportError as error:
-            reason = f"the {pass_} kernel module {route.module} is not available ({error})"
+    module, reason = _module_or_reason(pass_, config, problem)
     if module is not None:
-        reason = module.unsupported_reason(config, problem)
-        if reason is None:
-            return module
+        return module
     if config.implementation == "cute":
         raise NotImplementedError(
             f"implementation='cute' cannot run this attention {pass_} pass: {reason}. Change that option, or use "
@@ -101,8 +115,26 @@ def kernel_for(pass_: str, config: AttentionConfig, query, key, value):
     return None
 
 
+def decode_module_for_attention(config: AttentionConfig, problem: host.Problem):
+    """The decode kernel module when it takes this `attention` forward (a short query against a cache
+    with key lengths: the contiguous form of `paged_attention`, one page per sequence), else None."""
+    if config.implementation == "reference" or not config.has_kv_seq_lengths:
+        return None
+    module, _ = _module_or_reason("decode", config, problem)
+    return module
+
+
 def _forward_rule(ctx, *operands, config: AttentionConfig):
     query, key, value, _ = config.split_operands(ctx.avals_in)
+    decode = decode_module_for_attention(config, host.Problem.of(query, key, value))
+    if decode is not None:
+        decode_options = decode.options(config, host.Problem.of(query, key, value))
+
+        def decode_kernel(*arrays, config):
+            q, k, v, optional = config.split_operands(arrays)
+            tables = jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
+            return decode.run(decode_options, q, k, v, tables, optional["kv_seq_lengths"], optional.get("sinks"))
+        return mlir.lower_fun(decode_kernel, multiple_results=True)(ctx, *operands, config=config)
     module = kernel_for("forward", config, query, key, value)
     if module is None:
         return mlir.lower_fun(reference.forward, multiple_results=True)(ctx, *operands, config=config)

@@ -180,6 +180,7 @@ def apply_mask(
     local_row_start: cutlass.Int32,
     q_segments: Optional[cute.Tensor] = None,
     kv_segments: Optional[cute.Tensor] = None,
+    rows_per_position: cutlass.Constexpr = 1,
 ):
     """Set scores of invisible (row, key) pairs to -inf, in place.
 
@@ -187,9 +188,14 @@ def apply_mask(
     (rows, cols). row_start: position of the tile's first row (for the position rules);
     local_row_start: its index into q_segments (differs when Q is split on sequence).
     q_segments / kv_segments: 1-D global tensors of the current batch (with segments).
+    rows_per_position: tile rows that share one query position (the decode kernel packs the G query
+    heads of one key/value head into consecutive rows, row = position * G + head); row_start then
+    counts packed rows.
     """
     for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
         row = row_start + coords_mn[r, 0][0]
+        if cutlass.const_expr(rows_per_position > 1):
+            row = row // rows_per_position
         col_end = kv_len
         reach = shape.right_reach
         if cutlass.const_expr(reach is not None):

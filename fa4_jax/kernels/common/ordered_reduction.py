@@ -4,7 +4,8 @@ time, in a fixed order, so the sums round the same way on every run and dQ is bi
 Each (batch, query head, query block) tile has an int32 counter in global memory, zero at launch. A
 key block's dQ writer warp waits until the counter equals its turn (`wait_for_turn`), issues its bulk
 adds, and once they are complete in global memory passes the turn on (`finish_bulk_adds`). Without
-ordering the same writer only waits until the copy engine has read its staging buffer.
+ordering the same writer only waits until the copy engine has read its staging buffer. The sm100
+backward's dQ warpgroup adds with atomics and passes the turn with `finish_atomic_adds`.
 
 The turn order must be one in which a key block never waits for a CTA that cannot start before it:
 the kernels launch the key blocks of a head in turn order.
@@ -65,3 +66,15 @@ def finish_bulk_adds(flag, lane):
         if lane == 0:
             cute.arch.fence_acq_rel_gpu()
             cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+
+
+@cute.jit
+def finish_atomic_adds(flag, thread, threads):
+    """After every thread of the group `threads` (a named barrier; `thread` its index there) issued its
+    atomic adds of a tile in its turn: order them before the turn passes (each thread's fence, then the
+    barrier), and pass the tile's turn to the next visitor from thread 0. The sm100 backward's dQ
+    warpgroup adds with atomics instead of bulk copies."""
+    cute.arch.fence_acq_rel_gpu()
+    threads.arrive_and_wait()
+    if thread == 0:
+        cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")

@@ -22,8 +22,14 @@ Hand-offs per query tile i and key block j (mbarriers; the MMA warp signals with
   p_ready[i]     softmax i + corr. -> MMA   P_i(j) is in TMEM and O_i is rescaled: PV_i(j) may run
   o_full[i]      MMA -> correction    the last PV of the tile has landed
   stats_final[i] softmax i -> corr.   the row's 1/sum and LSE (OnlineSoftmax.finalize) in shared memory
+  stats_free[i]  corr. -> softmax i   the correction has read them: the next tile's may be written (a
+                                      tile of one key block gives no other order between the two)
 The MMA warp issues PV_i(j-1) before QK_i(j), so tcgen05's in-order execution keeps P_i(j-1) alive until
 the PV that reads it is done, and S_i's columns can be reused for P without another barrier.
+These barriers and pipelines, their stage and arrival counts, and each role's order of waits and arrives
+are stated once in forward_schedule.py: the kernel takes its counts from there and checks each role's
+synchronisation calls against it while it is traced (`self.protocol`), and tests/test_sm100_protocol.py
+replays it.
 
 The numerics (masks, online softmax with lazy rescaling, polynomial exp2, tile order) come from the shared
 building blocks that the sm_90 kernel runs on the H200; this module only adds the Blackwell data movement.
@@ -48,8 +54,11 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.common import masking, online_softmax, tile_scheduler
+from fa4_jax.kernels.common import masking, online_softmax, pipeline_schedule, tile_scheduler
+from fa4_jax.kernels.common.pipeline_schedule import (
+    ACQUIRE, ARRIVE, COMMIT, CONSUMER_WAIT, FLIP, MMA_COMMIT, RELEASE, WAIT)
 from fa4_jax.kernels.common.softcap import apply_softcap
+from fa4_jax.kernels.sm100.forward_schedule import forward_schedule
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 TMEM_COLUMNS = 512
@@ -152,6 +161,12 @@ class Sm100ForwardKernel:
         o_bytes = self.epi_stage * ROWS_PER_TILE * head_dim * element_bytes
         self.kv_stage = min(MAX_KV_STAGES, (SMEM_TILE_BUDGET - q_bytes - o_bytes) // kv_tile_bytes)
         assert self.kv_stage >= 2, (head_dim, self.kv_stage)
+        self.schedule = forward_schedule(self.q_stage, self.kv_stage, self.epi_stage,
+                                         q_tile_bytes=q_bytes // self.q_stage,
+                                         kv_tile_bytes=kv_tile_bytes)
+        self.protocol = pipeline_schedule.ProtocolTrace(self.schedule)
+        assert all(self.schedule.barrier(barrier.name).stages == self.q_stage
+                   for barrier in self.schedule.barriers)
 
         self.qk_mma_tiler = (ROWS_PER_TILE, self.n_block, head_dim)
         self.pv_mma_tiler = (ROWS_PER_TILE, head_dim, self.n_block)
@@ -239,17 +254,22 @@ class Sm100ForwardKernel:
             cpasync.CopyBulkTensorTileS2GOp(), o, o_smem_layout, epi_tile)
         self.q_tile_bytes = cute.size_in_bytes(self.dtype, q_smem_layout)
         self.kv_tile_bytes = cute.size_in_bytes(self.dtype, k_smem_layout)
+        assert self.q_tile_bytes == self.schedule.pipeline("load_q").tx_bytes
+        assert self.kv_tile_bytes == self.schedule.pipeline("load_kv").tx_bytes
+        schedule = self.schedule
 
         @cute.struct
         class SharedStorage:
-            load_q_mbar: cute.struct.MemRange[Int64, self.q_stage * 2]
-            load_kv_mbar: cute.struct.MemRange[Int64, self.kv_stage * 2]
-            epilogue_mbar: cute.struct.MemRange[Int64, self.epi_stage * 2]
-            s_full_mbar: cute.struct.MemRange[Int64, self.q_stage]
-            p_ready_mbar: cute.struct.MemRange[Int64, self.q_stage]
-            stats_ready_mbar: cute.struct.MemRange[Int64, self.q_stage]
-            stats_final_mbar: cute.struct.MemRange[Int64, self.q_stage]
-            o_full_mbar: cute.struct.MemRange[Int64, self.q_stage]
+            # A pipeline's full and empty barriers per stage.
+            load_q_mbar: cute.struct.MemRange[Int64, schedule.pipeline("load_q").stages * 2]
+            load_kv_mbar: cute.struct.MemRange[Int64, schedule.pipeline("load_kv").stages * 2]
+            epilogue_mbar: cute.struct.MemRange[Int64, schedule.pipeline("epilogue").stages * 2]
+            s_full_mbar: cute.struct.MemRange[Int64, schedule.barrier("s_full").stages]
+            p_ready_mbar: cute.struct.MemRange[Int64, schedule.barrier("p_ready").stages]
+            stats_ready_mbar: cute.struct.MemRange[Int64, schedule.barrier("stats_ready").stages]
+            stats_final_mbar: cute.struct.MemRange[Int64, schedule.barrier("stats_final").stages]
+            stats_free_mbar: cute.struct.MemRange[Int64, schedule.barrier("stats_free").stages]
+            o_full_mbar: cute.struct.MemRange[Int64, schedule.barrier("o_full").stages]
             tmem_address: Int32
             row_scale: cute.struct.MemRange[Float32, self.q_stage * ROWS_PER_TILE]
             row_stats: cute.struct.MemRange[Float32, self.q_stage * ROWS_PER_TILE * 2]
@@ -302,43 +322,32 @@ class Sm100ForwardKernel:
         o_smem_layout_staged: cute.ComposedLayout,
         seqlen_q: Int32, seqlen_k: Int32, num_q_heads: Int32, batch: Int32, num_m_blocks: Int32,
     ):
+        self.protocol.start()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.load_warp_id:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
-        load_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        load_q_producer, load_q_consumer = pipeline.PipelineTmaUmma.create(
-            num_stages=self.q_stage, producer_group=load_warp, consumer_group=mma_warp,
-            tx_count=self.q_tile_bytes, barrier_storage=storage.load_q_mbar.data_ptr(),
-            defer_sync=True).make_participants()
+        schedule = self.schedule
+        load_q_producer, load_q_consumer = self.make_pipeline("load_q", storage.load_q_mbar)
         # K and V tiles alternate through one ring (same size since d_v = d).
-        load_kv_producer, load_kv_consumer = pipeline.PipelineTmaUmma.create(
-            num_stages=self.kv_stage, producer_group=load_warp, consumer_group=mma_warp,
-            tx_count=self.kv_tile_bytes, barrier_storage=storage.load_kv_mbar.data_ptr(),
-            defer_sync=True).make_participants()
-        epilogue_producer, epilogue_consumer = pipeline.PipelineAsync.create(
-            num_stages=self.epi_stage,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, THREADS_PER_WARP * len(self.correction_warp_ids)),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WARP),
-            barrier_storage=storage.epilogue_mbar.data_ptr(), defer_sync=True).make_participants()
+        load_kv_producer, load_kv_consumer = self.make_pipeline("load_kv", storage.load_kv_mbar)
+        epilogue_producer, epilogue_consumer = self.make_pipeline("epilogue", storage.epilogue_mbar)
 
         s_full = storage.s_full_mbar.data_ptr()
         p_ready = storage.p_ready_mbar.data_ptr()
         stats_ready = storage.stats_ready_mbar.data_ptr()
         stats_final = storage.stats_final_mbar.data_ptr()
+        stats_free = storage.stats_free_mbar.data_ptr()
         o_full = storage.o_full_mbar.data_ptr()
         if warp_idx == self.mma_warp_id:
             with cute.arch.elect_one():
                 for stage in cutlass.range_constexpr(self.q_stage):
-                    cute.arch.mbarrier_init(s_full + stage, 1)
-                    cute.arch.mbarrier_init(o_full + stage, 1)
-                    cute.arch.mbarrier_init(p_ready + stage, 2 * ROWS_PER_TILE)
-                    cute.arch.mbarrier_init(stats_ready + stage, ROWS_PER_TILE)
-                    cute.arch.mbarrier_init(stats_final + stage, ROWS_PER_TILE)
+                    for name, barrier in (("s_full", s_full), ("o_full", o_full), ("p_ready", p_ready),
+                                          ("stats_ready", stats_ready), ("stats_final", stats_final),
+                                          ("stats_free", stats_free)):
+                        cute.arch.mbarrier_init(barrier + stage, schedule.barrier(name).arrivals)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -383,7 +392,7 @@ class Sm100ForwardKernel:
                 self.tmem_ready_barrier.arrive_and_wait()
                 tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_address)
                 self.softmax_role(stage, tmem, qk_thr_mma, row_scale, row_stats, s_full, p_ready,
-                                  stats_ready, stats_final, problem, optional)
+                                  stats_ready, stats_final, stats_free, problem, optional)
             else:
                 cute.arch.setmaxregister_decrease(self.registers_other)
                 self.tmem_ready_barrier.arrive_and_wait()
@@ -394,13 +403,27 @@ class Sm100ForwardKernel:
             self.tmem_ready_barrier.arrive_and_wait()
             tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_address)
             self.correction_role(pv_thr_mma, tmem, sO, sLSE, row_scale, row_stats,
-                                 p_ready, stats_ready, stats_final, o_full, epilogue_producer,
-                                 problem, optional)
+                                 p_ready, stats_ready, stats_final, stats_free, o_full,
+                                 epilogue_producer, problem, optional)
             # The correction warpgroup is the last TMEM reader: free it once all four warps are done.
             self.correction_barrier.arrive_and_wait()
             if warp_idx == self.correction_warp_ids[0]:
                 cute.arch.relinquish_tmem_alloc_permit()
                 cute.arch.dealloc_tmem(tmem, self.tmem_columns_allocated)
+        self.protocol.check_finished()
+
+    def make_pipeline(self, name: str, barrier_storage):
+        """(producer, consumer) of the schedule's pipeline `name`, its barriers in `barrier_storage`."""
+        description = self.schedule.pipeline(name)
+        groups = dict(
+            num_stages=description.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, description.producer_arrivals),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, description.consumer_arrivals),
+            barrier_storage=barrier_storage.data_ptr(), defer_sync=True)
+        if description.kind == pipeline_schedule.TMA_UMMA:
+            return pipeline.PipelineTmaUmma.create(
+                tx_count=description.tx_bytes, **groups).make_participants()
+        return pipeline.PipelineAsync.create(**groups).make_participants()
 
     # ------------------------------------------------------------------------------------------
     # Work decomposition, walked identically by every role (fa4_jax.kernels.tile_scheduler, masking)
@@ -456,8 +479,10 @@ class Sm100ForwardKernel:
             tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
             cute.group_modes(tOgV, 0, 3))
 
+        self.protocol.begin("load")
         num_tiles = num_m_blocks * num_q_heads * batch
         tile_index = cute.arch.block_idx()[0]
+        self.protocol.loop("load", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
             head_batch = self.head_batch_coordinate(head, batch_index)
@@ -466,23 +491,32 @@ class Sm100ForwardKernel:
             tKgK_tile = tKgK[None, None, 0, head_batch]
             tVgV_tile = tVgV[None, 0, None, head_batch]
             for stage in cutlass.range_constexpr(self.q_stage):
+                self.protocol.expect("load", ACQUIRE, "load_q")
                 handle = q_producer.acquire_and_advance()
                 cute.copy(tma_atom_q, tQgQ_tile[None, m_block * self.q_stage + stage],
                           tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
+            self.protocol.expect("load", ACQUIRE, "load_kv")
             handle = kv_producer.acquire_and_advance()
             cute.copy(tma_atom_k, tKgK_tile[None, n_min], tKsK[None, handle.index],
                       tma_bar_ptr=handle.barrier)
+            self.protocol.loop("load", "blocks")
             for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
+                self.protocol.expect("load", ACQUIRE, "load_kv")
                 handle = kv_producer.acquire_and_advance()
                 cute.copy(tma_atom_k, tKgK_tile[None, n_block], tKsK[None, handle.index],
                           tma_bar_ptr=handle.barrier)
+                self.protocol.expect("load", ACQUIRE, "load_kv")
                 handle = kv_producer.acquire_and_advance()
                 cute.copy(tma_atom_v, tVgV_tile[None, n_block - 1], tVsV[None, handle.index],
                           tma_bar_ptr=handle.barrier)
+            self.protocol.end("load", "blocks")
+            self.protocol.expect("load", ACQUIRE, "load_kv")
             handle = kv_producer.acquire_and_advance()
             cute.copy(tma_atom_v, tVgV_tile[None, n_max - 1], tVsV[None, handle.index],
                       tma_bar_ptr=handle.barrier)
             tile_index += cute.arch.grid_dim()[0]
+        self.protocol.end("load", "tiles")
+        self.protocol.finish("load")
 
     # ------------------------------------------------------------------------------------------
     # MMA warp: PV_i(j-1) then QK_i(j) per query tile, all from one thread
@@ -523,54 +557,79 @@ class Sm100ForwardKernel:
         tOrV = pv_thr_mma.make_fragment_B(sV)
         tStS, tOtO, tOrP = self.tmem_tensors(qk_thr_mma, pv_thr_mma, tmem, p_tmem_layout)
 
+        self.protocol.begin("mma")
         p_ready_phase = Int32(0)
         num_tiles = num_m_blocks * num_q_heads * batch
         tile_index = cute.arch.block_idx()[0]
+        self.protocol.loop("mma", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
             n_min, n_max = self.tile_bounds(m_block, batch_index, problem, optional)[4:]
-            q_handles = [q_consumer.wait_and_advance() for _ in range(self.q_stage)]
+            q_handles = []
+            for stage in cutlass.range_constexpr(self.q_stage):
+                self.protocol.expect("mma", CONSUMER_WAIT, "load_q")
+                q_handles.append(q_consumer.wait_and_advance())
+            self.protocol.expect("mma", CONSUMER_WAIT, "load_kv")
             k_handle = kv_consumer.wait_and_advance()
             for stage in cutlass.range_constexpr(self.q_stage):
                 self.gemm(qk_tiled_mma, tStS[stage], tSrQ[None, None, None, q_handles[stage].index],
                           tSrK[None, None, None, k_handle.index], False)
+                self.protocol.expect("mma", MMA_COMMIT, "s_full", stage)
                 with cute.arch.elect_one():
                     tcgen05.commit(s_full + stage)
+            self.protocol.expect("mma", RELEASE, "k")
             k_handle.release()
+            self.protocol.loop("mma", "blocks")
             for n_block in cutlass.range(n_min + 1, n_max, unroll=1):
+                self.protocol.expect("mma", CONSUMER_WAIT, "load_kv")
                 k_handle = kv_consumer.wait_and_advance()
+                self.protocol.expect("mma", CONSUMER_WAIT, "load_kv")
                 v_handle = kv_consumer.wait_and_advance()
                 for stage in cutlass.range_constexpr(self.q_stage):
+                    self.protocol.expect("mma", WAIT, "p_ready", stage)
                     cute.arch.mbarrier_wait(p_ready + stage, p_ready_phase)
                     self.gemm(pv_tiled_mma, tOtO[stage], tOrP[stage],
                               tOrV[None, None, None, v_handle.index], n_block > n_min + 1)
                     self.gemm(qk_tiled_mma, tStS[stage],
                               tSrQ[None, None, None, q_handles[stage].index],
                               tSrK[None, None, None, k_handle.index], False)
+                    self.protocol.expect("mma", MMA_COMMIT, "s_full", stage)
                     with cute.arch.elect_one():
                         tcgen05.commit(s_full + stage)
+                self.protocol.expect("mma", FLIP, "p_ready_phase")
                 p_ready_phase ^= 1
+                self.protocol.expect("mma", RELEASE, "k")
                 k_handle.release()
+                self.protocol.expect("mma", RELEASE, "v")
                 v_handle.release()
+            self.protocol.end("mma", "blocks")
+            self.protocol.expect("mma", CONSUMER_WAIT, "load_kv")
             v_handle = kv_consumer.wait_and_advance()
             for stage in cutlass.range_constexpr(self.q_stage):
+                self.protocol.expect("mma", WAIT, "p_ready", stage)
                 cute.arch.mbarrier_wait(p_ready + stage, p_ready_phase)
                 self.gemm(pv_tiled_mma, tOtO[stage], tOrP[stage],
                           tOrV[None, None, None, v_handle.index], n_max - n_min > 1)
+                self.protocol.expect("mma", MMA_COMMIT, "o_full", stage)
                 with cute.arch.elect_one():
                     tcgen05.commit(o_full + stage)
+            self.protocol.expect("mma", FLIP, "p_ready_phase")
             p_ready_phase ^= 1
+            self.protocol.expect("mma", RELEASE, "v")
             v_handle.release()
-            for handle in q_handles:
+            for stage, handle in enumerate(q_handles):
+                self.protocol.expect("mma", RELEASE, f"q{stage}")
                 handle.release()
             tile_index += cute.arch.grid_dim()[0]
+        self.protocol.end("mma", "tiles")
+        self.protocol.finish("mma")
 
     # ------------------------------------------------------------------------------------------
     # Softmax warpgroups: S (TMEM) -> registers -> mask, online softmax -> P (TMEM), a row per thread
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def softmax_role(self, stage: Int32, tmem, qk_thr_mma, row_scale, row_stats, s_full, p_ready,
-                     stats_ready, stats_final, problem, optional):
+                     stats_ready, stats_final, stats_free, problem, optional):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
         mSinks, mQSegmentIds, mKVSegmentIds = optional.sinks, optional.q_segment_ids, optional.kv_segment_ids
         row = cute.arch.thread_idx()[0] % ROWS_PER_TILE
@@ -604,9 +663,14 @@ class Sm100ForwardKernel:
         scale_rows = cute.make_rmem_tensor(1, Float32)
         lse_rows = cute.make_rmem_tensor(1, Float32)
         output_scale = cute.make_rmem_tensor(1, Float32)
+        # One copy of this code runs every query tile's softmax (`stage` is dynamic): it is checked
+        # against softmax0's program, which differs from the others' only in the stage.
+        self.protocol.begin("softmax0")
         s_full_phase = Int32(0)
+        stats_free_phase = Int32(1)  # the first tile has no previous row_stats to wait for
         num_tiles = num_m_blocks * num_q_heads * batch
         tile_index = cute.arch.block_idx()[0]
+        self.protocol.loop("softmax0", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
             row_start, q_len, kv_len, offset, n_min, n_max = self.tile_bounds(
@@ -619,8 +683,11 @@ class Sm100ForwardKernel:
                 q_segments = mQSegmentIds[batch_index, None]
                 kv_segments = mKVSegmentIds[batch_index, None]
             online_softmax.OnlineSoftmax.reset(row_max, row_sum)
+            self.protocol.loop("softmax0", "blocks")
             for n_block in cutlass.range(n_min, n_max, unroll=1):
+                self.protocol.expect("softmax0", WAIT, "s_full", stage)
                 cute.arch.mbarrier_wait(s_full + stage, s_full_phase)
+                self.protocol.expect("softmax0", FLIP, "s_full_phase")
                 s_full_phase ^= 1
                 tLrS = cute.make_rmem_tensor(tLcS.shape, Float32)
                 cute.copy(tiled_load, tLtS, tLrS)
@@ -640,14 +707,22 @@ class Sm100ForwardKernel:
                     self.softmax.step(scores_mn, row_max, row_sum, scale_rows)
                     self.hand_over_p(tLrS, tiled_store, tSTtP, tSTcP, scale_rows, row_scale, row,
                                      stage, stats_ready, p_ready)
+            self.protocol.end("softmax0", "blocks")
             sink_logit = None
             if const_expr(self.options.has_sinks):
                 sink_logit = Float32(mSinks[head])
             self.softmax.finalize(row_max, row_sum, sink_logit, lse_rows, output_scale)
+            self.protocol.expect("softmax0", WAIT, "stats_free", stage)
+            cute.arch.mbarrier_wait(stats_free + stage, stats_free_phase)
+            self.protocol.expect("softmax0", FLIP, "stats_free_phase")
+            stats_free_phase ^= 1
             row_stats[row, 0, stage] = output_scale[0]
             row_stats[row, 1, stage] = lse_rows[0]
+            self.protocol.expect("softmax0", ARRIVE, "stats_final", stage)
             cute.arch.mbarrier_arrive(stats_final + stage)
             tile_index += cute.arch.grid_dim()[0]
+        self.protocol.end("softmax0", "tiles")
+        self.protocol.finish("softmax0")
 
     @cute.jit
     def hand_over_p(self, tLrS, tiled_store, tSTtP, tSTcP, scale_rows, row_scale, row, stage,
@@ -657,6 +732,7 @@ class Sm100ForwardKernel:
         Called inside each branch of the softmax (masked / unmasked block) rather than after their
         join, where ptxas would have to reconcile two register assignments of the row's scores."""
         row_scale[row, stage] = scale_rows[0]
+        self.protocol.expect("softmax0", ARRIVE, "stats_ready", stage)
         cute.arch.mbarrier_arrive(stats_ready + stage)
         # Convert and store P a 32-score chunk at a time, so each chunk's fp32 registers die as soon
         # as its packed half is in TMEM.
@@ -667,6 +743,7 @@ class Sm100ForwardKernel:
                              scores.layout).store(scores.load().to(self.dtype))
             cute.copy(tiled_store, packed, tSTtP[None, None, k])
         cute.arch.fence_view_async_tmem_store()
+        self.protocol.expect("softmax0", ARRIVE, "p_ready", stage)
         cute.arch.mbarrier_arrive(p_ready + stage)
 
     # ------------------------------------------------------------------------------------------
@@ -674,7 +751,8 @@ class Sm100ForwardKernel:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def correction_role(self, pv_thr_mma, tmem, sO, sLSE, row_scale, row_stats, p_ready,
-                        stats_ready, stats_final, o_full, epilogue_producer, problem, optional):
+                        stats_ready, stats_final, stats_free, o_full, epilogue_producer, problem,
+                        optional):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
         row = cute.arch.thread_idx()[0] % ROWS_PER_TILE
         o_layout = pv_thr_mma.make_fragment_C(
@@ -697,15 +775,19 @@ class Sm100ForwardKernel:
         tSStO = tiled_slice_store.get_slice(row).partition_D(tOtO_slice)
         scale_rows = cute.make_rmem_tensor(1, Float32)
 
+        self.protocol.begin("correction")
         stats_phase = Int32(0)
         final_phase = Int32(0)
         num_tiles = num_m_blocks * num_q_heads * batch
         tile_index = cute.arch.block_idx()[0]
+        self.protocol.loop("correction", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
             n_min, n_max = self.tile_bounds(m_block, batch_index, problem, optional)[4:]
+            self.protocol.loop("correction", "blocks")
             for step in cutlass.range(n_max - n_min, unroll=1):
                 for stage in cutlass.range_constexpr(self.q_stage):
+                    self.protocol.expect("correction", WAIT, "stats_ready", stage)
                     cute.arch.mbarrier_wait(stats_ready + stage, stats_phase)
                     scale_rows[0] = row_scale[row, stage]
                     # The first block's PV overwrites O, so there is nothing to rescale yet; later,
@@ -724,21 +806,33 @@ class Sm100ForwardKernel:
                             cute.copy(tiled_slice_store, values, cute.make_tensor(
                                 tSStO.iterator + column, tSStO.layout))
                         cute.arch.fence_view_async_tmem_store()
+                    self.protocol.expect("correction", ARRIVE, "p_ready", stage)
                     cute.arch.mbarrier_arrive(p_ready + stage)
+                self.protocol.expect("correction", FLIP, "stats_phase")
                 stats_phase ^= 1
+            self.protocol.end("correction", "blocks")
             for stage in cutlass.range_constexpr(self.q_stage):
+                self.protocol.expect("correction", WAIT, "stats_final", stage)
                 cute.arch.mbarrier_wait(stats_final + stage, final_phase)
                 output_scale = row_stats[row, 0, stage]
                 lse = row_stats[row, 1, stage]
+                self.protocol.expect("correction", ARRIVE, "stats_free", stage)
+                cute.arch.mbarrier_arrive(stats_free + stage)
+                self.protocol.expect("correction", WAIT, "o_full", stage)
                 cute.arch.mbarrier_wait(o_full + stage, final_phase)
+                self.protocol.expect("correction", ACQUIRE, "epilogue")
                 handle = epilogue_producer.acquire_and_advance()
                 self.write_output_tile(pv_thr_mma, tOtO[stage], sO[None, None, handle.index],
                                        output_scale, row)
                 sLSE[row, handle.index] = lse
                 cute.arch.fence_view_async_shared()
+                self.protocol.expect("correction", COMMIT, "o")
                 handle.commit()
+            self.protocol.expect("correction", FLIP, "final_phase")
             final_phase ^= 1
             tile_index += cute.arch.grid_dim()[0]
+        self.protocol.end("correction", "tiles")
+        self.protocol.finish("correction")
 
     @cute.jit
     def write_output_tile(self, pv_thr_mma, tOtO, sO_stage, output_scale, row):
@@ -776,8 +870,10 @@ class Sm100ForwardKernel:
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
         lane = cute.arch.lane_idx()
         gO = cute.flat_divide(tma_o, (ROWS_PER_TILE, self.head_dim))
+        self.protocol.begin("epilogue")
         num_tiles = num_m_blocks * num_q_heads * batch
         tile_index = cute.arch.block_idx()[0]
+        self.protocol.loop("epilogue", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
             gO_tile = gO[None, None, None, 0, self.head_batch_coordinate(head, batch_index)]
@@ -785,6 +881,7 @@ class Sm100ForwardKernel:
                 tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
                 cute.group_modes(gO_tile, 0, 2))
             for stage in cutlass.range_constexpr(self.q_stage):
+                self.protocol.expect("epilogue", CONSUMER_WAIT, "epilogue")
                 handle = epilogue_consumer.wait_and_advance()
                 # One lane issues the bulk store (every lane would store the tile again). The buffer
                 # is free once all 32 lanes released it, the last being that lane after its wait.
@@ -799,8 +896,11 @@ class Sm100ForwardKernel:
                         mLSE[batch_index, head, tile_row + local_row] = sLSE[local_row, handle.index]
                 with cute.arch.elect_one():
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+                self.protocol.expect("epilogue", RELEASE, "o")
                 handle.release()
             tile_index += cute.arch.grid_dim()[0]
+        self.protocol.end("epilogue", "tiles")
+        self.protocol.finish("epilogue")
 
 
 # --------------------------------------------------------------------------------------------------

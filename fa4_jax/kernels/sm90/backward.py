@@ -1,6 +1,6 @@
 """Hopper (sm_90a) attention backward for head dims 64, 96 and 128: dQ, dK, dV in CuTe DSL.
 
-The preprocess, the launch and the postprocess are backward_common's; this kernel
+The preprocess, the launch and the postprocess are kernels/host.py's; this kernel
 (`Sm90BackwardKernel`): one CTA per (key block, KV head, batch) keeps its K and V tiles in shared
 memory and its dK, dV accumulators in registers while it walks the query blocks of every query head
 of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE, dP^T = V dO^T,
@@ -51,6 +51,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
@@ -92,6 +93,17 @@ class Tuning:
       its query heads and adding fp32 partial dK / dV (the module docstring says how). None:
       `head_splits_for` chooses (in `options`, where the shapes are known); a number forces it
       (benchmark sweeps, tests). It changes the fp32 summation order of dK and dV too.
+    query_rows: query rows per block (the GEMMs' N for S^T / dP^T, K for dV / dK, M for dQ): 64, or
+      128 where registers and shared memory allow it (D = 64 without softcap, segment ids or head
+      splits), which halves the per-block fixed costs (barrier hand-offs, pipeline waits, row
+      statistics) per FLOP. None: `query_rows_for` chooses (in `options`).
+    flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
+      by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
+      takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
+      fp32 accumulator kept in that order ([B, Hq, query block, rows x D], `backward_common.dq_from_fragments`
+      reads it back), instead of two TMA tensor reduces into a [B, Sq, Hq, D] accumulator.
+      Measured 1.03-1.06x at D = 128 and 1.03-1.07x at D = 64 over the tiled staging (H200, rev
+      82798e2, docs/sm90_backward_tuning.md); False keeps the tiled path for comparison.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -105,6 +117,8 @@ class Tuning:
     per_thread_query_release: bool = False
     head_splits: Optional[int] = None
     key_blocks_outer: bool = False
+    query_rows: Optional[int] = None
+    flat_dq: bool = True
 
 
 DEFAULT_TUNING = Tuning()
@@ -112,7 +126,14 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    return backward_common.unsupported_reason("sm90 backward", config, problem, SUPPORTED_HEAD_DIMS)
+    reason = backward_common.unsupported_reason("sm90 backward", config, problem, SUPPORTED_HEAD_DIMS)
+    if reason is None and config.has_q_start:
+        # On the H200 (rev 82798e2, tests/test_context_parallel_gpu.py) the per-shard backward calls
+        # gave dQ right and dK wrong (up to 2x max |dK|) in all four ring / all-gather cases, while
+        # the forward with q_start matched: the backward keeps the reference until that is found.
+        reason = ("sm90 backward does not yet compute dK correctly for a sequence-sharded query (q_start); "
+                  "the forward kernel takes it")
+    return reason
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -139,7 +160,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # and tma_dkv_store each make ptxas spill (D = 128: 148/92, 36/8 and 48 bytes), so those
         # configurations take none of them.
         register_bound = options.softcap is not None or options.has_segment_ids
-        self.early_dv = tuning.early_dv and not register_bound
+        self.tile_m = tuning.query_rows or backward_common.TILE_M
+        # At 128 query rows S^T, dP^T, dK and dV take 192 registers already: early dV's live P^T
+        # operand on top makes ptxas serialize the wgmmas (and spill), so it waits for dS there.
+        self.early_dv = tuning.early_dv and not register_bound and self.tile_m == backward_common.TILE_M
+        # dQ staged while dK runs keeps dQ, dS^T and dK, dV live together: ptxas spills 8 bytes
+        # (the sm_90a compile grid) with softcap or segment ids, and with head splits and no mask.
+        masked = options.causal or options.window_left is not None or options.window_right is not None
+        self.stage_dq_under_dk = not register_bound and (options.head_splits == 1 or masked)
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
@@ -217,6 +245,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # (128 bytes where D/2 allows) so the accumulator stores do not conflict on banks.
         dq_layout = k_major_layout(Float32, self.tile_m, d // 2, (2, DQ_BUFFERS),
                                    swizzle_columns(d // 2, 32))
+        if const_expr(self.tuning.flat_dq):
+            dq_layout = cute.make_layout((self.tile_m * d, DQ_BUFFERS))
         return q_layout, k_layout, v_layout, ds_layout, dq_layout
 
     def _dkv_partial_layout(self):
@@ -229,9 +259,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                  mQStart, mdQacc, mSemaphores, mdK, mdV):
         # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
         qkv_order = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
+        mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=qkv_order))
-            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+            for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        if const_expr(not self.tuning.flat_dq):      # flat: [B, Hq, query block, rows x D] as it is
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=qkv_order))
         # Row statistics [B, H, S_pad] -> (S_pad, H, B).
         mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                         for t in (mLSE, mdPsum)]
@@ -248,9 +280,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             cpasync.CopyBulkTensorTileG2SOp(), mK, k_layout, (self.tile_n, self.head_dim))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mV, v_layout, (self.tile_n, self.head_dim))
-        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
-            (self.tile_m, self.head_dim // 2))
+        tma_dq, tma_mdQ = None, mdQacc
+        if const_expr(not self.tuning.flat_dq):
+            tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
+                (self.tile_m, self.head_dim // 2))
         tma_dk, tma_mdK, tma_dv, tma_mdV = None, None, None, None
         if const_expr(self.head_splits > 1):
             # mdK, mdV are the fp32 accumulators the CTAs of a head split add their partials into.
@@ -326,7 +360,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
-        sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
+        if const_expr(self.tuning.flat_dq):
+            sdQ = storage.sdQ.get_tensor(dq_layout)
+        else:
+            sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
         sLSE = None
         sdPsum = None
         if const_expr(self.staged_row_stats):
@@ -466,7 +503,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                     lse[r] = mLSE[row_base + coords_qk[r, 0][0], q_head, batch]
 
             warpgroup.wait_group(1)
-            self._probabilities(acc_s, scores, coords_qk, lse, n_block, q_start + row_base, row_base,
+            self.numerics.probabilities(acc_s, scores, coords_qk, lse, n_block, q_start + row_base, row_base,
                                 key_base, kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
 
             # early_dv: dV += P^T dO runs on the tensor cores while dS is computed.
@@ -488,7 +525,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.wait_group(1)            # dP^T done; dV may still run
             else:
                 warpgroup.wait_group(0)
-            self._ds_over_dp(scores, query_major_view(acc_dp), dpsum, lse)
+            self.numerics.ds_over_dp(scores, query_major_view(acc_dp), dpsum, lse)
 
             # P^T and dS^T as bf16/fp16 A operands (same register order as the accumulator).
             if const_expr(not self.early_dv):
@@ -501,8 +538,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.commit_group()
             cute.autovec_copy(cute.make_tensor(frag_ds.iterator, acc_dp.layout),
                               tdSsdS[None, None, None, ds_stage])
-            gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
-            warpgroup.commit_group()
+            if const_expr(not self.stage_dq_under_dk):
+                gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
+                warpgroup.commit_group()
 
             # dS complete in shared memory (both warp groups) before dQ = dS K reads it.
             cute.arch.fence_view_async_shared()
@@ -510,6 +548,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, d)), Float32)
             gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
             warpgroup.commit_group()
+            if const_expr(self.stage_dq_under_dk):
+                # dK after dQ, so that dQ is staged for the writer warp while the tensor cores compute
+                # dK (staged after both, the stores ran with the tensor cores idle: 2-6 % at D = 128).
+                gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
+                dq_state.advance()
             warpgroup.wait_group(0)
             if const_expr(self.tuning.per_thread_query_release):
                 # PipelineTmaAsync releases from lane 0 of each warp only: arrive from every thread.
@@ -517,15 +563,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             else:
                 query_pipe.consumer_release(query_state)
             query_state.advance()
-
-            # Stage this block's dQ for the writer warp; wait only for a free buffer. The two
-            # [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2).
-            dq_pipe.producer_acquire(dq_state)
-            staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
-            cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
-            cute.arch.fence_proxy("async.shared", space="cta")
-            dq_pipe.producer_commit(dq_state)
-            dq_state.advance()
+            if const_expr(not self.stage_dq_under_dk):
+                self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
+                dq_state.advance()
 
         if const_expr(self.head_splits > 1):
             self._add_dkv_partials(acc_dK, acc_dV, sQ, sK, *dkv_store, thr_dkv, n_block, kv_head, batch,
@@ -535,6 +575,22 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                                 tidx)
         else:
             self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
+
+    @cute.jit
+    def _stage_dq(self, acc_dq, sdQ, thr_dq, dq_pipe, dq_state):
+        """Stage this block's dQ for the writer warp; wait only for a free buffer. The two
+        [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2)."""
+        dq_pipe.producer_acquire(dq_state)
+        if const_expr(self.tuning.flat_dq):
+            chunks = cute.size(acc_dq) // 4
+            staging = backward_common.register_order_staging(
+                sdQ[None, dq_state.index].iterator, cute.arch.thread_idx()[0] - WARP_GROUP, chunks)
+            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, chunks))), staging)
+        else:
+            staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
+            cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        dq_pipe.producer_commit(dq_state)
 
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
@@ -570,12 +626,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
-            gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
-                                  (self.tile_m, self.head_dim // 2), (m_block, None))
-            tdQsdQ, tdQgdQ = cpasync.tma_partition(
-                tma_dq, 0, cute.make_layout(1),
-                cute.group_modes(sdQ[None, None, None, dq_state.index], 0, 2),
-                cute.group_modes(gdQ, 0, 2))
+            tdQsdQ, tdQgdQ = None, None
+            if const_expr(not self.tuning.flat_dq):
+                gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
+                                      (self.tile_m, self.head_dim // 2), (m_block, None))
+                tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                    tma_dq, 0, cute.make_layout(1),
+                    cute.group_modes(sdQ[None, None, None, dq_state.index], 0, 2),
+                    cute.group_modes(gdQ, 0, 2))
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
@@ -583,8 +641,15 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                     self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n,
                     kv_len, offset, highest_first=True)
                 flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), turn, lane)
-            for half in cutlass.range_constexpr(2):
-                cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
+            if const_expr(self.tuning.flat_dq):
+                if lane == 0:
+                    destination = mdQ_tma.iterator + cute.crd2idx((batch, q_head, m_block, 0), mdQ_tma.layout)
+                    primitives.cp_reduce_async_bulk_global_shared_cta(
+                        destination, sdQ[None, dq_state.index].iterator, self.tile_m * self.head_dim * 4,
+                        op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32)
+            else:
+                for half in cutlass.range_constexpr(2):
+                    cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
             cute.arch.cp_async_bulk_commit_group()
             ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
@@ -672,6 +737,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     kernel or CUDA's grid cannot take raises ValueError."""
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
+    if head_splits is None and (tuning.query_rows or backward_common.TILE_M) > backward_common.TILE_M:
+        head_splits = 1        # wide query blocks stage no fp32 dK / dV partials (query_rows_reason)
     if head_splits is None:
         head_splits = head_splits_for(problem.batch, problem.kv_heads, problem.group, problem.q_len,
                                       problem.kv_len, host.sm_count(DEFAULT_SM_COUNT), config.deterministic,
@@ -680,7 +747,45 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
                                 problem.kv_len, key_blocks_outer)
     if reason is not None:
         raise ValueError(reason)
-    return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None), head_splits)
+    register_bound = config.softcap is not None or config.has_segment_ids
+    query_rows = tuning.query_rows
+    if query_rows is None:
+        query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
+    reason = query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound)
+    if reason is not None:
+        raise ValueError(reason)
+    return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows),
+                              head_splits)
+
+
+WIDE_QUERY_ROWS = 128
+QUERY_ROWS = (backward_common.TILE_M, WIDE_QUERY_ROWS)
+WIDE_QUERY_HEAD_DIMS = (64,)     # where 128 query rows fit: [128 x 128] S^T and dP^T beside dK, dV
+
+
+def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int:
+    """Query rows per block when `Tuning.query_rows` is None (`register_bound`: softcap or segment ids):
+    128 wherever the kernel takes it (measured 1.07-1.11x the 64-row kernel at D = 64 on the H200,
+    deterministic 1.2-1.3x; docs/sm90_backward_tuning.md), else 64."""
+    if query_rows_reason(WIDE_QUERY_ROWS, head_dim, head_splits, register_bound) is None:
+        return WIDE_QUERY_ROWS
+    return backward_common.TILE_M
+
+
+def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool) -> Optional[str]:
+    """Why the kernel cannot take `query_rows` query rows per block, or None."""
+    if query_rows not in QUERY_ROWS:
+        return f"query_rows={query_rows} must be one of {QUERY_ROWS}"
+    if query_rows > backward_common.TILE_M and register_bound:
+        return (f"query_rows={query_rows} does not combine with softcap or segment ids: their per-row "
+                "statistics in registers make ptxas spill (D = 64: 352 bytes)")
+    if query_rows > backward_common.TILE_M and head_dim not in WIDE_QUERY_HEAD_DIMS:
+        return (f"query_rows={query_rows} fits registers and shared memory at head dims {WIDE_QUERY_HEAD_DIMS} "
+                f"only (got {head_dim})")
+    if query_rows > backward_common.TILE_M and head_splits > 1:
+        return (f"query_rows={query_rows} does not combine with head_splits={head_splits}: the fp32 dK / dV "
+                "partials are staged over Q / dO rings sized for 64 rows")
+    return None
 
 
 # The cost model of `head_splits_for`, in units of one query block of one head (5 GEMMs of
@@ -738,14 +843,21 @@ def head_splits_for(batch, kv_heads, group, q_len, kv_len, sm_count, determinist
     return next(splits for splits in allowed if predicted[splits] <= fastest * (1 + SPLIT_GAIN))
 
 
-def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1) -> list:
+def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1,
+                   query_rows: int = backward_common.TILE_M, flat_dq: bool = True) -> list:
     """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
     without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape,
-                                          fp32_dkv=head_splits > 1)
+    accumulator_shape = backward_common.flat_dq_accumulator_shape(query_rows) if flat_dq else dq_accumulator_shape
+    return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, accumulator_shape, query_rows,
+                                        fp32_dkv=head_splits > 1)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_common.run_backward(Sm90BackwardKernel(options), options, query, key, value, out, lse,
-                                        d_out, d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape, _dq_rows)
+    kernel = Sm90BackwardKernel(options)
+    accumulator_shape, dq_rows = dq_accumulator_shape, _dq_rows
+    if options.tuning.flat_dq:
+        accumulator_shape = backward_common.flat_dq_accumulator_shape(kernel.tile_m)
+        dq_rows = backward_common.dq_from_fragments(kernel.tile_m)
+    return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,
+                             accumulator_shape, dq_rows, kernel.tile_m)

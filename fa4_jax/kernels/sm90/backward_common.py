@@ -1,15 +1,17 @@
-"""What the two sm90 backward kernels share: their static options, the device code both run
-(`Sm90BackwardBase`: the TMA producer, P recomputed from the stored LSE, dS with the softcap slope,
-the dK / dV store through shared memory) and the JAX side around the kernel call (the preprocess of
-dPsum and the LSE, the sinks gradient, the flow `run` drives).
+"""What the two sm90 backward kernels share: their static options and the device code both run
+(`Sm90BackwardBase`: the TMA producer, the dK / dV store through shared memory). P recomputed from the
+stored LSE and dS with the softcap slope are common/backward_numerics.py's, and the JAX side around
+the kernel call (the preprocess of dPsum and the LSE, the sinks gradient, the flow `run` drives) is
+kernels/host.py's: both are shared with the sm100 backward.
 
 Three stages, one obvious place each:
-- preprocess (`preprocess`, traceable JAX, one fused reduction): dPsum = rowsum(dO * O) - d_lse, the
-  log-sum-exp moved to the exp2 domain (rows with no visible key get +inf so that P = 0 there), both
-  padded to whole query blocks;
+- preprocess (`host.backward_preprocess`, traceable JAX, one fused reduction): dPsum = rowsum(dO * O)
+  - d_lse, the log-sum-exp moved to the exp2 domain (rows with no visible key get +inf so that P = 0
+  there), both padded to whole query blocks of TILE_M rows;
 - the kernel (backward.py for head dims 64-128, backward_large_heads.py for 192 / 256), which adds
   dQ into an fp32 accumulator and writes dK, dV;
-- postprocess (the kernel module's `finish_dq`, then `sinks_gradient`): dQ scaled and cast.
+- postprocess (`host.run_backward` with the kernel module's dQ read-back, then `host.sinks_gradient`):
+  dQ scaled and cast.
 
 A subclass of `Sm90BackwardBase` sets, besides what the base's __init__ sets: `tile_n` (keys per CTA),
 `stages` (Q / dO ring depth), `staged_row_stats` (whether the producer copies LSE / dPsum into the
@@ -20,10 +22,7 @@ query block) of iteration `it` of a CTA's walk; `_produce` reads those.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
-
-import jax.numpy as jnp
 
 import cutlass
 import cutlass.cute as cute
@@ -33,11 +32,10 @@ from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.common import masking
-from fa4_jax.kernels.common.softcap import apply_softcap
+from fa4_jax.kernels.common import backward_numerics, masking
+from fa4_jax.kernels.sm90.wgmma import WARP_GROUP
 
-LOG2_E = math.log2(math.e)
-TILE_M = 64                    # query rows per block, both kernels (the preprocess pads to it)
+TILE_M = 64                    # query rows per block unless a kernel's options say otherwise
 SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
 DKV_STORE_BARRIER = 2          # named barrier of the consumers around the dK / dV store
 
@@ -79,12 +77,19 @@ def unsupported_reason(kernel_name: str, config: AttentionConfig, problem: host.
                        head_dims) -> Optional[str]:
     """What either sm90 backward kernel (`kernel_name`, its `head_dims`) cannot take, or None: the
     checks of every kernel, the (key blocks, KV heads, batch) grid's limits, and q_start."""
-    reason = (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims)
-              or host.grid_unsupported_reason(kernel_name, problem))
-    if reason is None and config.has_q_start:
-        # Like the forward kernels: the sequence-sharded path has not yet run on a GPU.
-        reason = f"{kernel_name} does not yet take a sequence-sharded query (q_start)"
-    return reason
+    return (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims)
+            or host.grid_unsupported_reason(kernel_name, problem)
+            or host.q_start_unsupported_reason(kernel_name, config))
+
+
+def register_order_staging(buffer_iterator, consumer_tidx, chunks: int):
+    """Where consumer thread `consumer_tidx` (0 .. 255) stages its dQ accumulator, `chunks` 4-value
+    chunks in register order: thread t of warp group g puts chunk k at ((g K + k) 128 + t) 4 (K =
+    `chunks`), so a warp stores 512 contiguous bytes per chunk, without bank conflicts
+    (`dq_from_fragments` reads the accumulator this fills)."""
+    return cute.make_tensor(
+        buffer_iterator + ((consumer_tidx // WARP_GROUP) * chunks * WARP_GROUP + consumer_tidx % WARP_GROUP) * 4,
+        cute.make_layout((4, chunks), stride=(1, 4 * WARP_GROUP)))
 
 
 class Sm90BackwardBase:
@@ -108,7 +113,6 @@ class Sm90BackwardBase:
                                       window_right=options.window_right,
                                       has_q_lengths=options.has_q_seq_lengths,
                                       has_segments=options.has_segment_ids)
-        self.scale_log2 = options.scale * LOG2_E
 
     def check_shared_memory(self):
         if self.shared_memory_bytes() > SHARED_MEMORY_BYTES:
@@ -164,51 +168,10 @@ class Sm90BackwardBase:
                               sdPsum[None, query_state.index], mbar_ptr=barrier)
             query_state.advance()
 
-    @cute.jit
-    def _probabilities(self, acc_s, scores, coords, lse, n_block, row_start, row_base, key_base,
-                       kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch):
-        """P recomputed in place over the S accumulator `acc_s` (`scores`: its query-major view,
-        `coords` that view's coordinates): softcap, the mask where the block is partial (`row_start`
-        is its first row's global position, `row_base` its first local row), then
-        exp2(S * scale * log2 e - LSE_log2) with the stored LSE. """
-        if const_expr(self.softcap is not None):
-            apply_softcap(acc_s, self.softcap, self.scale)
-        if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
-                                    kv_len, q_len, offset):
-            q_segments = None
-            kv_segments = None
-            if const_expr(self.has_segment_ids):
-                q_segments = mQSegmentIds[batch, None]
-                kv_segments = mKVSegmentIds[batch, None]
-            masking.apply_mask(scores, coords, self.mask, row_start, key_base, kv_len, q_len,
-                               offset, row_base, q_segments, kv_segments)
-        logit_scale = self.scale_log2              # with softcap the scale is already applied
-        if const_expr(self.softcap is not None):
-            logit_scale = LOG2_E
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r], fastmath=True)
-
-    @cute.jit
-    def _ds_over_dp(self, probabilities, grads, dpsum, lse):
-        """dS = P * (dP - dPsum), times the softcap's slope, written over dP (`grads`, query-major
-        like `probabilities`). """
-        for r in cutlass.range_constexpr(cute.size(grads, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(grads, mode=[1])):
-                grad = probabilities[r, c] * (grads[r, c] - dpsum[r])
-                if const_expr(self.softcap is not None):
-                    grad = grad * self._softcap_slope(probabilities[r, c], lse[r])
-                grads[r, c] = grad
-
-    @cute.jit
-    def _softcap_slope(self, probability, lse_log2):
-        """1 - tanh^2 of the capped logit, recovered from P (cheaper than holding it in registers):
-        capped logit = (log2 P + LSE_log2) / log2 e = softcap * tanh. Zero where P is zero."""
-        t = (cute.math.log2(probability, fastmath=True) + lse_log2) * (1.0 / (self.softcap * LOG2_E))
-        slope = 1.0 - t * t
-        if probability == 0.0:
-            slope = Float32(0.0)
-        return slope
+    @property
+    def numerics(self) -> backward_numerics.BackwardNumerics:
+        """P from the stored LSE and dS with the softcap slope: the functions the sm100 backward shares."""
+        return backward_numerics.BackwardNumerics(self.mask, self.softcap, self.scale, self.tile_m, self.tile_n)
 
     @cute.jit
     def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
@@ -250,82 +213,28 @@ class Sm90BackwardBase:
 
 
 # ----------------------------------------------------------------------------------------------------
-# JAX side: the preprocess, the kernel call, the postprocess
+# JAX side: dQ staged in the wgmma accumulator's register order (both kernels)
 # ----------------------------------------------------------------------------------------------------
 
-def padded_rows(q_len):
-    return host.ceil_div(q_len, TILE_M) * TILE_M
+def flat_dq_accumulator_shape(tile_m):
+    """The fp32 dQ accumulator of a kernel that stages dQ in register order (backward_large_heads;
+    backward with `Tuning.flat_dq`): [B, Hq, query block, tile_m x D] in the staging order."""
+    return lambda batch, padded_rows, q_heads, head_dim: (batch, q_heads, padded_rows // tile_m, tile_m * head_dim)
 
 
-def preprocess(out, lse, d_out, d_lse):
-    """dPsum [B, Hq, S_pad], LSE in the exp2 domain [B, Hq, S_pad] (+inf where no key is visible)."""
-    batch, q_len, heads, _ = out.shape
-    pad = padded_rows(q_len) - q_len
-    dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        dpsum = dpsum - d_lse.astype(jnp.float32)
-    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2_E).astype(jnp.float32)
-    dpsum = jnp.pad(dpsum, [(0, 0), (0, 0), (0, pad)])
-    lse_log2 = jnp.pad(lse_log2, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
-    return dpsum, lse_log2
+def dq_from_fragments(tile_m):
+    """The reader of that accumulator: the accumulator [B, Hq, query block, tile_m x D] as [B, q_len, Hq, D].
 
-
-def sinks_gradient(sinks, lse, dpsum_unpadded):
-    """dsink_h = -sum_{b,i} exp(sink_h - lse_{b,h,i}) * dPsum_{b,h,i}."""
-    p_sink = jnp.exp(sinks[None, :, None] - lse)
-    p_sink = jnp.where(jnp.isneginf(lse), 0.0, p_sink)
-    return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
-
-
-def _fake_optional(name, batch, q_len, kv_len):
-    shape = {"q_segment_ids": (batch, q_len), "kv_segment_ids": (batch, kv_len), "q_seq_lengths": (batch,),
-             "kv_seq_lengths": (batch,), "q_start": (1,)}[name]
-    return host.fake_tensor(cutlass.Int32, shape)
-
-
-def fake_arguments(config: AttentionConfig, shape, dtype_name: str, optional_inputs, dq_accumulator_shape,
-                   fp32_dkv: bool = False) -> list:
-    """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
-    `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
-    q_heads, head_dim)`, the semaphores, then dK, dV: in the input type, or fp32 accumulators with
-    `fp32_dkv`), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
-    element = host.cutlass_dtype(dtype_name)
-    padded = padded_rows(q_len)
-    present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
-               "q_seq_lengths": config.has_q_seq_lengths, "kv_seq_lengths": config.has_kv_seq_lengths,
-               "q_start": config.has_q_start}
-    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
-    fake = host.fake_tensor
-    return [
-        fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
-        fake(element, query_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
-        *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
-        fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
-        fake(cutlass.Int32, (batch, q_heads, padded // TILE_M)) if config.deterministic else None,
-        *(fake(Float32 if fp32_dkv else element, key_shape) for _ in range(2)),
-    ]
-
-
-def run_backward(kernel, options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict,
-                 optional_inputs, dq_accumulator_shape, dq_rows):
-    """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `host.launch_backward` (its inputs
-    after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
-    layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient.
-    With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here."""
-    batch, q_len, q_heads, head_dim = query.shape
-    d_out = d_out.astype(query.dtype)
-    dpsum, lse_log2 = preprocess(out, lse, d_out, d_lse)
-    padded = dpsum.shape[-1]
-    dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, padded // TILE_M), jnp.int32) if options.deterministic else None)
-    inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
-              dq_accum, semaphores)
-    dq_accum, d_key, d_value = host.launch_backward(kernel, options, inputs, key, value, query.dtype,
-                                                    dkv_accumulators=options.head_splits > 1)
-    d_key, d_value = d_key.astype(query.dtype), d_value.astype(query.dtype)   # no-ops unless accumulated
-    d_query = (dq_rows(dq_accum, q_len) * options.scale).astype(query.dtype)
-    d_sinks = None
-    if options.has_sinks:
-        d_sinks = sinks_gradient(optional["sinks"], lse, dpsum[..., :q_len])
-    return d_query, d_key, d_value, d_sinks
+    Within a block, consumer warp group g (columns g D/2 ...) puts thread t = 32 w + 4 q + r's chunk
+    k = m D/16 + j (rows 64 m ..., columns 8 j ... of its half) at ((g K + k) 128 + t) 4, K = tile_m D
+    / 256 chunks a thread; the chunk's 4 values are (row half h, column c) = (0, 0), (0, 1), (1, 0),
+    (1, 1). That value is row 64 m + 16 w + 8 h + q, column g D/2 + 8 j + 2 r + c of the block (the
+    PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m)."""
+    def rows(dq_accum, q_len: int):
+        batch, heads, blocks, flat = dq_accum.shape
+        head_dim = flat // tile_m
+        fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 64, head_dim // 16, 4, 8, 4, 2, 2)
+        #             axes:          0      1      2       g  m            j              w  q  r  h  c
+        rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
+        return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
+    return rows

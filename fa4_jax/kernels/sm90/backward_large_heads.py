@@ -33,7 +33,7 @@ block i + 1 while the other still reads block i); the dQ staging 64 x D x 4. At 
 each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the struct.)
 
 Preprocess (dPsum, the LSE in the exp2 domain) and postprocess (dQ scale and cast, the sinks
-gradient) are backward_common's, shared with backward.py.
+gradient) are kernels/host.py's, shared with backward.py and the sm100 backward.
 
 `Tuning` holds two candidates, both off by default so that what ships is what was measured:
 `diagonal_first` (backward.py's deterministic turn order; here deterministic dQ turns still go
@@ -95,7 +95,11 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    return backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
+    reason = backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
+    if reason is None and config.has_q_start:
+        # Its query-block range and masks place local row 0 at offset, without the q_start shift.
+        reason = "the sm90 large-head backward does not take a sequence-sharded query (q_start)"
+    return reason
 
 
 def query_stages(head_dim: int) -> int:
@@ -329,12 +333,9 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
         tPsP = thr_sdp.partition_C(sP)          # where this thread's P and dS values go
         tdSsdS = thr_sdp.partition_C(sdS)
-        # This thread's dQ values in shared memory: 4 at a time (16 bytes), the 128 threads of a
-        # group side by side, so a warp's stores fill whole 512-byte lines.
+        # This thread's dQ values in shared memory, in register order.
         dq_chunks = self.head_dim // 16         # 64 x D/2 values / 128 threads / 4 per chunk
-        tdQsdQ = cute.make_tensor(
-            sdQ.iterator + ((tidx // WARP_GROUP) * dq_chunks * WARP_GROUP + tidx % WARP_GROUP) * 4,
-            cute.make_layout((4, dq_chunks), stride=(1, 4 * WARP_GROUP)))
+        tdQsdQ = backward_common.register_order_staging(sdQ.iterator, tidx, dq_chunks)
 
         tile_kd = (self.tile_n, self.head_dim)
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_kd), Float32)
@@ -379,12 +380,12 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
             warpgroup.wait_group(1)
             scores = accumulator_mn(acc_s)
-            self._probabilities(acc_s, scores, coords, lse, n_block, row_base, row_base, key_base,
+            self.numerics.probabilities(acc_s, scores, coords, lse, n_block, row_base, row_base, key_base,
                                 kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
             self._round_into(acc_s, tPsP[None, None, None, buffer])
 
             warpgroup.wait_group(0)
-            self._ds_over_dp(scores, accumulator_mn(acc_dp), dpsum, lse)
+            self.numerics.ds_over_dp(scores, accumulator_mn(acc_dp), dpsum, lse)
             self._round_into(acc_dp, tdSsdS[None, None, None, buffer])
 
             # Both groups' halves of P and dS in shared memory before either reads the whole tile.
@@ -462,9 +463,10 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths")
 
 
-def dq_accumulator_shape(batch, padded_rows, q_heads, head_dim):
-    """The fp32 dQ accumulator in the kernel's staging order: [B, Hq, query block, 64 x D]."""
-    return (batch, q_heads, padded_rows // TILE_M, TILE_M * head_dim)
+# The fp32 dQ accumulator in the kernel's staging order, [B, Hq, query block, 64 x D], and its reader
+# (`backward_common.dq_from_fragments` says where each element sits).
+dq_accumulator_shape = backward_common.flat_dq_accumulator_shape(TILE_M)
+dq_from_accumulator = backward_common.dq_from_fragments(TILE_M)
 
 
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
@@ -474,26 +476,10 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
     """Fake tensors in the launcher's order, for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
-    return backward_common.fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape)
-
-
-def dq_from_accumulator(dq_accum, q_len: int):
-    """The kernel's fp32 dQ accumulator [B, Hq, query block, 64 x D] as [B, q_len, Hq, D].
-
-    Within a block the kernel stores, for consumer warp group g (columns g D/2 ...), 4-value chunk j
-    and thread t = 32 w + 4 q + r of the group, the 4 values (row half h, column c) of the wgmma
-    accumulator: flat index ((g D/16 + j) 128 + t) 4 + 2 h + c. That element is row 16 w + 8 h + q,
-    column g D/2 + 8 j + 2 r + c of the block (the PTX ISA's wgmma D fragment layout)."""
-    batch, heads, blocks, _ = dq_accum.shape
-    head_dim = dq_accum.shape[-1] // TILE_M
-    fragments = dq_accum.reshape(batch, heads, blocks, 2, head_dim // 16, 4, 8, 4, 2, 2)
-    #             axes:          0      1      2       g  j              w  q  r  h  c
-    rows_columns = fragments.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
-    return rows_columns.reshape(batch, blocks * TILE_M, heads, head_dim)[:, :q_len]
+    return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, dq_accumulator_shape, TILE_M)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
-    return backward_common.run_backward(Sm90LargeHeadBackwardKernel(options), options, query, key, value, out,
-                                        lse, d_out, d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape,
-                                        dq_from_accumulator)
+    return host.run_backward(Sm90LargeHeadBackwardKernel(options), options, query, key, value, out, lse, d_out,
+                             d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape, dq_from_accumulator, TILE_M)

@@ -795,11 +795,7 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
     reason = host.kernel_unsupported_reason("sm90", config, problem, SUPPORTED_HEAD_DIMS)
     if reason is not None:
         return reason
-    if config.has_q_start:
-        # The kernel implements q_start/q_total (rows at q_start + i, offset kv_len - q_total), but
-        # that path has not run on a GPU yet: until it has, sequence-sharded queries take the reference.
-        return "the sm90 kernel's sequence-sharded query path (q_start) is not yet verified on a GPU"
-    return None
+    return host.q_start_unsupported_reason("sm90", config)
 
 
 def tuned_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape, softcap: Optional[float],

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Nsight Compute profiles of the attention backward, ours (fa4_jax) against FA4's own kernels (fa4peer),
+# on the shapes given, one process per (library, shape). Each profile catches the first 4 launches whose
+# name matches backward/bwd (our preprocess, main kernel and dQ convert; FA4's pre-, main and
+# post-process) with `--set full`, and writes the report and its details page as text into $OUT.
+# Usage (device machine, repo root; carry [".dev/cute", ".dev/peer"]):
+#   bash benchmarks/device/profile_backward.sh "4 4096 16/16 128" "2 4096 64/8 128 causal" ...
+set -u
+source .dev/cute/setup.sh || { echo "the CuTe DSL bundle (.dev/cute) did not set up"; exit 1; }
+mkdir -p /tmp/peersite && tar xJf .dev/peer/peer-site.tar.xz -C /tmp/peersite
+python3 -c "import jaxtyping" 2>/dev/null || { [ -f .dev/peer/peer-deps.tar.xz ] && tar xJf .dev/peer/peer-deps.tar.xz -C /tmp/peersite; }
+export PYTHONPATH=$PWD:/tmp/peersite:$PYTHONPATH CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1 \
+  FA4_JAX_CACHE_DIR=/tmp/fa4_profile_cache XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+for shape in "$@"; do
+  read -r batch seq heads head_dim causal <<< "$shape"
+  flag=""; [ "${causal:-}" = "causal" ] && flag="--causal"
+  tag="B${batch}_S${seq}_H${heads/\//-}_D${head_dim}${causal:+_causal}"
+  for library in fa4_jax fa4peer; do
+    name="$OUT/${library}_${tag}"
+    timeout 150 ncu --set full --import-source no --kernel-name "regex:(?i)backward|bwd" --launch-count 4 \
+      -f -o "$name" python3 benchmarks/profile_backward.py --library "$library" --batch "$batch" \
+      --seq "$seq" --heads "$heads" --head-dim "$head_dim" $flag --calls 1 > "$name.log" 2>&1
+    echo "$library $tag: ncu rc=$? after ${SECONDS} s"
+    ncu --import "$name.ncu-rep" --page details > "$name.details.txt" 2>&1
+    # One line per kernel: name, duration, SM throughput, tensor pipe, registers, stall summary.
+    grep -E "^  [A-Za-z_].*\(|^    Duration|^    Compute \(SM\) Throughput|^    Registers Per Thread|^    Achieved Occupancy" \
+      "$name.details.txt" | head -40
+  done
+done

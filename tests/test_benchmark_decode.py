@@ -1,0 +1,61 @@
+"""benchmarks/decode.py on the CPU: its rows are issue 16's grid, a row's JSON carries every field the
+issue names (the row-measuring code run with a fake timer), and the plot renders from a report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import decode
+
+ISSUE_FIELDS = ("batch", "context", "q_len", "page_size", "fa4_jax_ms", "fa4_jax_tbps", "pallas_best_ms")
+
+
+def test_rows_are_the_issue_grid():
+    expected = {(b, c, q, p) for b in (1, 8, 64) for c in (1024, 8192, 32768, 131072) for q in (1, 4)
+                for p in (16, 64)}
+    assert {(r["batch"], r["context"], r["q_len"], r["page_size"]) for r in decode.rows()} == expected
+    assert (decode.Q_HEADS, decode.KV_HEADS, decode.HEAD_DIM) == (32, 8, 128)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_row_fields(monkeypatch, q_len):
+    """Every issue field is in a measured row; Pallas runs only Sq = 1 rows (pallas_best_ms null else)."""
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.setattr(decode, "_inputs", lambda row, key: (
+        jnp.zeros((1, row["q_len"], 32, 128), jnp.bfloat16), jnp.zeros((64, 16, 8, 128), jnp.bfloat16),
+        jnp.zeros((64, 16, 8, 128), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32), jnp.full((1,), 1024, jnp.int32)))
+    monkeypatch.setattr(decode.attention, "_median_ms", lambda function, arguments, iterations: (None, 0.25))
+    record = decode.measure(dict(batch=1, context=1024, q_len=q_len, page_size=16), jax.random.key(0), 3)
+    for field in ISSUE_FIELDS:
+        assert field in record, field
+    assert record["fa4_jax_tbps"] == pytest.approx(1 * 1024 * 8 * 128 * 4 / 0.25e-3 / 1e12)
+    assert (record["pallas_best_ms"] is None) == (q_len != 1)
+    json.dumps(record)
+
+
+def test_plot(tmp_path):
+    rows = [dict(batch=b, context=c, q_len=q, page_size=p, kv_bytes=decode.kv_bytes(dict(batch=b, context=c)),
+                 fa4_jax_ms=1.0, fa4_jax_tbps=3.0, pallas_best_ms=2.0 if q == 1 else None)
+            for b in (1, 64) for c in (1024, 8192) for q in (1, 4) for p in (16, 64)]
+    report = dict(device="H200", date="2026-12-02T00:00:00", git_revision="0" * 40, copy_tbps=4.3, rows=rows)
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(report))
+    decode.plot(str(path), str(tmp_path / "decode.png"))
+    assert (tmp_path / "decode.png").stat().st_size > 1000
+
+
+def test_merge(tmp_path):
+    paths = []
+    for batch, copy in ((1, 4.3), (64, 4.2)):
+        path = tmp_path / f"b{batch}.json"
+        path.write_text(json.dumps(dict(device="H200", date="d", git_revision="r", copy_tbps=copy,
+                                        rows=[dict(batch=batch, copy_tbps=copy)])))
+        paths.append(str(path))
+    merged = decode.merge(paths, str(tmp_path / "all.json"))
+    assert [row["batch"] for row in merged["rows"]] == [1, 64]
+    assert merged["copy_tbps"] == 4.2 and len(merged["runs"]) == 2
+    assert json.loads((tmp_path / "all.json").read_text()) == merged

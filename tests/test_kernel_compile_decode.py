@@ -1,0 +1,257 @@
+"""The split-KV paged decode kernel (fa4_jax/kernels/sm90/decode.py) on the CPU: compiled for sm_90a and
+sm_100a with its PTX checked for the design (mma.sync tensor cores, ldmatrix, 16-byte cp.async with a
+multistage wait, no local memory; no spills where ptxas is installed), its split-count heuristic, what
+it refuses, and the combine pass (plain JAX) against a float64 softmax over all keys.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
+from ptx_checks import assert_no_spills, compile_environment
+
+pytest.importorskip("cutlass")
+from fa4_jax.kernels.sm90 import decode  # noqa: E402
+from tools.sm100_inspect import find_ptxas  # noqa: E402
+
+# name -> (AttentionConfig fields, [B, Sq, Hq, Hkv, D, max_blocks], dtype, page size, arch[, DecodeOptions
+# overrides])
+CONFIGS = {
+    "d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a"),
+    "d128-q4-page64-sinks": ({"has_sinks": True}, [8, 4, 32, 8, 128, 32], "bfloat16", 64, "sm_90a"),
+    "d64-softcap-window-fp16-page7": ({"softcap": 30.0, "window_left": 100}, [3, 4, 8, 2, 64, 20], "float16", 7,
+                                      "sm_90a"),
+    "d256-64-rows": ({}, [2, 8, 16, 2, 256, 10], "bfloat16", 64, "sm_90a"),
+    "d128-mqa-page1-window": ({"window_left": 5, "window_right": 0}, [1, 3, 6, 1, 128, 300], "bfloat16", 1,
+                              "sm_90a"),
+    "d128-contiguous": ({}, [4, 2, 8, 8, 128, 1], "bfloat16", 4096, "sm_90a"),
+    # Tuning alternatives: 32 keys per warp with two stages, and a four-stage ring of 64-key blocks.
+    "d128-tile128-stages2": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"tile_n": 128, "num_stages": 2}),
+    "d128-stages4": ({}, [2, 4, 32, 8, 128, 64], "bfloat16", 64, "sm_90a", {"num_stages": 4}),
+    "sm100-d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a"),
+    "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),
+}
+
+_COMPILE = r"""
+import glob, json, os, sys
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm90 import decode
+
+decode.GPU_VERIFIED = True     # the code is compiled here whether or not it is routed to yet
+configs = json.loads(sys.argv[1])
+dump = os.environ["CUTE_DSL_DUMP_DIR"]
+result = {}
+for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
+    B, Sq, Hq, Hkv, D, max_blocks = shape
+    config = AttentionConfig(scale=D ** -0.5, causal=True, has_kv_seq_lengths=True, **fields)
+    logical = (B, max_blocks * page, Hkv, D)
+    problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
+    assert decode.unsupported_reason(config, problem) is None
+    options = decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
+    cute.compile(decode.Sm90DecodeKernel(options), make_fake_stream(),
+                 *decode.fake_arguments(options, B, Hkv, 50, max_blocks))
+    (new,) = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
+    path = os.path.join(dump, name + ".ptx")
+    os.replace(new, path)
+    result[name] = {"ptx": path, "stages": options.num_stages, "splits": options.num_splits}
+print("DECODE_PTX " + json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """{name: {ptx, stages, splits}}: one compile subprocess per architecture."""
+    result = {}
+    for arch in sorted({config[4] for config in CONFIGS.values()}):
+        directory = tmp_path_factory.mktemp(f"decode_{arch}")
+        selected = {name: config for name, config in CONFIGS.items() if config[4] == arch}
+        environment = dict(compile_environment(directory), CUTE_DSL_ARCH=arch)
+        process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(selected)], env=environment,
+                                 capture_output=True, text=True, timeout=900)
+        assert process.returncode == 0, process.stderr[-4000:]
+        line = next(line for line in process.stdout.splitlines() if line.startswith("DECODE_PTX "))
+        result.update(json.loads(line[len("DECODE_PTX "):]))
+    return result
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_ptx_has_the_design(compiled, name):
+    with open(compiled[name]["ptx"]) as handle:
+        ptx = handle.read()
+    assert f".target {CONFIGS[name][4]}" in ptx
+    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)", ptx), "no mma.sync tensor cores"
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx, "no ldmatrix"
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx, "V^T not read with transposing ldmatrix"
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, 16;", ptx), "no 16-byte cp.async"
+    wait = compiled[name]["stages"] - 2
+    assert re.search(rf"cp\.async\.wait_group\s+{wait};", ptx), f"no multistage wait (wait_group {wait})"
+    assert not re.search(r"\.local\b|ld\.local|st\.local", ptx), "local memory in the PTX"
+    assert "wgmma" not in ptx and "cp.async.bulk" not in ptx  # arch-neutral by design
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="ptxas not installed")
+@pytest.mark.parametrize("name", sorted(name for name in CONFIGS if CONFIGS[name][4] == "sm_90a"))
+def test_no_register_spills(compiled, name):
+    assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
+
+
+def test_options_are_checked():
+    problem = _problem()
+    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
+    for overrides, message in [({"tile_n": 96}, "multiple of 64"), ({"num_stages": 1}, "num_stages"),
+                               ({"tile_n": 256, "num_stages": 4}, "shared memory")]:
+        with pytest.raises(ValueError, match=message):
+            decode.options(config, problem, **overrides).check()
+    for head_dim in decode.SUPPORTED_HEAD_DIMS:
+        decode.options(config, _problem(head_dim=head_dim)).check()
+
+
+def test_split_heuristic():
+    """One split when the CTAs fill the GPU; more for small batches, bounded by the key blocks."""
+    fill = lambda batch, context: decode.choose_num_splits(batch, 8, 1, context, 64, 132, 2)
+    assert fill(64, 8192) == 1                       # 512 CTAs >= 264 slots
+    assert fill(8, 8192) == 4                        # 64 CTAs: 264 // 64, one wave of 256
+    assert fill(1, 131072) == 33                     # 8 CTAs: 264 // 8
+    assert fill(1, 1024) == 8                        # 16 blocks / MIN_BLOCKS_PER_SPLIT
+    assert fill(1, 64) == 1
+    assert decode.choose_num_splits(1, 1, 1, 10 ** 8, 64, 132, 2) == decode.MAX_SPLITS
+
+
+def _problem(q_len=1, q_heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", page=16, batch=2):
+    logical = (batch, 64 * page, kv_heads, head_dim)
+    return host.Problem((batch, q_len, q_heads, head_dim), logical, logical, dtype, page_size=page)
+
+
+@pytest.mark.parametrize("config, problem, message", [
+    (AttentionConfig(scale=0.1, has_segment_ids=True), _problem(), "segment ids"),
+    (AttentionConfig(scale=0.1), _problem(q_len=17, q_heads=32, kv_heads=8), "packed rows exceed 64"),
+    (AttentionConfig(scale=0.1), _problem(head_dim=96), "head dims"),
+    (AttentionConfig(scale=0.1), _problem(dtype="float32"), "bfloat16 or float16"),
+    (AttentionConfig(scale=-0.1), _problem(), "positive scale"),
+])
+def test_unsupported(config, problem, message, monkeypatch):
+    monkeypatch.setattr(decode, "GPU_VERIFIED", True)     # the reasons behind the GPU gate
+    assert message in decode.unsupported_reason(config, problem)
+
+
+def test_combine_partials_is_the_softmax_over_all_keys(rng):
+    """Partials cut from one row's keys at random, each a normalised (O, LSE) (or empty: -inf), merge
+    into the softmax over all keys with the sinks; padded rows of the tile (NaN here) are dropped."""
+    batch, kv_heads, group, q_len, dim, keys = 2, 3, 2, 3, 64, 40
+    problem = host.Problem((batch, q_len, kv_heads * group, dim), (batch, 100, kv_heads, dim),
+                           (batch, 100, kv_heads, dim), "bfloat16", page_size=10)
+    options = decode.options(AttentionConfig(scale=0.3, causal=True, has_kv_seq_lengths=True), problem,
+                             sm_count=132, num_splits=2)
+    parts, rows = options.num_splits * decode.WARPS, options.rows
+    logits = rng.standard_normal((batch, kv_heads, rows, keys)) * 3
+    values = rng.standard_normal((batch, kv_heads, keys, dim))
+    sinks = rng.standard_normal(kv_heads * group).astype(np.float32)
+    o_shape, lse_shape = decode.partial_shapes(options, batch, kv_heads)
+    partial_o = np.full(o_shape, np.nan, np.float32)
+    partial_lse = np.full(lse_shape, np.nan, np.float32)
+    cuts = np.sort(rng.choice(np.arange(keys + 1), size=parts - 1))
+    bounds = [0, *cuts, keys]
+    for p in range(parts):
+        chunk = slice(bounds[p], bounds[p + 1])
+        s = logits[..., chunk]
+        if s.shape[-1] == 0:
+            partial_o[:, :, p, :rows] = 0.0
+            partial_lse[:, :, p, :rows] = -np.inf
+            continue
+        lse = np.log(np.exp(s).sum(-1))
+        partial_lse[:, :, p, :rows] = lse
+        partial_o[:, :, p, :rows] = np.einsum("bhrk,bhkd->bhrd", np.exp(s - lse[..., None]), values[:, :, chunk])
+    out, lse = decode.combine_partials(options, jnp.asarray(partial_o), jnp.asarray(partial_lse),
+                                       jnp.asarray(sinks), batch, kv_heads)
+    # Row r = position * G + g holds query head h * G + g at position r // G.
+    sink_rows = np.tile(sinks.reshape(kv_heads, group), (1, q_len))[None]
+    expected_lse = np.log(np.exp(logits).sum(-1) + np.exp(sink_rows))
+    expected_o = np.einsum("bhrk,bhkd->bhrd", np.exp(logits - expected_lse[..., None]), values)
+    expected_o = expected_o.reshape(batch, kv_heads, q_len, group, dim).transpose(0, 2, 1, 3, 4)
+    expected_lse = expected_lse.reshape(batch, kv_heads, q_len, group).transpose(0, 1, 3, 2)
+    np.testing.assert_allclose(np.asarray(out), expected_o.reshape(batch, q_len, kv_heads * group, dim),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), expected_lse.reshape(batch, kv_heads * group, q_len),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_combine_of_rows_that_see_nothing():
+    problem = host.Problem((1, 1, 2, 64), (1, 10, 1, 64), (1, 10, 1, 64), "bfloat16", page_size=10)
+    options = decode.options(AttentionConfig(scale=0.3, causal=True, has_kv_seq_lengths=True), problem,
+                             sm_count=132)
+    o_shape, lse_shape = decode.partial_shapes(options, 1, 1)
+    out, lse = decode.combine_partials(options, jnp.zeros(o_shape), jnp.full(lse_shape, -jnp.inf), None, 1, 1)
+    assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)
+    with_sinks = decode.combine_partials(options, jnp.zeros(o_shape), jnp.full(lse_shape, -jnp.inf),
+                                         jnp.asarray([0.5, -jnp.inf]), 1, 1)
+    np.testing.assert_array_equal(np.asarray(with_sinks[1]).ravel(), [0.5, -np.inf])
+    assert np.all(np.asarray(with_sinks[0]) == 0)
+
+
+def test_routing(monkeypatch):
+    """paged calls and short-query attention calls with key lengths take the decode kernel on sm_90
+    (and sm_100, the same arch-neutral code); attention without key lengths keeps the forward kernel."""
+    from fa4_jax.lowering import cuda
+
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(decode, "GPU_VERIFIED", True)
+    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
+    assert cuda.kernel_for_problem("decode", config, _problem()) is decode
+    contiguous = host.Problem((2, 4, 32, 128), (2, 5000, 8, 128), (2, 5000, 8, 128), "bfloat16")
+    assert cuda.decode_module_for_attention(config, contiguous) is decode
+    assert cuda.decode_module_for_attention(config.replace(has_kv_seq_lengths=False), contiguous) is None
+    long_query = host.Problem((2, 64, 32, 128), (2, 5000, 8, 128), (2, 5000, 8, 128), "bfloat16")
+    assert cuda.decode_module_for_attention(config, long_query) is None
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
+    assert cuda.kernel_for_problem("decode", config, _problem()) is decode
+
+
+def test_the_kernel_stays_off_until_it_passes_on_a_gpu(monkeypatch):
+    """Its first H200 run failed (misaligned address), so `decode.GPU_VERIFIED` is False: a paged call
+    names that reason (and takes the reference by default), a short-query attention keeps the forward
+    kernel."""
+    from fa4_jax.lowering import cuda
+
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
+    assert not decode.GPU_VERIFIED
+    with pytest.raises(NotImplementedError, match="decode kernel is off"):
+        cuda.kernel_for_problem("decode", config.replace(implementation="cute"), _problem())
+    contiguous = host.Problem((2, 4, 32, 128), (2, 5000, 8, 128), (2, 5000, 8, 128), "bfloat16")
+    assert cuda.decode_module_for_attention(config, contiguous) is None
+
+
+def test_both_entry_points_lower_to_the_decode_kernel(monkeypatch):
+    """Lowered for CUDA (a GPU of compute capability 9.0 pretended), paged_attention and a short-query
+    attention with key lengths both become the decode kernel's call (compiled here, on the CPU)."""
+    import jax
+
+    import fa4_jax
+    from fa4_jax.lowering import cuda
+
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", "")
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(decode, "GPU_VERIFIED", True)
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    int32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    paged = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute")).trace(
+        bf16(2, 1, 8, 64), bf16(40, 16, 2, 64), bf16(40, 16, 2, 64), int32(2, 20), int32(2))
+    contiguous = jax.jit(lambda q, k, v, n: fa4_jax.attention(q, k, v, causal=True, kv_seq_lengths=n,
+                                                              implementation="cute")).trace(
+        bf16(2, 2, 8, 64), bf16(2, 300, 2, 64), bf16(2, 300, 2, 64), int32(2))
+    for traced in (paged, contiguous):
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert "fa4_jax_sm90_decode" in text
+        assert "fa4_jax_sm90_forward" not in text

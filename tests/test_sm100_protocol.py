@@ -1,0 +1,374 @@
+"""CPU: the sm100 forward kernel's mbarrier protocol, replayed over persistent tiles and pipeline stages.
+
+`fa4_jax/kernels/sm100/forward_schedule.py` states the protocol once; the kernel takes its stage and
+arrival counts from it and checks its own synchronisation calls against it while traced (so every
+compile test also checks that the kernel issues what is replayed here). tests/protocol_simulator.py
+replays all roles of a CTA in a discrete-event model of mbarriers under eager, lazy and random
+schedules. Each planted bug below must be caught: a checker that passes them would prove nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+import protocol_simulator as sim
+from fa4_jax.kernels.common import pipeline_schedule as ps
+from fa4_jax.kernels.sm100.forward_schedule import forward_schedule
+
+BYTES = 128 * 128 * 2
+SEEDS = 12
+# Key blocks per persistent tile of one CTA: several tiles, each with at least two key blocks.
+MULTI_BLOCK_TILES = ([2], [3, 2], [4, 2, 3], [2, 6, 2, 2])
+# A tile after the first with a single key block (short keys, or a causal tile that sees one block).
+SINGLE_BLOCK_TILES = ([1], [2, 1], [1, 1, 1], [3, 1, 2])
+
+
+def schedule(q_stage=2, kv_stage=3, epi_stage=1, **changes):
+    return forward_schedule(q_stage, kv_stage, epi_stage, BYTES, BYTES).replace(**changes)
+
+
+def kinds(found):
+    return {violation.kind for _, _, violation in found}
+
+
+def _kernel_schedule(head_dim):
+    pytest.importorskip("cutlass")
+    from fa4_jax.kernels.common import masking
+    from fa4_jax.kernels.sm100 import forward
+    options = forward.KernelOptions(dtype_name="bfloat16", head_dim=head_dim, group=1, scale=1.0,
+                                    mask=masking.MaskShape())
+    return forward.Sm100ForwardKernel(options).schedule
+
+
+@pytest.mark.parametrize("head_dim", (64, 96, 128, 192, 256))
+def test_kernel_protocol_holds_over_persistent_tiles(head_dim):
+    kernel_schedule = _kernel_schedule(head_dim)
+    for tiles in MULTI_BLOCK_TILES:
+        assert sim.replay(kernel_schedule, tiles, seeds=SEEDS) == [], tiles
+
+
+@pytest.mark.parametrize("stages", [(2, 2, 1), (2, 2, 2), (1, 2, 1), (2, 8, 2), (1, 5, 1)])
+def test_protocol_holds_for_every_stage_count(stages):
+    for tiles in MULTI_BLOCK_TILES:
+        assert sim.replay(schedule(*stages), tiles, seeds=SEEDS) == [], tiles
+
+
+@pytest.mark.parametrize("stages", [(2, 3, 1), (1, 2, 1)])
+def test_protocol_holds_with_single_block_tiles(stages):
+    for tiles in SINGLE_BLOCK_TILES:
+        assert sim.replay(schedule(*stages), tiles, seeds=SEEDS) == [], tiles
+
+
+def test_without_stats_free_a_single_block_tile_overwrites_row_stats():
+    """The race stats_free closes: softmax i finishing a one-block tile and writing row_stats[i]
+    before the correction warpgroup has read the previous tile's."""
+    def without_stats_free(step):
+        if (isinstance(step, ps.Wait) and step.barrier == "stats_free") or (
+                isinstance(step, ps.Flip) and step.phase == "stats_free_phase") or is_arrive("stats_free")(step):
+            return ()
+        return None
+    base = schedule()
+    bugged = sim.change_role(sim.change_role(base, "softmax", without_stats_free), "correction",
+                             without_stats_free)
+    bugged = bugged.replace(barriers=tuple(b for b in bugged.barriers if b.name != "stats_free"))
+    violation = sim.Simulation(bugged, [2, 1], "eager").run()
+    assert violation.kind == "overwrite" and "row_stats0" in violation.message, violation
+
+
+# ------------------------------------------------------------------------------------------------
+# Planted bugs: each must be reported, with the right kind of violation.
+
+def drop(predicate):
+    return lambda step: () if predicate(step) else None
+
+
+def is_arrive(barrier):
+    return lambda step: isinstance(step, ps.Arrive) and step.barrier == barrier
+
+
+def _swap_kv_loads(step):
+    # The load warp sends V(j - 1) before K(j): the MMA takes the ring's slots in order, so its K is V.
+    if isinstance(step, ps.BlockLoop) and any(isinstance(s, ps.TmaLoad) for s in step.body):
+        k_acquire, k_load, v_acquire, v_load = step.body
+        return (dataclasses.replace(step, body=(v_acquire, v_load, k_acquire, k_load)),)
+    return None
+
+
+def _read_before_wait(step):
+    # The softmax reads S before waiting for the MMA's commit of it.
+    if isinstance(step, ps.BlockLoop) and isinstance(step.body[0], ps.Wait):
+        wait, flip, read, *rest = step.body
+        return (dataclasses.replace(step, body=(read, wait, flip, *rest)),)
+    return None
+
+
+def _flip_final_phase_per_stage(step):
+    # The correction toggles final_phase inside its per-query-tile loop instead of once per tile.
+    if isinstance(step, ps.Stages) and any(isinstance(s, ps.Wait) and s.phase == "final_phase"
+                                           for s in step.body):
+        return (ps.Stages(step.body + (ps.Flip("final_phase"),)),)
+    if isinstance(step, ps.Flip) and step.phase == "final_phase":
+        return ()
+    return None
+
+
+def _masked_branch_forgets_p_ready(step):
+    if isinstance(step, ps.Either):
+        return (ps.Either(step.first, tuple(s for s in step.second if not is_arrive("p_ready")(s))),)
+    return None
+
+
+def _pipeline(name, **changes):
+    base = schedule()
+    return base.replace(pipelines=ps.replace_named(base.pipelines, name, **changes))
+
+
+def _barrier(name, **changes):
+    base = schedule()
+    return base.replace(barriers=ps.replace_named(base.barriers, name, **changes))
+
+
+PLANTED = {
+    # name: (schedule with the bug, violation kinds accepted, static checks on)
+    "correction drops its p_ready arrive (static count)": (
+        sim.change_role(schedule(), "correction", drop(is_arrive("p_ready"))), {"arrive_count"}, True),
+    "correction drops its p_ready arrive (replayed)": (
+        sim.change_role(schedule(), "correction", drop(is_arrive("p_ready"))), {"deadlock"}, False),
+    "softmax drops its stats_final arrive": (
+        sim.change_role(schedule(), "softmax", drop(is_arrive("stats_final"))), {"deadlock"}, False),
+    "masked branch forgets the p_ready arrive": (
+        sim.change_role(schedule(), "softmax", _masked_branch_forgets_p_ready), {"deadlock"}, True),
+    "load swaps the K and V loads": (
+        sim.change_role(schedule(), "load", _swap_kv_loads), {"read_unready"}, True),
+    "softmax reads S before its wait": (
+        sim.change_role(schedule(), "softmax", _read_before_wait), {"read_unready"}, True),
+    "softmax never flips its s_full phase": (
+        sim.change_role(schedule(), "softmax", drop(lambda s: isinstance(s, ps.Flip))),
+        {"phase_aliasing"}, True),
+    "correction flips final_phase per query tile": (
+        # Passes on the old phase when the softmax is behind, waits for a phase that never comes
+        # when it is ahead.
+        sim.change_role(schedule(), "correction", _flip_final_phase_per_stage),
+        {"phase_aliasing", "deadlock"}, True),
+    "p_ready counts one warpgroup's arrivals (static count)": (
+        _barrier("p_ready", arrivals=128), {"arrive_count"}, True),
+    "p_ready counts one warpgroup's arrivals (replayed)": (
+        _barrier("p_ready", arrivals=128), {"arrive_count", "read_unready", "overwrite"}, False),
+    "epilogue pipeline has 2 stages over 1 staging tile": (
+        _pipeline("epilogue", stages=2, buffer_stages=1), {"overwrite"}, True),
+    "K/V pipeline has 3 stages over a ring of 2 tiles": (
+        _pipeline("load_kv", buffer_stages=2), {"overwrite", "read_unready"}, True),
+    "s_full has one barrier for two query tiles": (
+        _barrier("s_full", stages=1), {"stage_count"}, True),
+    "Q expects more TMA bytes than a tile": (
+        _pipeline("load_q", tx_bytes=2 * BYTES), {"deadlock"}, True),
+    "K/V expects fewer TMA bytes than a tile": (
+        _pipeline("load_kv", tx_bytes=BYTES // 2), {"deadlock"}, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_planted_bug_is_caught(name):
+    bugged, accepted, static_checks = PLANTED[name]
+    found = []
+    for tiles in MULTI_BLOCK_TILES:
+        found += sim.replay(bugged, tiles, seeds=SEEDS, static_checks=static_checks)
+    assert found, f"the checker missed: {name}"
+    assert kinds(found) <= accepted, [str(v) for _, _, v in found[:5]]
+
+
+def test_deterministic_schedules_alone_catch_the_ordering_bugs():
+    """The eager and lazy schedules (no randomness) already catch each deterministic bug."""
+    for name in ("load swaps the K and V loads", "correction flips final_phase per query tile",
+                 "epilogue pipeline has 2 stages over 1 staging tile"):
+        bugged, accepted, _ = PLANTED[name]
+        found = [v for mode in ("eager", "lazy")
+                 for v in [sim.Simulation(bugged, [3, 2], mode).run()] if v is not None]
+        assert found and {v.kind for v in found} <= accepted, name
+
+
+def test_deadlock_report_names_the_blocked_waits():
+    bugged = PLANTED["correction drops its p_ready arrive (replayed)"][0]
+    violation = sim.Simulation(bugged, [2], "eager").run(static_checks=False)
+    assert violation.kind == "deadlock"
+    assert "mma waits p_ready[0] parity 0" in violation.message
+
+
+# ------------------------------------------------------------------------------------------------
+# The trace-time conformance check the kernel runs on itself
+
+def _issue(trace, role, steps):
+    for step in steps:
+        if isinstance(step, ps._Optional):
+            continue
+        kind, name, index = step
+        trace.expect(role, kind, name, index)
+
+
+def test_trace_accepts_the_schedule_order_and_rejects_a_swap():
+    forward = schedule()
+    for role in ("load", "mma", "softmax0", "correction", "epilogue"):
+        trace = ps.ProtocolTrace(forward)
+        trace.begin(role)
+        _issue(trace, role, ps.traced_steps(forward, role))
+        trace.finish(role)
+    trace = ps.ProtocolTrace(forward)
+    trace.begin("mma")
+    steps = [s for s in ps.traced_steps(forward, "mma") if not isinstance(s, ps._Optional)]
+    steps[3], steps[4] = steps[4], steps[3]
+    with pytest.raises(ps.ProtocolMismatch, match="role mma: step 3"):
+        _issue(trace, "mma", steps)
+
+
+def test_trace_rejects_a_missing_step_and_an_unfinished_role():
+    forward = schedule()
+    trace = ps.ProtocolTrace(forward)
+    trace.begin("correction")
+    steps = ps.traced_steps(forward, "correction")
+    _issue(trace, "correction", steps[:-2])
+    with pytest.raises(ps.ProtocolMismatch, match="stopped after"):
+        trace.finish("correction")
+    with pytest.raises(ps.ProtocolMismatch, match="roles traced to the end"):
+        trace.check_finished()
+
+
+def test_trace_takes_one_or_both_arms_of_a_branch():
+    """A dynamic branch traces both arms (masked / unmasked blocks), a constant one (segments: every
+    block is partial) only one."""
+    forward = schedule()
+    steps = ps.traced_steps(forward, "softmax0")
+    (optional,) = [s for s in steps if isinstance(s, ps._Optional)]
+    for repeat in (False, True):
+        trace = ps.ProtocolTrace(forward)
+        trace.begin("softmax0")
+        for step in steps:
+            if isinstance(step, ps._Optional):
+                if repeat:
+                    _issue(trace, "softmax0", optional.steps)
+                continue
+            trace.expect("softmax0", *step)
+        trace.finish("softmax0")
+
+
+_TRACE_WITH_A_SWAP = r"""
+import sys
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
+from fa4_jax.kernels.common import pipeline_schedule as ps
+from fa4_jax.kernels.sm100 import forward
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
+sys.path.insert(0, "tests")
+import protocol_simulator as sim
+
+config = AttentionConfig(scale=0.125)
+shape = [1, 256, 256, 2, 2, 64]
+problem = host.Problem(tuple(shape[i] for i in (0, 1, 3, 5)), tuple(shape[i] for i in (0, 2, 4, 5)),
+                       tuple(shape[i] for i in (0, 2, 4, 5)), "bfloat16")
+kernel = forward.Sm100ForwardKernel(forward.options(config, problem, sm_count=148))
+
+def swap_epilogue(step):   # the schedule says: release the staging tile before the TMA store's wait
+    if isinstance(step, ps.Stages) and isinstance(step.body[0], ps.ConsumerWait):
+        wait, read, release = step.body
+        return (ps.Stages((release, wait, read)),)
+    return None
+
+kernel.protocol = ps.ProtocolTrace(sim.change_role(kernel.schedule, "epilogue", swap_epilogue))
+try:
+    cute.compile(kernel, make_fake_stream(), *host.forward_fake_arguments(config, shape, "bfloat16"))
+except ps.ProtocolMismatch as mismatch:
+    print("MISMATCH", mismatch)
+"""
+
+
+def test_kernel_trace_rejects_a_schedule_it_does_not_follow():
+    """Tracing the real kernel against a schedule with two epilogue steps swapped fails the compile."""
+    pytest.importorskip("cutlass")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = dict(os.environ, CUTE_DSL_ARCH="sm_100a",
+                       PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", _TRACE_WITH_A_SWAP], cwd=root, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert "MISMATCH role epilogue: step 1 of its schedule is ('release', 'o', None), the kernel " \
+           "issues ('consumer_wait', 'epilogue', None)" in result.stdout, (
+               result.stdout[-2000:], result.stderr[-2000:])
+
+
+def test_branch_arms_that_synchronise_differently_fail_the_trace_schedule():
+    bugged = PLANTED["masked branch forgets the p_ready arrive"][0]
+    with pytest.raises(ValueError, match="arms of a branch synchronise differently"):
+        ps.traced_steps(bugged, "softmax0")
+
+
+# ------------------------------------------------------------------------------------------------
+# A CTA pair (the 2-CTA MMA of the sm100 backward): one schedule names both CTAs' roles and barriers.
+
+HALF = 64 * 128 * 2
+
+
+def pair_schedule(stages=2):
+    """Each CTA loads half of a K tile into its own ring; the leader's MMA warp consumes both halves,
+    writes S into both CTAs' TMEM and commits to both CTAs' s_full; both softmax warpgroups arrive
+    on the leader's p_ready before the next S overwrites theirs."""
+    def load(cta):
+        return ps.Role(f"cta{cta}.load", (ps.TileLoop((ps.BlockLoop((
+            ps.Acquire("load_k", "k"), ps.TmaLoad("k", lambda v: f"K{v.tile}.{v.block}", HALF))),)),), 1)
+
+    def softmax(cta):
+        return ps.Role(f"cta{cta}.softmax", (ps.TileLoop((ps.BlockLoop((
+            ps.Wait(f"cta{cta}.s_full", 0, "s_phase"), ps.Flip("s_phase"),
+            ps.Read(f"cta{cta}.tmem_s", lambda v: f"S{v.tile}.{v.block}"),
+            ps.Arrive("cta0.p_ready", 0))),)),), 128)
+
+    s_tag = lambda v: f"S{v.tile}.{v.block}"  # noqa: E731
+    mma = ps.Role("cta0.mma", (ps.TileLoop((ps.BlockLoop((
+        ps.ConsumerWait("load_k", "k"),
+        ps.Mma(reads=(("@k", lambda v: f"K{v.tile}.{v.block}", False),),
+               writes=(("cta0.tmem_s", s_tag, ("cta0.softmax",)), ("cta1.tmem_s", s_tag, ("cta1.softmax",)))),
+        ps.MmaCommit(("cta0.s_full", "cta1.s_full"), 0),
+        ps.Release("k"),
+        ps.Wait("cta0.p_ready", 0, "p_phase"), ps.Flip("p_phase"))),)),), 1, mma=True)
+    return ps.Schedule(
+        barriers=(ps.Barrier("cta0.s_full", 1, 1), ps.Barrier("cta1.s_full", 1, 1),
+                  ps.Barrier("cta0.p_ready", 1, 256)),
+        pipelines=(ps.Pipeline("load_k", ps.TMA_UMMA, stages, ("cta0.load", "cta1.load"), "cta0.mma",
+                               1, 1, ("cta0.smem_k", "cta1.smem_k"), tx_bytes=2 * HALF),),
+        roles=(load(0), load(1), mma, softmax(0), softmax(1)), stages=1)
+
+
+def test_cta_pair_protocol_holds():
+    for stages in (1, 2, 3):
+        for tiles in MULTI_BLOCK_TILES + SINGLE_BLOCK_TILES:
+            assert sim.replay(pair_schedule(stages), tiles, seeds=SEEDS) == [], (stages, tiles)
+
+
+def _commit_to_the_leader_only(step):
+    if isinstance(step, ps.MmaCommit):
+        return (ps.MmaCommit("cta0.s_full", step.index),)
+    return None
+
+
+@pytest.mark.parametrize("name, bugged, accepted, static_checks", [
+    ("the commit reaches only the leader's s_full",
+     sim.change_role(pair_schedule(), "cta0.mma", _commit_to_the_leader_only), {"deadlock"}, False),
+    ("p_ready counts one CTA's softmax",
+     pair_schedule().replace(barriers=ps.replace_named(pair_schedule().barriers, "cta0.p_ready",
+                                                       arrivals=128)), {"arrive_count"}, True),
+    ("the leader expects one half's bytes",
+     pair_schedule().replace(pipelines=ps.replace_named(pair_schedule().pipelines, "load_k",
+                                                        tx_bytes=HALF)),
+     {"arrive_count", "read_unready", "deadlock"}, True),
+    ("the peer's half is never loaded",
+     sim.change_role(pair_schedule(), "cta1.load", drop(lambda s: isinstance(s, ps.TmaLoad))),
+     {"deadlock"}, True),
+])
+def test_cta_pair_planted_bug_is_caught(name, bugged, accepted, static_checks):
+    found = []
+    for tiles in MULTI_BLOCK_TILES:
+        found += sim.replay(bugged, tiles, seeds=SEEDS, static_checks=static_checks)
+    assert found and kinds(found) <= accepted, (name, [str(v) for _, _, v in found[:3]])

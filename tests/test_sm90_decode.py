@@ -1,0 +1,162 @@
+"""The split-KV paged decode kernel (fa4_jax/kernels/sm90/decode.py) on the GPU against the float64
+oracle: through `fa4_jax.paged_attention(implementation="cute")` on hostile paged caches
+(tests/paged_cases.py: permuted blocks, lengths off the page size, a length-1 sequence, garbage ids in
+unused table entries, NaN in every unowned cache slot), with forced split counts, and through
+`fa4_jax.attention(..., kv_seq_lengths=...)` with a short query (the contiguous-cache route).
+
+Device memory is poisoned with NaN before each kernel call, so an unwritten partial shows up. The
+tolerance is twice the larger of the reference path's own error (it rounds the output to the input
+dtype) and the dtype's rounding, as in tests/test_sm90_forward.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+import numpy_reference as oracle
+import paged_cases
+from kernel_cases import ROUNDING, poison_device_memory
+from paged_cases import PagedCase
+
+gpu = pytest.mark.gpu
+
+BF16, FP16 = jnp.bfloat16, jnp.float16
+CASES = [
+    # The benchmark's heads (32 / 8, D = 128), one and four new tokens, pages of 16 and 64.
+    PagedCase(batch=3, q_len=1, q_heads=32, kv_heads=8, head_dim=128, block_size=16, max_blocks=40, dtype=BF16),
+    PagedCase(batch=3, q_len=4, q_heads=32, kv_heads=8, head_dim=128, block_size=64, max_blocks=12, dtype=BF16),
+    # One long sequence: many splits, each over many key blocks.
+    PagedCase(batch=1, q_len=1, q_heads=32, kv_heads=8, head_dim=128, block_size=16, max_blocks=400, dtype=BF16,
+              lengths=(6001,)),
+    PagedCase(batch=2, q_len=3, q_heads=8, kv_heads=2, head_dim=64, block_size=7, max_blocks=30, dtype=FP16),
+    PagedCase(batch=2, q_len=2, q_heads=16, kv_heads=2, head_dim=256, block_size=32, max_blocks=10, dtype=BF16),
+    PagedCase(batch=3, q_len=5, q_heads=6, kv_heads=1, head_dim=128, block_size=1, max_blocks=300, dtype=BF16),
+    PagedCase(batch=2, q_len=8, q_heads=16, kv_heads=2, head_dim=128, block_size=16, max_blocks=20, dtype=BF16),
+    PagedCase(batch=2, q_len=2, q_heads=8, kv_heads=2, head_dim=128, block_size=16, max_blocks=30, dtype=BF16,
+              window=(100, None)),
+    PagedCase(batch=2, q_len=6, q_heads=8, kv_heads=4, head_dim=64, block_size=16, max_blocks=30, dtype=FP16,
+              window=(40, 2)),
+    PagedCase(batch=3, q_len=2, q_heads=8, kv_heads=2, head_dim=128, block_size=16, max_blocks=20, dtype=BF16,
+              softcap=5.0, sinks=True),
+    PagedCase(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=64, block_size=64, max_blocks=8, dtype=FP16,
+              sinks=True, scale=0.3),
+    PagedCase(batch=3, q_len=4, q_heads=8, kv_heads=2, head_dim=128, block_size=4, max_blocks=3, dtype=BF16,
+              lengths=(1, 3, 12)),   # lengths below q_len: rows before the sequence start see nothing
+]
+
+
+@pytest.fixture(autouse=True)
+def _decode_kernel_on(monkeypatch):
+    """The kernel is off (`decode.GPU_VERIFIED`) until these tests pass on a GPU; they run it."""
+    monkeypatch.setattr(decode, "GPU_VERIFIED", True)
+
+
+def _error(actual, expected):
+    return float(np.max(np.abs(oracle.to_float64(actual) - expected)) / max(np.max(np.abs(expected)), 1e-6))
+
+
+def _check(case: PagedCase, out, lse, drawn, reference_out):
+    expected_out, expected_lse = paged_cases.expected(case, drawn)
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse)), "NaN in the kernel's outputs"
+    tolerance = 2 * max(_error(reference_out.astype(jnp.float32), expected_out), ROUNDING[case.dtype])
+    oracle.assert_close(out, expected_out, tolerance, f"{case.name} out")
+    oracle.assert_close(lse, expected_lse, 1e-4, f"{case.name} lse")
+
+
+def _options(case):
+    return dict(scale=case.scale, softcap=case.softcap, window=case.window, return_lse=True)
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_paged_decode_matches_oracle(case, rng):
+    drawn = paged_cases.build(case, rng)
+    arguments = paged_cases.arguments(drawn)
+    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
+                                               **_options(case))
+    poison_device_memory(64 * 2 ** 20)
+    out, lse = jax.jit(lambda *a: fa4_jax.paged_attention(*a[:5], sinks=a[5], implementation="cute",
+                                                          **_options(case)))(*arguments, drawn["sinks"])
+    _check(case, out, lse, drawn, reference_out)
+
+
+FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits": 40},
+          {"tile_n": 128, "num_stages": 2}, {"num_stages": 4}, {"tile_n": 128, "num_stages": 2, "num_splits": 3}]
+
+
+@gpu
+@pytest.mark.parametrize("overrides", FORCED, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_forced_options(overrides, rng):
+    """Every split count merges to the same attention (splits past the key blocks get none: -inf), and
+    the tuning alternatives (block size, stages) compute it too."""
+    from fa4_jax import paged
+    from fa4_jax.kernels.sm90 import decode
+
+    case = PagedCase(batch=2, q_len=2, q_heads=16, kv_heads=4, head_dim=128, block_size=16, max_blocks=60,
+                     dtype=BF16, sinks=True)
+    drawn = paged_cases.build(case, rng)
+    arguments = paged_cases.arguments(drawn)
+    config = fa4_jax.AttentionConfig(scale=case.head_dim ** -0.5, causal=True, has_sinks=True,
+                                     has_kv_seq_lengths=True)
+    problem = paged.paged_problem(*arguments[:4])
+    options = decode.options(config, problem, **overrides)
+    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference")
+    poison_device_memory(64 * 2 ** 20)
+    out, lse = jax.jit(lambda *a: decode.run(options, *a))(*arguments, drawn["sinks"])
+    _check(case, out, lse, drawn, reference_out)
+
+
+@gpu
+@pytest.mark.parametrize("q_len, causal, window", [(1, True, None), (4, True, None), (4, False, None),
+                                                   (3, True, (50, 0))])
+def test_contiguous_cache_through_attention(q_len, causal, window, inputs):
+    """attention(..., kv_seq_lengths=...) with a short query runs the decode kernel (one page per
+    sequence) and matches the oracle."""
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import decode
+    from fa4_jax.lowering import cuda
+
+    batch, kv_len, q_heads, kv_heads, head_dim = 3, 1500, 32, 8, 128
+    query = inputs.normal((batch, q_len, q_heads, head_dim), BF16)
+    key = inputs.normal((batch, kv_len, kv_heads, head_dim), BF16)
+    value = inputs.normal((batch, kv_len, kv_heads, head_dim), BF16)
+    lengths = jnp.asarray([kv_len, 777, 2], jnp.int32)
+    config = fa4_jax.AttentionConfig(scale=head_dim ** -0.5, causal=causal, has_kv_seq_lengths=True,
+                                     window_left=None if window is None else window[0],
+                                     window_right=None if window is None else window[1])
+    assert cuda.decode_module_for_attention(config, host.Problem.of(query, key, value)) is decode
+    options = dict(causal=causal, window=window, kv_seq_lengths=lengths, return_lse=True)
+    expected_out, expected_lse = oracle.attention_forward(
+        oracle.to_float64(query), oracle.to_float64(key), oracle.to_float64(value), causal=causal, window=window,
+        kv_seq_lengths=np.asarray(lengths))
+    reference_out, _ = fa4_jax.attention(query, key, value, implementation="reference", **options)
+    poison_device_memory(64 * 2 ** 20)
+    out, lse = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, implementation="cute", **options))(query, key, value)
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse))
+    tolerance = 2 * max(_error(reference_out.astype(jnp.float32), expected_out), ROUNDING[BF16])
+    oracle.assert_close(out, expected_out, tolerance, "out")
+    oracle.assert_close(lse, expected_lse, 1e-4, "lse")
+
+
+@gpu
+def test_garbage_is_never_read(rng):
+    """The kernel's output does not change when unused table entries and unowned cache slots change."""
+    case = dataclasses.replace(CASES[0], batch=2)
+    drawn = paged_cases.build(case, rng)
+    query, key_cache, value_cache, tables, lengths = paged_cases.arguments(drawn)
+    run = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute"))
+    first = run(query, key_cache, value_cache, tables, lengths)
+    pages = (np.asarray(lengths) + case.block_size - 1) // case.block_size
+    unused = np.arange(case.max_blocks)[None, :] >= pages[:, None]
+    second = run(query, jnp.nan_to_num(key_cache, nan=1e4), jnp.nan_to_num(value_cache, nan=-3.0),
+                 jnp.where(unused, -123456, tables), lengths)
+    assert not np.any(np.isnan(np.asarray(first.astype(jnp.float32))))
+    np.testing.assert_array_equal(np.asarray(first.astype(jnp.float32)), np.asarray(second.astype(jnp.float32)))
