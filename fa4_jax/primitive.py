@@ -3,20 +3,21 @@
 Two layers, as in TransformerEngine's JAX extension:
 - outer primitives (`attention_fwd_p`, `attention_bwd_p`, `attention_tangent_p`) carry the logical
   operation. They validate in abstract evaluation and have batching rules, so `vmap`, `grad`,
-  `jvp` and `jacobian` never see sharding. `fa4_jax/sharding.py` lowers the forward and backward
-  through `custom_partitioning`.
+  `jvp` and `jacobian` never see sharding. `fa4_jax/sharding.py` lowers them through
+  `custom_partitioning`, or inside shard_map with `context_parallel_axis` through the sequence split
+  of `fa4_jax/context_parallel.py`.
 - autodiff is JAX's own, as for its primitives: the forward has a JVP rule whose tangent is
   `attention_tangent_p`, linear in the tangents of query, key, value and sinks, and that primitive's
   transpose rule is the backward primitive. So forward mode (`jvp`, `linearize`, `jacfwd`) and reverse
   mode (`grad`, `vjp`, which JAX derives by transposing the linearized tangent) share one definition.
-- inner primitives (`attention_fwd_inner_p`, `attention_bwd_inner_p`) are what each device runs on its
-  shard; `fa4_jax/lowering/` lowers them per platform (CuTe kernels on CUDA, the reference elsewhere).
+- inner primitives (`attention_fwd_inner_p`, `attention_bwd_inner_p`, `attention_tangent_inner_p`) are
+  what each device runs on its shard; `fa4_jax/lowering/` lowers them per platform (CuTe kernels on
+  CUDA, the reference elsewhere; the tangent has no kernel yet and runs the reference everywhere).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from fa4_jax import context_parallel
 from fa4_jax.config import AttentionConfig
-from fa4_jax.reference import reference_backward, reference_tangent
+from fa4_jax.reference import reference_backward, reference_forward, reference_tangent
 from fa4_jax.validation import validate_operands
 
 attention_fwd_p = Primitive("fa4_attention_fwd")
@@ -35,7 +36,9 @@ attention_bwd_p = Primitive("fa4_attention_bwd")
 attention_tangent_p = Primitive("fa4_attention_tangent")
 attention_fwd_inner_p = Primitive("fa4_attention_fwd_inner")
 attention_bwd_inner_p = Primitive("fa4_attention_bwd_inner")
-_ALL = (attention_fwd_p, attention_bwd_p, attention_tangent_p, attention_fwd_inner_p, attention_bwd_inner_p)
+attention_tangent_inner_p = Primitive("fa4_attention_tangent_inner")
+_ALL = (attention_fwd_p, attention_bwd_p, attention_tangent_p, attention_fwd_inner_p, attention_bwd_inner_p,
+        attention_tangent_inner_p)
 for _p in _ALL:
     _p.multiple_results = True
 
@@ -109,7 +112,8 @@ def _tangent_abstract_eval(*operands, config: AttentionConfig):
     return _forward_abstract_eval(*config.join_operands(query, key, value, optional), config=config)
 
 
-attention_tangent_p.def_abstract_eval(_tangent_abstract_eval)
+for _p in (attention_tangent_p, attention_tangent_inner_p):
+    _p.def_abstract_eval(_tangent_abstract_eval)
 for _p in (attention_fwd_p, attention_fwd_inner_p):
     _p.def_abstract_eval(_forward_abstract_eval)
 for _p in (attention_bwd_p, attention_bwd_inner_p):
@@ -247,9 +251,6 @@ batching.primitive_batchers[attention_tangent_p] = _tangent_batch_rule
 
 def attention_differentiable(config: AttentionConfig, return_lse: bool, query, key, value, optional: dict):
     """Attention over the primitives, differentiable in both modes; returns out, or (out, lse)."""
-    if config.context_parallel_axis:
-        # Inside shard_map the sequence split runs per shard at trace time, under a custom VJP.
-        return attention_vjp(config, return_lse, query, key, value, optional)
     out, lse = attention_fwd_p.bind(*config.join_operands(query, key, value, optional), config=config)
     return (out, lse) if return_lse else out
 
@@ -288,61 +289,9 @@ def _tangent_transpose(cotangents, *operands, config: AttentionConfig):
     return result
 
 
-# Inside shard_map with context_parallel_axis the sequence split runs per shard at trace time.
-
-def _manual_split(config: AttentionConfig, query, key) -> context_parallel.SequenceSplit:
-    """Inside shard_map, the sequence split over `context_parallel_axis`: the per-shard calls bind the
-    outer primitives (which batch), and the collectives name the axis directly."""
-    axes = config.context_parallel_axis
-    strategy = context_parallel.choose_strategy(config, query.shape[1], query.shape[2], key.shape[2])
-    return context_parallel.SequenceSplit(
-        axes=axes, num_shards=math.prod(jax.lax.axis_size(a) for a in axes), strategy=strategy,
-        kv_whole=False, forward_p=attention_fwd_p, backward_p=attention_bwd_p)
-
-
-def _forward(config, query, key, value, optional):
-    operands = config.join_operands(query, key, value, optional)
-    if config.context_parallel_axis:
-        return context_parallel.forward(config, operands, _manual_split(config, query, key))
-    return attention_fwd_p.bind(*operands, config=config)
-
-
-def _backward(config, has_d_lse, operands):
-    if config.context_parallel_axis:
-        query, key = operands[:2]
-        return context_parallel.backward(config, has_d_lse, operands, _manual_split(config, query, key),
-                                         split_backward_operands)
-    return attention_bwd_p.bind(*operands, config=config, has_d_lse=has_d_lse)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attention_vjp(config: AttentionConfig, return_lse: bool, query, key, value, optional: dict):
-    """Differentiable attention over the primitives; returns out, or (out, lse) when return_lse."""
-    out, lse = _forward(config, query, key, value, optional)
-    return (out, lse) if return_lse else out
-
-
-def _attention_fwd_rule(config, return_lse, query, key, value, optional):
-    out, lse = _forward(config, query, key, value, optional)
-    residuals = tuple(checkpoint_name(x, name) for x, name in zip((query, key, value, out, lse), RESIDUAL_NAMES))
-    return ((out, lse) if return_lse else out), (residuals, optional)
-
-
-def _attention_bwd_rule(config, return_lse, saved, cotangent):
-    (query, key, value, out, lse), optional = saved
-    d_out, d_lse = cotangent if return_lse else (cotangent, None)
-    operands = (query, key, value, out, lse, d_out) + ((d_lse,) if d_lse is not None else ())
-    operands += tuple(optional[name] for name in config.present_operands())
-    grads = _backward(config, d_lse is not None, operands)
-    d_query, d_key, d_value = grads[:3]
-    # Integer operands (segment ids, lengths, q_start, kv_start) get no cotangent.
-    d_optional = {name: None for name in optional}
-    if config.has_sinks:
-        d_optional["sinks"] = grads[3]
-    return d_query, d_key, d_value, d_optional
-
-
-attention_vjp.defvjp(_attention_fwd_rule, _attention_bwd_rule)
+def _reference_forward(*operands, config: AttentionConfig):
+    query, key, value, optional = config.split_operands(operands)
+    return list(reference_forward(query, key, value, optional, config))
 
 
 def _reference_backward(*operands, config: AttentionConfig, has_d_lse: bool):
@@ -356,18 +305,55 @@ def _reference_tangent(*operands, config: AttentionConfig):
     return list(reference_tangent(query, key, value, out, lse, *tangents, optional, config))
 
 
-def _second_order_jvp(reference_function):
+class _Reference:
+    """Stands in for a primitive in context_parallel's per-shard calls: binds the pure-JAX reference."""
+
+    def __init__(self, function):
+        self.bind = function
+
+
+_REFERENCE_CALLS = dict(forward_p=_Reference(_reference_forward), backward_p=_Reference(_reference_backward),
+                        tangent_p=_Reference(_reference_tangent))
+
+
+def _reference_split(config: AttentionConfig, query, key):
+    """The sequence split for the reference of an outer primitive's call, or None when the operands
+    are the whole sequence in its order (under jit XLA partitions the reference like any JAX code)."""
+    if config.context_parallel_axis:
+        return context_parallel.manual_split(config, query, key, **_REFERENCE_CALLS)
+    if config.zigzag_shards is not None:
+        return context_parallel.SequenceSplit(axes=(), num_shards=1, strategy="all_gather", kv_whole=True,
+                                              **_REFERENCE_CALLS)
+    return None
+
+
+def _backward_function(operands, *, config: AttentionConfig, has_d_lse: bool):
+    split = _reference_split(config, operands[0], operands[1])
+    if split is None:
+        return functools.partial(_reference_backward, config=config, has_d_lse=has_d_lse)
+    return lambda *operands: list(context_parallel.backward(config, has_d_lse, operands, split,
+                                                            split_backward_operands))
+
+
+def _tangent_function(operands, *, config: AttentionConfig):
+    split = _reference_split(config, operands[0], operands[1])
+    if split is None:
+        return functools.partial(_reference_tangent, config=config)
+    return lambda *operands: list(context_parallel.tangent(config, operands, split, split_tangent_operands))
+
+
+def _second_order_jvp(function_of):
     """JVP of the backward or tangent primitive (second order: Hessian-vector products, jvp of grad,
-    grad of jvp), by JAX's own differentiation of the pure-JAX reference, which is O(S) memory too;
-    the result is pure JAX, so JAX transposes it as well. No kernel runs in such a program's
-    second-order part."""
+    grad of jvp), by JAX's own differentiation of the pure-JAX reference, which is O(S) memory too
+    (with the primitive's sequence split, collectives included); the result is pure JAX, so JAX
+    transposes it as well. No kernel runs in such a program's second-order part."""
     def rule(primals, tangents, **params):
-        function = functools.partial(reference_function, **params)
+        function = function_of(primals, **params)
         return jax.jvp(function, list(primals), [ad.instantiate_zeros(t) for t in tangents])
     return rule
 
 
 ad.primitive_jvps[attention_fwd_p] = _forward_jvp
 ad.primitive_transposes[attention_tangent_p] = _tangent_transpose
-ad.primitive_jvps[attention_bwd_p] = _second_order_jvp(_reference_backward)
-ad.primitive_jvps[attention_tangent_p] = _second_order_jvp(_reference_tangent)
+ad.primitive_jvps[attention_bwd_p] = _second_order_jvp(_backward_function)
+ad.primitive_jvps[attention_tangent_p] = _second_order_jvp(_tangent_function)

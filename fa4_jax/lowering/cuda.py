@@ -18,7 +18,7 @@ from jax.interpreters import mlir
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.lowering import reference
-from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_p,
+from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_inner_p,
                                split_backward_operands)
 
 
@@ -181,4 +181,4 @@ def _tangent_rule(ctx, *operands, config: AttentionConfig):
     return mlir.lower_fun(reference.tangent, multiple_results=True)(ctx, *operands, config=config)
 
 
-mlir.register_lowering(attention_tangent_p, _tangent_rule, platform="cuda")
+mlir.register_lowering(attention_tangent_inner_p, _tangent_rule, platform="cuda")

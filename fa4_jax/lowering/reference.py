@@ -1,6 +1,6 @@
 """Lowering of the inner primitives to the pure-JAX reference: the rule for every platform without a
-kernel (CPU, TPU, ...), and the path the CUDA rule falls back to. The forward-mode tangent primitive
-has no kernel on any platform yet and lowers here directly (XLA partitions it like any JAX code)."""
+kernel (CPU, TPU, ...), and the path the CUDA rule falls back to. The forward-mode tangent has no
+kernel on any platform yet: its inner primitive lowers to `reference_tangent` everywhere."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from jax.interpreters import mlir
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.reference import reference_backward, reference_forward, reference_tangent
-from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_p,
+from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_inner_p,
                                split_backward_operands, split_tangent_operands)
 
 
@@ -45,4 +45,4 @@ def _refuse_cute(platform_rule):
 
 mlir.register_lowering(attention_fwd_inner_p, _refuse_cute(mlir.lower_fun(forward, multiple_results=True)))
 mlir.register_lowering(attention_bwd_inner_p, _refuse_cute(mlir.lower_fun(backward, multiple_results=True)))
-mlir.register_lowering(attention_tangent_p, _refuse_cute(mlir.lower_fun(tangent, multiple_results=True)))
+mlir.register_lowering(attention_tangent_inner_p, _refuse_cute(mlir.lower_fun(tangent, multiple_results=True)))
