@@ -7,8 +7,9 @@ kernels only ever see a contiguous block at a global offset (`q_start`, and for 
 sequence lengths `kv_start`).
 
 Two strategies, the same per-shard code under `jit` (the partition rules in fa4_jax/sharding.py call
-`forward` / `backward` / `tangent` with the inner primitives) and inside `shard_map` (the outer
-primitives' lowering, given `context_parallel_axis`, calls them with the outer ones; `manual_split`):
+`forward` / `backward` / `tangent` with the inner primitives) and over named axes given
+`context_parallel_axis` (shard_map's, in the outer primitives' lowering, or a vmap's, in their batching
+rule: fa4_jax/primitive.py calls them with the outer ones, `manual_split`):
 - all_gather: gather K/V once, attend every row piece to all keys, reduce-scatter dK/dV.
 - ring: K/V (and the kv segment ids) travel around the sequence axis with collective-permutes; each
   step attends the local rows to the visiting chunk (skipped when no key is visible, unmasked when all

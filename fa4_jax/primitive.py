@@ -242,9 +242,53 @@ def _tangent_batch_rule(operands, batch_dims, *, config):
                        config=config)
 
 
-batching.primitive_batchers[attention_fwd_p] = _forward_batch_rule
-batching.primitive_batchers[attention_bwd_p] = _backward_batch_rule
-batching.primitive_batchers[attention_tangent_p] = _tangent_batch_rule
+# ------------------------------------------------------------------ the sequence split over named axes
+# With context_parallel_axis the operands are a shard's slices of the sequence, split over named axes:
+# shard_map's mesh axes (or pmap's), where the outer primitives' lowering runs the split
+# (fa4_jax/sharding.py), or a vmap's axis name standing in for a mesh axis, where the batching rule must
+# run it, since the named axis is gone by the time anything lowers. Each piece binds an outer primitive
+# again, with a config that has no split left.
+
+def _named_split(config: AttentionConfig, operands) -> context_parallel.SequenceSplit:
+    return context_parallel.manual_split(config, operands[0], operands[1], forward_p=attention_fwd_p,
+                                         backward_p=attention_bwd_p, tangent_p=attention_tangent_p)
+
+
+def split_forward(operands, *, config: AttentionConfig):
+    return list(context_parallel.forward(config, operands, _named_split(config, operands)))
+
+
+def split_backward(operands, *, config: AttentionConfig, has_d_lse: bool):
+    return list(context_parallel.backward(config, has_d_lse, operands, _named_split(config, operands),
+                                          split_backward_operands))
+
+
+def split_tangent(operands, *, config: AttentionConfig):
+    return list(context_parallel.tangent(config, operands, _named_split(config, operands), split_tangent_operands))
+
+
+def _batcher(primitive, batch_rule, split_function):
+    """The batching rule, except for a vmap whose axis name is in context_parallel_axis: the split runs
+    there, under a vmap of that name and size, so that its collectives move data between the vmapped
+    shards (each piece's outer primitive then batches by `batch_rule`)."""
+    def rule(axis_data, operands, batch_dims, **params):
+        axes = params["config"].context_parallel_axis
+        if axes and axis_data.name in axes:
+            results = jax.vmap(functools.partial(split_function, **params), in_axes=(list(batch_dims),),
+                               axis_name=axis_data.name, axis_size=axis_data.size,
+                               spmd_axis_name=axis_data.spmd_name)(list(operands))
+            return results, [0] * len(results)
+        if all(d is _NOT_MAPPED for d in batch_dims):
+            results = primitive.bind(*operands, **params)
+            return results, [_NOT_MAPPED] * len(results)
+        return batch_rule(operands, batch_dims, **params)
+    return rule
+
+
+batching.fancy_primitive_batchers[attention_fwd_p] = _batcher(attention_fwd_p, _forward_batch_rule, split_forward)
+batching.fancy_primitive_batchers[attention_bwd_p] = _batcher(attention_bwd_p, _backward_batch_rule, split_backward)
+batching.fancy_primitive_batchers[attention_tangent_p] = _batcher(attention_tangent_p, _tangent_batch_rule,
+                                                                  split_tangent)
 
 
 # ------------------------------------------------------------------------------------- JVP and transpose

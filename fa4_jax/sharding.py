@@ -17,7 +17,7 @@ What each shard needs, whatever the operands arrive with:
 - the forward-mode tangent is sharded like the forward (its key tangents like the keys): its rows
   are independent, so it needs no reduction; under context parallelism it takes the forward's route.
 - inside shard_map with `context_parallel_axis` the operands are already local: the lowering runs the
-  sequence split directly (`context_parallel.manual_split`), each piece through the rules here.
+  sequence split directly (`primitive.split_forward` and co.), each piece through the rules here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from fa4_jax import context_parallel
 from fa4_jax.config import AttentionConfig
 from fa4_jax.primitive import (attention_bwd_inner_p, attention_bwd_p, attention_fwd_inner_p, attention_fwd_p,
                                attention_tangent_inner_p, attention_tangent_p, backward_operand_names,
-                               split_backward_operands, split_tangent_operands, tangent_operand_names)
+                               split_backward, split_backward_operands, split_forward, split_tangent,
+                               split_tangent_operands, tangent_operand_names)
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
@@ -254,29 +255,24 @@ tangent_sharded.def_partition(partition=_tangent_partition, infer_sharding_from_
 
 # ------------------------------------------------------------------------------------------- lowering
 
-def _manual_split(config, operands):
-    """Inside shard_map with context_parallel_axis: each piece binds an outer primitive again (its
-    config has no split left), which lowers through the rules above like any per-shard call."""
-    return context_parallel.manual_split(config, operands[0], operands[1], forward_p=attention_fwd_p,
-                                         backward_p=attention_bwd_p, tangent_p=attention_tangent_p)
-
+# Inside shard_map (or pmap) with context_parallel_axis the operands are already a shard's slices: the
+# sequence split runs here, each piece an outer primitive again that lowers through the rules above.
 
 def _lower_forward(*operands, config):
     if config.context_parallel_axis:
-        return context_parallel.forward(config, operands, _manual_split(config, operands))
+        return split_forward(operands, config=config)
     return forward_sharded(config, *operands)
 
 
 def _lower_backward(*operands, config, has_d_lse):
     if config.context_parallel_axis:
-        return context_parallel.backward(config, has_d_lse, operands, _manual_split(config, operands),
-                                         split_backward_operands)
+        return split_backward(operands, config=config, has_d_lse=has_d_lse)
     return backward_sharded(config, has_d_lse, *operands)
 
 
 def _lower_tangent(*operands, config):
     if config.context_parallel_axis:
-        return context_parallel.tangent(config, operands, _manual_split(config, operands), split_tangent_operands)
+        return split_tangent(operands, config=config)
     return tangent_sharded(config, *operands)
 
 

@@ -470,3 +470,26 @@ def test_tangent_hlo_moves_key_tangents_with_the_keys():
         collectives = _compiled_collectives(jvp, *operands)
         assert len(collectives) == count and all(kind in line for line in collectives), (strategy, collectives)
         assert not any("f32[2,32,4,16]" in line for line in collectives), "the query was moved"
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_jvp_under_a_vmap_named_as_the_sequence_axis(inputs, strategy):
+    """vmap(..., axis_name="sp") stands in for the mesh (tests/test_context_parallel_gpu.py): the
+    batching rule runs the split under that named vmap, for the tangent as for the forward."""
+    shards = 2
+    to_shards = lambda x: jnp.moveaxis(x.reshape(x.shape[0], shards, -1, *x.shape[2:]), 1, 0)
+    from_shards = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+    shapes = ((2, SEQ_LEN, 4, 16), (2, SEQ_LEN, 2, 16), (2, SEQ_LEN, 2, 8))
+    primals, tangents = [inputs.normal(s) for s in shapes], [inputs.normal(s) for s in shapes]
+    sinks, t_sinks = inputs.normal((4,)), inputs.normal((4,))
+
+    def jvp(q, k, v, t_q, t_k, t_v, **cp):
+        function = lambda q, k, v, s: fa4_jax.attention(q, k, v, sinks=s, causal=True, window=(9, 2), **cp)
+        return jax.jvp(function, (q, k, v, sinks), (t_q, t_k, t_v, t_sinks))
+
+    per_shard = jax.vmap(functools.partial(jvp, context_parallel=strategy, context_parallel_axis="sp"),
+                         axis_name="sp")
+    out, t_out = jax.jit(per_shard)(*(to_shards(x) for x in primals + tangents))
+    expected_out, expected_t_out = jax.jit(jvp)(*primals, *tangents)
+    oracle.assert_close(from_shards(out), np.asarray(expected_out), TOLERANCE, "out", floor=1.0)
+    oracle.assert_close(from_shards(t_out), np.asarray(expected_t_out), TOLERANCE, "t_out", floor=1.0)
