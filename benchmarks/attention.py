@@ -54,7 +54,10 @@ def shapes(quick: bool = False):
 
 
 def forward_flops(shape) -> float:
-    flops = 4.0 * shape["batch"] * shape["heads"] * shape["seq_len"] ** 2 * shape["head_dim"]
+    """2 B H Sq Sk (D + Dv), Q K^T and P V (4 B H S^2 D when Dv = D), halved when causal; Dv is
+    shape["v_head_dim"] where given and not None, else D."""
+    v_head_dim = shape.get("v_head_dim") or shape["head_dim"]
+    flops = 2.0 * shape["batch"] * shape["heads"] * shape["seq_len"] ** 2 * (shape["head_dim"] + v_head_dim)
     return flops / 2 if shape["causal"] else flops
 
 

@@ -15,7 +15,8 @@ A forward row times the jitted call on (q, k, v). A backward row takes the VJP f
 `jax.vjp`: the forward and its residuals run outside the timing) and times the jitted pullback applied
 to a fixed d_out, so only the backward's kernels run in it. Times are CUPTI kernel times of everything the timed
 function launches (jax.experimental.mosaic.gpu.profiler.measure), median over --iterations; TFLOP/s
-counts forward 4*B*Hq*S*S*D, halved when causal, and 2.5x that for the backward. A library that fails
+counts forward 4*B*Hq*S*S*D (2*B*Hq*S*S*(D+Dv) when Dv differs), halved when causal, and 2.5x that for
+the backward. A library that fails
 on a row gets null `<lib>_ms` / `<lib>_tflops` and `<lib>_error`, and the run goes on. Each row also
 records the max |difference| of fa4_jax's and fa4peer's outputs (forward: out; backward: dq, dk, dv)
 from cuDNN's (from fa4peer's when cuDNN failed), so a wrong kernel shows, and `ratio_vs_best_peer`,
@@ -27,6 +28,11 @@ Rows (`row_grid()`), each shape forward then backward, B*S = 16k tokens:
 - D 192: 16 heads, S in {2k, 8k}, causal or not.
 40 shapes, 80 rows. --rows REGEX keeps the rows whose name matches (names read
 "backward D128 S8192 B2 H16/4 causal"; "full" when not causal), --quick those with S <= 2k.
+`--grid head-dims` instead: head dims fa4_jax has no kernel for and zero-pads
+(fa4_jax/lowering/head_padding.py), each beside the kernel dims it pads to: D 80 (-> 96) and DeepSeek
+MLA's D 192 / Dv 128 (-> 192 / 192), with the 96 and 192 rows; 16 heads, S in {2k, 8k}, causal or not,
+16 shapes, 32 rows (names read "forward D192/128 S2048 B8 H16/16 causal"). FLOPs count the call's own
+head dims, 2*B*Hq*S*S*(D+Dv), so the padding's extra work shows as lower TFLOP/s.
 
 Compiling: fa4_jax's kernels are compiled for every shape into the on-disk kernel cache
 (fa4_jax.kernels.compile_cache) by --precompile-workers CPU-only processes, shape by shape in row order,
@@ -46,7 +52,7 @@ its table and its rows (the JSON is rewritten after every row, so even a killed 
 
 Usage:
     python benchmarks/hopper_vs_peers.py --out results.json [--precompile-workers 12] [--rows REGEX]
-        [--quick] [--iterations 20] [--no-peer] [--max-seconds 450]
+        [--quick] [--iterations 20] [--no-peer] [--max-seconds 450] [--grid issue12|head-dims]
     JAX_PLATFORMS=cpu python benchmarks/hopper_vs_peers.py --precompile-only --precompile-workers 2
     python benchmarks/hopper_vs_peers.py --plot results.json results.png      (no GPU needed)
 The device command is benchmarks/device/hopper_vs_peers.sh. The git revision comes from
@@ -66,6 +72,7 @@ import platform
 import re
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -86,6 +93,10 @@ LARGE_HEAD_DIM = 192
 LARGE_HEAD_HEADS = 16
 LARGE_HEAD_SEQ_LENS = (2048, 8192)
 QUICK_MAX_SEQ_LEN = 2048
+# --grid head-dims: (D, Dv) that fa4_jax pads, each followed by the kernel dims it pads to.
+PADDED_HEAD_DIMS = ((80, None), (96, None), (192, 128), (192, None))
+PADDED_HEADS = 16
+PADDED_SEQ_LENS = (2048, 8192)
 
 # The GPU the kernels are built for: the timing process checks it has one, the precompile processes
 # (which see no GPU) route and compile as if they had.
@@ -101,10 +112,16 @@ class Shape:
     kv_heads: int
     head_dim: int
     causal: bool
+    v_head_dim: Optional[int] = None   # None: equal to head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def forward_flops(self) -> float:
         return attention.forward_flops(dict(batch=self.batch, seq_len=self.seq_len, heads=self.q_heads,
-                                            head_dim=self.head_dim, causal=self.causal))
+                                            head_dim=self.head_dim, v_head_dim=self.value_dim,
+                                            causal=self.causal))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +132,8 @@ class Row:
     @property
     def name(self) -> str:
         shape = self.shape
-        return (f"{self.pass_name} D{shape.head_dim} S{shape.seq_len} B{shape.batch} "
+        head_dims = f"{shape.head_dim}" + (f"/{shape.value_dim}" if shape.value_dim != shape.head_dim else "")
+        return (f"{self.pass_name} D{head_dims} S{shape.seq_len} B{shape.batch} "
                 f"H{shape.q_heads}/{shape.kv_heads} {'causal' if shape.causal else 'full'}")
 
     @property
@@ -151,8 +169,17 @@ def shape_grid() -> list:
     return grid
 
 
-def row_grid() -> list:
-    return [Row(pass_name, shape) for shape in shape_grid() for pass_name in PASSES]
+def head_dim_grid() -> list:
+    """--grid head-dims: the padded head dims and the kernel dims they pad to, in the order timed."""
+    return [Shape(attention.TOKENS // length, length, PADDED_HEADS, PADDED_HEADS, head_dim, causal, v_head_dim)
+            for head_dim, v_head_dim in PADDED_HEAD_DIMS for causal in (False, True) for length in PADDED_SEQ_LENS]
+
+
+GRIDS = {"issue12": shape_grid, "head-dims": head_dim_grid}
+
+
+def row_grid(grid: str = "issue12") -> list:
+    return [Row(pass_name, shape) for shape in GRIDS[grid]() for pass_name in PASSES]
 
 
 def select_rows(rows, pattern=None, quick=False) -> list:
@@ -170,7 +197,14 @@ def fa4_jax_attention(shape):
 
 def cudnn_attention(shape):
     import jax
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=shape.causal, implementation="cudnn")
+    if shape.value_dim == shape.head_dim:
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=shape.causal, implementation="cudnn")
+    # jax.nn.dot_product_attention refuses Dv != D (it checks value against key's shape), while cuDNN
+    # runs it (multi-head latent attention: cuDNN >= 9.10 on sm_90): JAX's cuDNN wrapper that jax.nn
+    # calls, with jax.nn's scale and mask. A private module: if it moves, the row says so in cudnn_error.
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    mask_type = cudnn.MaskType.CAUSAL if shape.causal else cudnn.MaskType.NO_MASK
+    return lambda q, k, v: cudnn.dot_product_attention(q, k, v, scale=shape.head_dim ** -0.5, mask_type=mask_type)
 
 
 def fa4peer_factory(enabled: bool):
@@ -283,11 +317,10 @@ def _precompile_shape(shape):
         # the timing process's Hopper GPU (as tests/test_dispatch.py does).
         cuda.compute_capability = lambda: HOPPER_CAPABILITY
         forward = fa4_jax_attention(shape)
-        query = jax.ShapeDtypeStruct((shape.batch, shape.seq_len, shape.q_heads, shape.head_dim), jnp.bfloat16)
-        key = jax.ShapeDtypeStruct((shape.batch, shape.seq_len, shape.kv_heads, shape.head_dim), jnp.bfloat16)
-        jax.jit(forward).trace(query, key, key).lower(lowering_platforms=("cuda",))
+        query, key, value, d_out = (jax.ShapeDtypeStruct(dims, jnp.bfloat16) for dims in _input_dims(shape))
+        jax.jit(forward).trace(query, key, value).lower(lowering_platforms=("cuda",))
         backward = jax.jit(lambda q, k, v, d_out: jax.vjp(forward, q, k, v)[1](d_out))
-        backward.trace(query, key, key, query).lower(lowering_platforms=("cuda",))
+        backward.trace(query, key, value, d_out).lower(lowering_platforms=("cuda",))
     except Exception as error:  # the timing process compiles it itself then, and reports its own error
         return time.perf_counter() - started, short_error(error)
     return time.perf_counter() - started, None
@@ -342,11 +375,17 @@ def make_inputs(shape):
     import jax
     import jax.numpy as jnp
 
-    q_dims = (shape.batch, shape.seq_len, shape.q_heads, shape.head_dim)
-    kv_dims = (shape.batch, shape.seq_len, shape.kv_heads, shape.head_dim)
     keys = jax.random.split(jax.random.key(0), 4)
     return tuple(jax.random.normal(key, dims, jnp.float32).astype(jnp.bfloat16)
-                 for key, dims in zip(keys, (q_dims, kv_dims, kv_dims, q_dims)))
+                 for key, dims in zip(keys, _input_dims(shape)))
+
+
+def _input_dims(shape):
+    """The dims of q, k, v and d_out."""
+    return ((shape.batch, shape.seq_len, shape.q_heads, shape.head_dim),
+            (shape.batch, shape.seq_len, shape.kv_heads, shape.head_dim),
+            (shape.batch, shape.seq_len, shape.kv_heads, shape.value_dim),
+            (shape.batch, shape.seq_len, shape.q_heads, shape.value_dim))
 
 
 def cupti_timer(iterations: int):
@@ -399,7 +438,7 @@ def new_report(device, versions) -> dict:
         git_revision=attention.git_revision(), host=platform.node(), dtype="bfloat16",
         timing="CUPTI kernel time of every kernel the timed function launches, median of iterations "
                "(jax.experimental.mosaic.gpu.profiler.measure); backward: the VJP's pullback only",
-        flops="forward 4*B*Hq*S*S*D, halved when causal; backward 2.5x forward",
+        flops="forward 2*B*Hq*S*S*(D+Dv) (4*B*Hq*S*S*D when Dv = D), halved when causal; backward 2.5x forward",
         ratio="ratio_vs_best_peer = fa4_jax_tflops / max(cudnn_tflops, fa4peer_tflops)",
         rows=[])
 
@@ -408,7 +447,7 @@ def run(args):
     os.environ.setdefault("CUTE_DSL_ARCH", HOPPER_ARCH)   # before anything imports the DSL
     import jax
 
-    rows = select_rows(row_grid(), args.rows, args.quick)
+    rows = select_rows(row_grid(args.grid), args.rows, args.quick)
     shapes = list(dict.fromkeys(row.shape for row in rows))
     if args.precompile_only:
         precompiler = Precompiler(shapes, max(1, args.precompile_workers))
@@ -430,7 +469,7 @@ def run(args):
     libraries = dict(fa4_jax=fa4_jax_after_precompile(precompiler), cudnn=cudnn_attention, fa4peer=peer)
     report = new_report(device.device_kind, _versions(peer_version))
     report.update(iterations=args.iterations, precompile=precompiler.summary,
-                  selection=dict(rows=args.rows, quick=args.quick, count=len(rows)))
+                  selection=dict(grid=args.grid, rows=args.rows, quick=args.quick, count=len(rows)))
     write_report(report, args.out)
     print(f"{len(rows)} rows; {args.precompile_workers} precompile processes", flush=True)
     try:
@@ -527,6 +566,9 @@ def plot(json_path, png_path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="hopper_vs_peers.json")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="issue12",
+                        help="issue12: issue 12's rows; head-dims: zero-padded head dims (80, 192/128) "
+                             "beside the kernel head dims they pad to")
     parser.add_argument("--rows", metavar="REGEX", help="only the rows whose name matches (re.search)")
     parser.add_argument("--quick", action="store_true", help=f"only rows with S <= {QUICK_MAX_SEQ_LEN}")
     parser.add_argument("--iterations", type=int, default=20)

@@ -193,10 +193,23 @@ SINGLE_FEATURE_CASES = [
 ]
 FEATURE_CASES = _feature_cases()
 
+# Head dims the kernels are built for, and others that reach them zero-padded
+# (fa4_jax/lowering/head_padding.py): 72 / 80 -> 96, 112 -> 128, 160 -> 192, 36 -> 64, and value head
+# dims of their own (MLA's 192/128 -> 192/192, 96/64 -> 96/96, 64/128 and 128/64 -> 128/128,
+# 256/128 and 96/256 -> 256/256); causal and not.
+PADDED_HEAD_DIMS = [(72, None), (80, None), (112, None), (160, None), (192, 128), (96, 64), (64, 128),
+                    (256, 128)]
 HEAD_DIM_CASES = [
-    Case(batch=1, q_len=70, kv_len=70, head_dim=head_dim, value_dim=value_dim, causal=True)
-    for head_dim, value_dim in [(64, None), (96, None), (128, None), (192, None), (256, None),
-                                (128, 64), (64, 128), (192, 128), (96, 256)]
+    Case(batch=1, q_len=70, kv_len=70, head_dim=head_dim, value_dim=value_dim, causal=causal)
+    for head_dims, causal in [([(64, None), (96, None), (128, None), (192, None), (256, None), (128, 64),
+                                (96, 256), (36, None)] + PADDED_HEAD_DIMS, True), (PADDED_HEAD_DIMS, False)]
+    for head_dim, value_dim in head_dims
+] + [
+    # Padded head dims with the other features: what padding must leave alone (lse, sinks, softcap,
+    # masks, lengths, GQA / MQA).
+    Case(head_dim=80, causal=True, sinks=True, softcap=2.0, lengths="both", q_len=50, kv_len=131),
+    Case(head_dim=192, value_dim=128, window=(24, 8), segments="pair", kv_heads=1, q_len=50, kv_len=131),
+    Case(head_dim=112, value_dim=64, lengths="past-end", sinks=True, sinks_off=True, causal=True),
 ]
 
 DTYPE_CASES = [

@@ -184,10 +184,11 @@ def test_arguments(benchmark, monkeypatch):
     seen = []
     monkeypatch.setattr(benchmark, "run", seen.append)
     benchmark.main(["--rows", "backward D(64|128) ", "--quick", "--no-peer", "--precompile-workers", "12",
+                    "--grid", "head-dims",
                     "--iterations", "5", "--max-seconds", "400", "--out", "x.json"])
     (args,) = seen
     assert (args.rows, args.quick, args.no_peer, args.precompile_workers, args.iterations, args.max_seconds,
-            args.out) == ("backward D(64|128) ", True, True, 12, 5, 400.0, "x.json")
+            args.out, args.grid) == ("backward D(64|128) ", True, True, 12, 5, 400.0, "x.json", "head-dims")
     with pytest.raises(SystemExit):
         benchmark.main(["--rows", "(unclosed"])
 
@@ -202,3 +203,35 @@ def test_peer_is_imported_by_the_benchmark_only(benchmark):
     assert [str(path) for path in sources if statement.search(path.read_text())] == []
     assert PEER not in sys.modules
     assert statement.search(SCRIPT.read_text())
+
+
+def test_head_dim_grid_is_the_padded_head_dims_and_their_kernels(benchmark):
+    """--grid head-dims: D 80 and MLA's 192/128 (which fa4_jax zero-pads), each beside the head dims it
+    pads to (96, 192), 16 heads, S 2k and 8k, causal or not; FLOPs count the call's own head dims."""
+    rows = benchmark.row_grid("head-dims")
+    assert len(rows) == 32 and len({row.name for row in rows}) == 32
+    assert {(row.shape.head_dim, row.shape.value_dim) for row in rows} == {(80, 80), (96, 96), (192, 128), (192, 192)}
+    assert all(row.shape.batch * row.shape.seq_len == 16384 and row.shape.q_heads == 16 for row in rows)
+    mla = benchmark.select_rows(rows, r"^forward D192/128 S2048 ")
+    assert [row.name for row in mla] == ["forward D192/128 S2048 B8 H16/16 full",
+                                         "forward D192/128 S2048 B8 H16/16 causal"]
+    assert mla[0].flops == 2 * 8 * 16 * 2048 * 2048 * (192 + 128)
+    assert benchmark.select_rows(rows, r"D192 ") and all(row.shape.v_head_dim is None
+                                                         for row in benchmark.select_rows(rows, r"D192 "))
+
+
+@pytest.mark.parametrize("pass_name", ["forward", "backward"])
+def test_row_of_a_value_head_dim_of_its_own(benchmark, pass_name):
+    """Inputs and outputs at Dv: value and d_out [.., Dv], out and dv compared at Dv."""
+    import fa4_jax
+
+    shape = benchmark.Shape(**SMALL, v_head_dim=48)
+    inputs = benchmark.make_inputs(shape)
+    assert [x.shape[-1] for x in inputs] == [32, 32, 48, 48]
+
+    def reference(shape):   # jax.nn's XLA attention refuses Dv != D
+        return lambda q, k, v: fa4_jax.attention(q, k, v, causal=shape.causal, implementation="reference")
+    working = dict(fa4_jax=reference, cudnn=reference, fa4peer=reference)
+    record = benchmark.measure_row(benchmark.Row(pass_name, shape), inputs, working, _fake_timer(2.0))
+    assert not any(key.endswith("_error") for key in record), record
+    assert record["v_head_dim"] == 48 and record["name"].startswith(f"{pass_name} D32/48 ")

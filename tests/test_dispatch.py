@@ -85,25 +85,35 @@ def test_compute_capability_selects_the_kernel(monkeypatch, capability, module):
     assert chosen.__name__ == f"fa4_jax.kernels.{module}"
 
 
-def test_head_dim_no_route_takes_names_the_routes_head_dims(fake_gpu):
-    """A head dim outside every route for this GPU and pass gets the table's reason, before any
-    kernel module is asked."""
+def test_head_dim_above_every_route_names_the_routes_head_dims(fake_gpu):
+    """A head dim above every route for this GPU and pass gets the table's reason, before any kernel
+    module is asked; a smaller one is zero-padded up to the route's."""
     config = AttentionConfig(scale=0.125, implementation="cute")
     avals = [jax.ShapeDtypeStruct((1, 8, 2, 80), jnp.bfloat16) for _ in range(3)]
     with pytest.raises(NotImplementedError, match=r"the forward kernels for compute capability 9\.x take "
-                                                  r"head dims \(64,\), not 80"):
+                                                  r"head dims up to 64 \(smaller ones zero-padded to one of "
+                                                  r"\(64,\)\), not 80"):
         cuda.kernel_for("forward", config, *avals)
+    asked = []
+    fake_gpu.unsupported_reason = lambda config, problem: asked.append(problem)
+    assert cuda.kernel_for("forward", config, *[aval.update(shape=(1, 8, 2, 48)) for aval in avals]) is fake_gpu
+    assert [(p.head_dim, p.v_head_dim) for p in asked] == [(64, 64)]   # the module sees the padded call
 
 
-def test_backward_head_dim_no_route_takes_names_both_kernels_head_dims(monkeypatch):
-    """The real table: the reason lists the head dims of every Hopper backward route together (no
-    kernel module is imported for it)."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+def test_backward_head_dim_no_route_takes_names_the_head_dims(monkeypatch):
+    """The real table: on Blackwell the backward takes head dims up to 128 (padded to 64 / 96 / 128);
+    the reason says so, naming a value head dim that differs (no kernel module is imported for it)."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
     config = AttentionConfig(scale=0.125, implementation="cute")
-    avals = [jax.ShapeDtypeStruct((1, 8, 2, 80), jnp.bfloat16) for _ in range(3)]
-    with pytest.raises(NotImplementedError, match=r"the backward kernels for compute capability 9\.x take "
-                                                  r"head dims \(64, 96, 128, 192, 256\), not 80"):
-        cuda.kernel_for("backward", config, *avals)
+    query = jax.ShapeDtypeStruct((1, 8, 2, 160), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"the backward kernels for compute capability 10\.x take "
+                                                  r"head dims up to 128 \(smaller ones zero-padded to one of "
+                                                  r"\(64, 96, 128\)\), not 160"):
+        cuda.kernel_for("backward", config, query, query, query)
+    value = jax.ShapeDtypeStruct((1, 8, 2, 192), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"not 64 with value head dim 192"):
+        cuda.kernel_for("backward", config, query.update(shape=(1, 8, 2, 64)), query.update(shape=(1, 8, 2, 64)),
+                        value)
 
 
 # The real routing table's backward rows for Hopper: (head dim, the module that takes it).
@@ -153,7 +163,7 @@ def _head_dim_avals(dtype, head_dim):
 
 @needs_cutlass
 def test_backward_on_blackwell_selects_the_sm100_kernel_or_names_its_head_dims(monkeypatch):
-    """The real table: on 10.x, head dims 64, 96 and 128 get the 2-CTA sm100 backward; the others say
+    """The real table: on 10.x, head dims 64, 96 and 128 get the 2-CTA sm100 backward; larger ones say
     which head dims the Blackwell backward takes."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
     config = AttentionConfig(scale=0.125, causal=True, implementation="cute")
@@ -162,25 +172,25 @@ def test_backward_on_blackwell_selects_the_sm100_kernel_or_names_its_head_dims(m
         assert cuda.kernel_for("backward", config, *avals).__name__ == "fa4_jax.kernels.sm100.backward"
     avals = [jax.ShapeDtypeStruct((1, 8, 2, 192), jnp.bfloat16) for _ in range(3)]
     with pytest.raises(NotImplementedError, match=r"the backward kernels for compute capability 10\.x take "
-                                                  r"head dims \(64, 96, 128\), not 192"):
+                                                  r"head dims up to 128 .*, not 192"):
         cuda.kernel_for("backward", config, *avals)
 
 
 @needs_cutlass
-def test_sm90_forward_takes_a_sequence_sharded_query(monkeypatch):
-    """The sm90 forward takes q_start (context parallelism's per-shard and ring-step calls)."""
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_sm90_kernels_take_a_sequence_sharded_query(monkeypatch, kind):
+    """The sm90 forward and backward take q_start (context parallelism's per-shard and ring-step calls;
+    the backward's shards against the oracle: tests/test_sm90_backward.py -k query_shard)."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
     config = AttentionConfig(scale=0.125, causal=True, has_q_start=True, q_total=16, implementation="cute")
-    assert cuda.kernel_for("forward", config, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+    assert cuda.kernel_for(kind, config, *_head_dim_avals(jnp.bfloat16, 128)) is not None
     with_kv_lengths = config.replace(has_kv_seq_lengths=True)
-    assert cuda.kernel_for("forward", with_kv_lengths, *_head_dim_avals(jnp.bfloat16, 128)) is not None
+    assert cuda.kernel_for(kind, with_kv_lengths, *_head_dim_avals(jnp.bfloat16, 128)) is not None
 
 
 # (what refuses, capability, pass, head dim, config changes, message)
 Q_START_REFUSALS = {
     "sm100-forward": ((10, 0), "forward", 128, {}, r"q_start\) is not yet verified on a GPU"),
-    # dK came out wrong on the H200 (tests/test_context_parallel_gpu.py, rev 82798e2).
-    "sm90-backward": ((9, 0), "backward", 128, {}, r"does not yet compute dK correctly"),
     "sm90-large-head-backward": ((9, 0), "backward", 256, {},
                                  r"large-head backward does not take a sequence-sharded query"),
     "sm90-forward-with-q-lengths": ((9, 0), "forward", 128, dict(has_q_seq_lengths=True),

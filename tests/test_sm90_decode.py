@@ -23,6 +23,8 @@ import numpy_reference as oracle
 import paged_cases
 from kernel_cases import ROUNDING, poison_device_memory
 from paged_cases import PagedCase
+pytest.importorskip("cutlass")  # the kernel module needs nvidia-cutlass-dsl (Linux only)
+from fa4_jax.kernels.sm90 import decode  # noqa: E402
 
 gpu = pytest.mark.gpu
 

@@ -209,15 +209,22 @@ def launch_backward(kernel, options, inputs, key, value, dtype, dkv_accumulators
 
     `inputs` ends with the dQ accumulator and the deterministic mode's semaphores (None otherwise);
     the kernel updates both in place (input-output aliases). dK and dV are outputs in `dtype`, or with
-    `dkv_accumulators` fp32 accumulators, zeroed here, appended to the inputs and updated in place like
-    dQ (the caller casts them). (kernel name, options) is the compile key."""
+    `dkv_accumulators` one zeroed fp32 accumulator [2, *key.shape] (dK, then dV), appended to the inputs
+    and updated in place like dQ (the caller casts them). One buffer, not two zeroed arrays of the same
+    shape: XLA may merge two identical zero operands into one, and inside a loop its dynamic-slice
+    fusion then hands the kernel a single buffer for both (seen on the H200 under `lax.map`: dK and dV
+    summed into each other, tests/test_context_parallel_gpu.py). (kernel name, options) is the compile
+    key."""
     from cutlass.jax import cutlass_call
 
     from fa4_jax.kernels import compile_cache
 
     dq_index = len(inputs) - 2
     if dkv_accumulators:
-        inputs = (*inputs, jnp.zeros(key.shape, jnp.float32), jnp.zeros(value.shape, jnp.float32))
+        if key.shape != value.shape:
+            raise ValueError(f"fp32 dK / dV accumulators need key and value of one shape; got {key.shape} "
+                             f"and {value.shape}")
+        inputs = (*inputs, jnp.zeros((2, *key.shape), jnp.float32))
     # The inputs the kernel updates in place: dQ, the semaphores where present, dK and dV with accumulators.
     updated = [index for index in range(dq_index, len(inputs)) if inputs[index] is not None]
     aliases = {index: output for output, index in enumerate(updated)}
@@ -232,6 +239,8 @@ def launch_backward(kernel, options, inputs, key, value, dtype, dkv_accumulators
     compile_cache.prepare(run, inputs, tuple(outputs), compile_key, aliases)
     results = cutlass_call(run, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
                            compile_key=compile_key)(*inputs)
+    if dkv_accumulators:
+        return results[0], results[-1][0], results[-1][1]
     return results[0], results[-2], results[-1]
 
 
@@ -277,8 +286,9 @@ def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_
                             fp32_dkv: bool = False) -> list:
     """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
     `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
-    q_heads, head_dim)`, the semaphores, then dK, dV: in the input type, or fp32 accumulators with
-    `fp32_dkv`), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    q_heads, head_dim)`, the semaphores, then dK, dV in the input type, or with `fp32_dkv` the one fp32
+    accumulator [2, B, Sk, Hkv, D] and None, as `launch_backward` passes them), for compiling without a
+    GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
     import cutlass
     from cutlass import Float32
 
@@ -296,7 +306,7 @@ def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_
         *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
         fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
         fake(cutlass.Int32, (batch, q_heads, padded // tile_m)) if config.deterministic else None,
-        *(fake(Float32 if fp32_dkv else element, key_shape) for _ in range(2)),
+        *((fake(Float32, (2, *key_shape)), None) if fp32_dkv else (fake(element, key_shape),) * 2),
     ]
 
 

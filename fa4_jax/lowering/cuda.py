@@ -1,6 +1,12 @@
 """CUDA lowering: the one routing table from (compute capability, pass, head dim) to a CuTe kernel
 module, whose `unsupported_reason` decides the rest, or the reference where none fits.
 
+Head dims: the forward and backward take any head dim <= 256 and any value head dim <= 256 whose
+(D, Dv) some route's kernel holds once zero-padded (`fa4_jax/lowering/head_padding.py`: the padding
+is exact, costs (D' + Dv') / (D + Dv) more FLOPs and a padded copy of each operand, and stays inside
+this lowering, so residuals keep the call's dims). E.g. on sm_90: D = 80 runs the D = 96 kernels,
+112 the 128 ones, 160 the 192 ones, MLA's 192/128 the 192/192 ones. Decode is not padded.
+
 `implementation=None` falls back to the reference with a one-time warning that says why;
 `implementation="cute"` raises instead, naming what the kernel cannot take.
 """
@@ -8,6 +14,7 @@ module, whose `unsupported_reason` decides the rest, or the reference where none
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import warnings
 
@@ -17,7 +24,7 @@ from jax.interpreters import mlir
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.lowering import reference
+from fa4_jax.lowering import head_padding, reference
 from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_inner_p,
                                split_backward_operands)
 
@@ -26,12 +33,17 @@ from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, att
 class Route:
     """One row of the routing table: the kernel module that runs `pass_` ("forward" / "backward") for
     head dims `head_dims` on GPUs of compute capability `capability`.x. The module answers the rest
-    (dtypes, features, grid limits) through its `unsupported_reason(config, problem)`."""
+    (dtypes, features, grid limits) through its `unsupported_reason(config, problem)`. Its kernels
+    take the value head dim equal to the head dim; other calls reach them zero-padded."""
 
     capability: int
     pass_: str
     head_dims: tuple
     module: str
+
+    def head_dim_pairs(self) -> tuple:
+        """The (head dim, value head dim) pairs its kernel takes."""
+        return tuple((head_dim, head_dim) for head_dim in self.head_dims)
 
 
 # Every kernel there is, and what selects it. A call no row matches runs the reference (with the reason).
@@ -60,36 +72,53 @@ def compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def _route_reason(pass_: str, capability, problem: host.Problem):
-    """(the route for this call, None) or (None, why no route takes it)."""
+def _describe_head_dims(problem: host.Problem) -> str:
+    if problem.v_head_dim == problem.head_dim:
+        return str(problem.head_dim)
+    return f"{problem.head_dim} with value head dim {problem.v_head_dim}"
+
+
+def route_for(pass_: str, capability, problem: host.Problem):
+    """(the route for this call on a GPU of `capability` (major, minor), its HeadPadding, None) or
+    (None, None, why no route takes it): the table alone, before any kernel module is asked."""
     if capability is None:
-        return None, "no GPU is visible while lowering for CUDA, so no kernel can be compiled for it"
+        return None, None, "no GPU is visible while lowering for CUDA, so no kernel can be compiled for it"
     major, minor = capability
     for_pass = [route for route in ROUTES if route.pass_ == pass_]
     for_gpu = [route for route in for_pass if route.capability == major]
     if not for_gpu:
         covered = ", ".join(f"{c}.x" for c in sorted({route.capability for route in for_pass}))
-        return None, (f"there is no CuTe {pass_} kernel for compute capability {major}.{minor} ({pass_} kernels "
-                      f"exist for compute capability {covered} only)")
+        return None, None, (f"there is no CuTe {pass_} kernel for compute capability {major}.{minor} ({pass_} "
+                            f"kernels exist for compute capability {covered} only)")
+    head_dims = tuple(sorted({d for route in for_gpu for d in route.head_dims}))
+    if pass_ in head_padding.PADDED_PASSES:
+        pairs = [pair for route in for_gpu for pair in route.head_dim_pairs()]
+        padding = head_padding.plan(problem.head_dim, problem.v_head_dim, pairs)
+        if padding is not None:
+            kernel_pair = (padding.kernel_head_dim, padding.kernel_v_head_dim)
+            route = next(route for route in for_gpu if kernel_pair in route.head_dim_pairs())
+            return route, padding, None
+        return None, None, (f"the {pass_} kernels for compute capability {major}.x take head dims up to "
+                            f"{head_dims[-1]} (smaller ones zero-padded to one of {head_dims}), not "
+                            f"{_describe_head_dims(problem)}")
     for route in for_gpu:
         if problem.head_dim in route.head_dims:
-            return route, None
-    head_dims = tuple(sorted({d for route in for_gpu for d in route.head_dims}))
-    return None, (f"the {pass_} kernels for compute capability {major}.x take head dims {head_dims}, "
-                  f"not {problem.head_dim}")
+            return route, head_padding.identity(problem), None
+    return None, None, (f"the {pass_} kernels for compute capability {major}.x take head dims {head_dims}, "
+                        f"not {problem.head_dim}")
 
 
 def _module_or_reason(pass_: str, config: AttentionConfig, problem: host.Problem):
-    """(the kernel module that takes this call, None) or (None, why none does)."""
-    route, reason = _route_reason(pass_, compute_capability(), problem)
+    """(the kernel module that takes this call, its HeadPadding, None) or (None, None, why none does)."""
+    route, padding, reason = route_for(pass_, compute_capability(), problem)
     if route is None:
-        return None, reason
+        return None, None, reason
     try:
         module = importlib.import_module(route.module)
     except ImportError as error:
-        return None, f"the {pass_} kernel module {route.module} is not available ({error})"
-    reason = module.unsupported_reason(config, problem)
-    return (module, None) if reason is None else (None, reason)
+        return None, None, f"the {pass_} kernel module {route.module} is not available ({error})"
+    reason = module.unsupported_reason(config, padding.kernel_problem(problem))
+    return (module, padding, None) if reason is None else (None, None, reason)
 
 
 def kernel_for(pass_: str, config: AttentionConfig, query, key, value):
@@ -99,11 +128,18 @@ def kernel_for(pass_: str, config: AttentionConfig, query, key, value):
 
 def kernel_for_problem(pass_: str, config: AttentionConfig, problem: host.Problem):
     """`kernel_for` of a `Problem` (the paged decode describes its cache by one)."""
+    chosen = choose_kernel(pass_, config, problem)
+    return None if chosen is None else chosen[0]
+
+
+def choose_kernel(pass_: str, config: AttentionConfig, problem: host.Problem):
+    """(kernel module, HeadPadding to its head dims) for this call, or None for the reference (after
+    warning or raising as configured)."""
     if config.implementation == "reference":
         return None
-    module, reason = _module_or_reason(pass_, config, problem)
+    module, padding, reason = _module_or_reason(pass_, config, problem)
     if module is not None:
-        return module
+        return module, padding
     if config.implementation == "cute":
         raise NotImplementedError(
             f"implementation='cute' cannot run this attention {pass_} pass: {reason}. Change that option, or use "
@@ -120,43 +156,47 @@ def decode_module_for_attention(config: AttentionConfig, problem: host.Problem):
     with key lengths: the contiguous form of `paged_attention`, one page per sequence), else None."""
     if config.implementation == "reference" or not config.has_kv_seq_lengths:
         return None
-    module, _ = _module_or_reason("decode", config, problem)
+    module, _, _ = _module_or_reason("decode", config, problem)
     return module
 
 
 def _forward_rule(ctx, *operands, config: AttentionConfig):
     query, key, value, _ = config.split_operands(ctx.avals_in)
-    decode = decode_module_for_attention(config, host.Problem.of(query, key, value))
+    problem = host.Problem.of(query, key, value)
+    decode = decode_module_for_attention(config, problem)
     if decode is not None:
-        decode_options = decode.options(config, host.Problem.of(query, key, value))
+        decode_options = decode.options(config, problem)
 
         def decode_kernel(*arrays, config):
             q, k, v, optional = config.split_operands(arrays)
             tables = jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
             return decode.run(decode_options, q, k, v, tables, optional["kv_seq_lengths"], optional.get("sinks"))
         return mlir.lower_fun(decode_kernel, multiple_results=True)(ctx, *operands, config=config)
-    module = kernel_for("forward", config, query, key, value)
-    if module is None:
+    chosen = choose_kernel("forward", config, problem)
+    if chosen is None:
         return mlir.lower_fun(reference.forward, multiple_results=True)(ctx, *operands, config=config)
-    options = module.options(config, host.Problem.of(query, key, value))
+    module, padding = chosen
+    run_kernel = functools.partial(module.run, module.options(config, padding.kernel_problem(problem)))
 
     def kernel(*arrays, config):
         q, k, v, optional = config.split_operands(arrays)
-        return module.run(options, q, k, v, optional)
+        return padding.forward(run_kernel, q, k, v, optional)
     return mlir.lower_fun(kernel, multiple_results=True)(ctx, *operands, config=config)
 
 
 def _backward_rule(ctx, *operands, config: AttentionConfig, has_d_lse: bool):
     query, key, value, *_ = ctx.avals_in
-    module = kernel_for("backward", config, query, key, value)
-    if module is None:
+    problem = host.Problem.of(query, key, value)
+    chosen = choose_kernel("backward", config, problem)
+    if chosen is None:
         return mlir.lower_fun(reference.backward, multiple_results=True)(
             ctx, *operands, config=config, has_d_lse=has_d_lse)
-    options = module.options(config, host.Problem.of(query, key, value))
+    module, padding = chosen
+    run_kernel = functools.partial(module.run, module.options(config, padding.kernel_problem(problem)))
 
     def kernel(*arrays, config, has_d_lse):
         (q, k, v, out, lse, d_out), d_lse, optional = split_backward_operands(config, has_d_lse, arrays)
-        d_q, d_k, d_v, d_sinks = module.run(options, q, k, v, out, lse, d_out, d_lse, optional)
+        d_q, d_k, d_v, d_sinks = padding.backward(run_kernel, q, k, v, out, lse, d_out, d_lse, optional)
         return (d_q, d_k, d_v) + ((d_sinks,) if config.has_sinks else ())
     return mlir.lower_fun(kernel, multiple_results=True)(ctx, *operands, config=config, has_d_lse=has_d_lse)
 
@@ -166,7 +206,7 @@ mlir.register_lowering(attention_bwd_inner_p, _backward_rule, platform="cuda")
 
 
 _NO_TANGENT_KERNEL = ("there is no CuTe kernel for the forward-mode tangent (jax.jvp / linearize / jacfwd) yet; "
-                      "the reference computes it in O(S) memory")
+                      "the reference computes it blockwise (memory linear in the sequence length)")
 
 
 def _tangent_rule(ctx, *operands, config: AttentionConfig):

@@ -126,14 +126,7 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    reason = backward_common.unsupported_reason("sm90 backward", config, problem, SUPPORTED_HEAD_DIMS)
-    if reason is None and config.has_q_start:
-        # On the H200 (rev 82798e2, tests/test_context_parallel_gpu.py) the per-shard backward calls
-        # gave dQ right and dK wrong (up to 2x max |dK|) in all four ring / all-gather cases, while
-        # the forward with q_start matched: the backward keeps the reference until that is found.
-        reason = ("sm90 backward does not yet compute dK correctly for a sequence-sharded query (q_start); "
-                  "the forward kernel takes it")
-    return reason
+    return backward_common.unsupported_reason("sm90 backward", config, problem, SUPPORTED_HEAD_DIMS)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -256,7 +249,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
-                 mQStart, mdQacc, mSemaphores, mdK, mdV):
+                 mQStart, mdQacc, mSemaphores, mdK, mdV=None):
+        if const_expr(self.head_splits > 1):
+            # One fp32 accumulator [2, B, Sk, Hkv, D] for dK and dV (host.launch_backward says why).
+            accumulators = mdK
+            single = cute.select(accumulators.layout, mode=[1, 2, 3, 4])
+            mdK = cute.make_tensor(accumulators.iterator, single)
+            mdV = cute.make_tensor(accumulators.iterator + cute.crd2idx((1, 0, 0, 0, 0), accumulators.layout),
+                                   single)
         # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
         qkv_order = [1, 3, 2, 0]
         mQ, mK, mV, mdO, mdK, mdV = [
