@@ -121,7 +121,8 @@ def attention(
     zigzag_shards: Optional[int] = None,
     context_parallel_axis: Union[str, Sequence[str], None] = None,
 ):
-    """Scaled dot-product attention, FlashAttention-style: fused, O(S) memory, differentiable.
+    """Scaled dot-product attention, FlashAttention-style: fused, O(S) memory, differentiable in both
+    modes (forward mode's tangent has no kernel yet: a blocked pure-JAX pass, see the README).
 
     Args:
       query: [batch, q_len, q_heads, head_dim]; key: [batch, kv_len, kv_heads, head_dim];

@@ -388,9 +388,10 @@ def _tangent_function(operands, *, config: AttentionConfig):
 
 def _second_order_jvp(function_of):
     """JVP of the backward or tangent primitive (second order: Hessian-vector products, jvp of grad,
-    grad of jvp), by JAX's own differentiation of the pure-JAX reference, which is O(S) memory too
-    (with the primitive's sequence split, collectives included); the result is pure JAX, so JAX
-    transposes it as well. No kernel runs in such a program's second-order part."""
+    grad of jvp), by JAX's own differentiation of the pure-JAX reference (with the primitive's sequence
+    split, collectives included); the result is pure JAX, so JAX transposes it as well. Forward over
+    reverse stays linear in memory; transposing the reference's scan over key blocks (grad of jvp)
+    keeps every block's score tiles, O(Sq·Sk). No kernel runs in such a program's second-order part."""
     def rule(primals, tangents, **params):
         function = function_of(primals, **params)
         return jax.jvp(function, list(primals), [ad.instantiate_zeros(t) for t in tangents])
