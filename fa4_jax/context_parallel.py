@@ -183,8 +183,8 @@ class SequenceSplit:
 
 
 def manual_split(config: AttentionConfig, query, key, forward_p, backward_p, tangent_p) -> SequenceSplit:
-    """Inside shard_map, the sequence split over `context_parallel_axis` (local q/k/v are slices of it):
-    the collectives name the axis directly."""
+    """The sequence split over `context_parallel_axis`, named axes (shard_map's, pmap's or a vmap's)
+    of which the local q/k/v are slices: the collectives name the axes directly."""
     axes = config.context_parallel_axis
     strategy = choose_strategy(config, query.shape[1], query.shape[2], key.shape[2])
     return SequenceSplit(axes=axes, num_shards=math.prod(lax.axis_size(a) for a in axes), strategy=strategy,
