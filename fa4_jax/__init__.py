@@ -1,7 +1,7 @@
 """fa4_jax: FlashAttention-4-style attention for JAX.
 
-`fa4_jax.attention(query, key, value, ...)` is a JAX primitive with a custom VJP, batching and sharding
-rules, lowered to CuTe-DSL kernels on NVIDIA Hopper/Blackwell and to a pure-JAX reference elsewhere.
+`fa4_jax.attention(query, key, value, ...)` is a JAX primitive with JVP and transpose rules, batching
+and sharding rules, lowered to CuTe-DSL kernels on NVIDIA Hopper/Blackwell and to a pure-JAX reference elsewhere.
 `fa4_jax.dot_product_attention` takes `jax.nn.dot_product_attention`'s arguments, with its semantics.
 """
 

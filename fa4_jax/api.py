@@ -14,7 +14,7 @@ import numpy as np
 
 from fa4_jax import context_parallel as _context_parallel
 from fa4_jax.config import CONTEXT_PARALLEL_STRATEGIES, IMPLEMENTATIONS, AttentionConfig
-from fa4_jax.primitive import attention_vjp
+from fa4_jax.primitive import attention_differentiable
 
 Array = jax.Array
 # Logits are float32 on every path; Python floats, so that comparisons with them never round to float32.
@@ -121,7 +121,8 @@ def attention(
     zigzag_shards: Optional[int] = None,
     context_parallel_axis: Union[str, Sequence[str], None] = None,
 ):
-    """Scaled dot-product attention, FlashAttention-style: fused, O(S) memory, differentiable.
+    """Scaled dot-product attention, FlashAttention-style: fused, O(S) memory, differentiable in both
+    modes (forward mode's tangent has no kernel yet: a blocked pure-JAX pass, see the README).
 
     Args:
       query: [batch, q_len, q_heads, head_dim]; key: [batch, kv_len, kv_heads, head_dim];
@@ -233,4 +234,4 @@ def attention(
         implementation=implementation, context_parallel=context_parallel, zigzag_shards=zigzag_shards,
         context_parallel_axis=context_parallel_axis)
     _context_parallel.check_placement(config, query)
-    return attention_vjp(config, bool(return_lse), query, key, value, arrays)
+    return attention_differentiable(config, bool(return_lse), query, key, value, arrays)

@@ -6,14 +6,17 @@ chunks i and 2n-1-i). Every per-shard call runs on one piece of rows against one
 kernels only ever see a contiguous block at a global offset (`q_start`, and for a ring step with
 sequence lengths `kv_start`).
 
-Two strategies, the same per-shard code under `jit` (the partition rule in fa4_jax/sharding.py calls
-`forward` / `backward` with the inner primitives) and inside `shard_map` (the custom VJP calls them with
-the outer ones, given `context_parallel_axis`):
+Two strategies, the same per-shard code under `jit` (the partition rules in fa4_jax/sharding.py call
+`forward` / `backward` / `tangent` with the inner primitives) and over named axes given
+`context_parallel_axis` (shard_map's, in the outer primitives' lowering, or a vmap's, in their batching
+rule: fa4_jax/primitive.py calls them with the outer ones, `manual_split`):
 - all_gather: gather K/V once, attend every row piece to all keys, reduce-scatter dK/dV.
 - ring: K/V (and the kv segment ids) travel around the sequence axis with collective-permutes; each
   step attends the local rows to the visiting chunk (skipped when no key is visible, unmasked when all
   are) and merges the partial outputs by their LSE; the sinks enter once, in the final merge. The
   backward sends dK/dV along with their K/V, so after the last step they are back at their owner.
+The forward-mode tangent takes the same route as the forward (its key tangents travel or are gathered
+with the keys): given the saved global out and LSE it is a plain sum over key chunks (see `tangent`).
 """
 
 from __future__ import annotations
@@ -152,8 +155,8 @@ class SequenceSplit:
     """How this device holds the sequence: `axes` (mesh axes, may be empty) split it `num_shards` ways.
 
     kv_whole: K/V arrive whole (every key, in stored order) rather than as this shard's slice.
-    forward_p / backward_p: the primitives each per-shard call binds (inner ones under the partition
-    rule, outer ones inside shard_map so that vmap still works).
+    forward_p / backward_p / tangent_p: what each per-shard call binds (inner primitives under the
+    partition rule, outer ones inside shard_map, the pure-JAX reference for second derivatives).
     """
 
     axes: tuple
@@ -162,6 +165,7 @@ class SequenceSplit:
     kv_whole: bool
     forward_p: object
     backward_p: object
+    tangent_p: object = None
 
     def index(self):
         index = jnp.int32(0)
@@ -176,6 +180,15 @@ class SequenceSplit:
         """Send to the next shard along the sequence axis (shard d receives from d-1)."""
         perm = [(j, (j + 1) % self.num_shards) for j in range(self.num_shards)]
         return lax.ppermute(tree, self.axis_name(), perm)
+
+
+def manual_split(config: AttentionConfig, query, key, forward_p, backward_p, tangent_p) -> SequenceSplit:
+    """The sequence split over `context_parallel_axis`, named axes (shard_map's, pmap's or a vmap's)
+    of which the local q/k/v are slices: the collectives name the axes directly."""
+    axes = config.context_parallel_axis
+    strategy = choose_strategy(config, query.shape[1], query.shape[2], key.shape[2])
+    return SequenceSplit(axes=axes, num_shards=math.prod(lax.axis_size(a) for a in axes), strategy=strategy,
+                         kv_whole=False, forward_p=forward_p, backward_p=backward_p, tangent_p=tangent_p)
 
 
 def _varying_like(like, value):
@@ -331,17 +344,19 @@ def forward(config: AttentionConfig, operands, split: SequenceSplit):
     return _forward_ring(split, problem)
 
 
+def _all_keys(split, problem, x):
+    """A key-side array of this shard (sequence on axis 1) with every key, in the original order."""
+    if not split.kv_whole:
+        x = lax.all_gather(x, split.axis_name(), axis=1, tiled=True)
+    n = problem.config.zigzag_shards
+    return x if n is None else unzigzag(x, n)
+
+
 def _gathered_keys(split, problem):
     """(key, value, kv-side optional operands): every key in the original order."""
-    key, value = problem.key, problem.value
     kv_side = {"kv_segment_ids": problem.optional["kv_segment_ids"]} if problem.config.has_segment_ids else {}
-    if not split.kv_whole:
-        gather = lambda x: lax.all_gather(x, split.axis_name(), axis=1, tiled=True)
-        key, value, kv_side = gather(key), gather(value), {k: gather(x) for k, x in kv_side.items()}
-    n = problem.config.zigzag_shards
-    if n is not None:
-        key, value, kv_side = unzigzag(key, n), unzigzag(value, n), {k: unzigzag(x, n) for k, x in kv_side.items()}
-    return key, value, kv_side
+    return (_all_keys(split, problem, problem.key), _all_keys(split, problem, problem.value),
+            {k: _all_keys(split, problem, x) for k, x in kv_side.items()})
 
 
 def _forward_all_gather(split, problem):
@@ -546,3 +561,111 @@ def _backward_ring(split, problem, cotangents):
         out, lse, d_out, d_lse = cotangents
         grads.append(_sink_gradient(problem, out, lse, d_out, d_lse))
     return tuple(grads)
+
+
+# -------------------------------------------------------------------------------------------- tangent
+# The forward-mode tangent from the saved out O and LSE (global: those of every key) is a sum over key
+# chunks. With P = exp(S - lse) and t_S the logits' tangent, one chunk's call gives
+# t_out_c = P_c·t_v + (P_c∘t_S_c)·V_c - t_row_c∘O and t_lse_c = t_row_c = rowsum(P_c∘t_S_c); the sum over
+# chunks is the whole tangent, t_out = Σ t_out_c, t_lse = Σ t_lse_c, because the one term not local to a
+# chunk, -t_lse∘O, is linear in t_lse. No merge by LSE is needed (unlike the forward), and the sinks'
+# term (P_sink·t_sink in t_lse, so -P_sink·t_sink∘O in t_out) enters once, after the ring.
+
+def tangent(config: AttentionConfig, operands, split: SequenceSplit, split_tangent):
+    """This shard's (t_out, t_lse): the tangent of `forward`'s (out, lse), linear in the tangents."""
+    (query, key, value, out, lse), (t_query, t_key, t_value, t_sinks), optional = split_tangent(config, operands)
+    n = config.zigzag_shards
+    if split.num_shards == 1:
+        local = config.replace(context_parallel=None, zigzag_shards=None, context_parallel_axis=None)
+        if n is not None:
+            query, key, value, optional = _unzigzag_operands(query, key, value, optional, n)
+            out, t_query, t_key, t_value = (unzigzag(x, n) for x in (out, t_query, t_key, t_value))
+            lse = unzigzag(lse, n, axis=2)
+        t_out, t_lse = _bind_tangent(split, local, query, key, value, (out, lse, t_query), t_key, t_value,
+                                     t_sinks, optional)
+        return (t_out, t_lse) if n is None else (zigzag(t_out, n), zigzag(t_lse, n, axis=2))
+    problem = _Problem(config, query, key, value, optional, split)
+    rows = (out, lse, t_query)
+    if split.strategy == "all_gather":
+        return _tangent_all_gather(split, problem, rows, t_key, t_value, t_sinks)
+    return _tangent_ring(split, problem, rows, t_key, t_value, t_sinks)
+
+
+def _bind_tangent(split, config, query, key, value, rows, t_key, t_value, t_sinks, optional):
+    out, lse, t_query = rows
+    operands = (query, key, value, out, lse, t_query, t_key, t_value) + ((t_sinks,) if config.has_sinks else ())
+    operands += tuple(optional[name] for name in config.present_operands())
+    return tuple(split.tangent_p.bind(*operands, config=config))
+
+
+def _tangent_rows(rows, start, length):
+    out, lse, t_query = rows
+    return _slice(out, 1, start, length), _slice(lse, 2, start, length), _slice(t_query, 1, start, length)
+
+
+def _call_tangent(split, problem, config, q, k, v, rows, t_k, t_v, t_sinks, q_side, kv_side, row_start,
+                  key_start, with_sinks):
+    piece_config, positions = _piece_config(problem, config, row_start, key_start, k.shape[1], with_sinks)
+    optional = dict(q_side, **kv_side, **positions)
+    if with_sinks:
+        optional["sinks"] = problem.optional["sinks"]
+    return _bind_tangent(split, piece_config, q, k, v, rows, t_k, t_v, t_sinks if with_sinks else None, optional)
+
+
+def _tangent_all_gather(split, problem, rows, t_key, t_value, t_sinks):
+    key, value, kv_side = _gathered_keys(split, problem)
+    t_key, t_value = _all_keys(split, problem, t_key), _all_keys(split, problem, t_value)
+    qp = problem.q_pieces
+    t_outs, t_lses = [], []
+    for t, row_start in enumerate(qp.starts(split.index())):
+        start = t * qp.length
+        q = _slice(problem.query, 1, start, qp.length)
+        t_out, t_lse = _call_tangent(split, problem, problem.config, q, key, value,
+                                     _tangent_rows(rows, start, qp.length), t_key, t_value, t_sinks,
+                                     _query_side(problem, start, qp.length), kv_side, row_start, None,
+                                     problem.config.has_sinks)
+        t_outs.append(t_out)
+        t_lses.append(t_lse)
+    return jnp.concatenate(t_outs, axis=1), jnp.concatenate(t_lses, axis=2)
+
+
+def _tangent_ring(split, problem, rows, t_key, t_value, t_sinks):
+    qp, kp = problem.q_pieces, problem.kv_pieces
+    shard = split.index()
+    t_outs, t_lses = [0.0] * qp.count, [0.0] * qp.count
+    # The key tangents travel with their keys.
+    travellers = dict(_kv_travellers(problem), t_key=t_key, t_value=t_value)
+    for step in range(split.num_shards):
+        arriving = split.rotate(travellers) if step + 1 < split.num_shards else None
+        for t, q_offset, row_start, k_offset, key_start in _ring_pairs(split, problem, step, shard):
+            q = _slice(problem.query, 1, q_offset, qp.length)
+            k, v, t_k, t_v = (_slice(travellers[name], 1, k_offset, kp.length)
+                              for name in ("key", "value", "t_key", "t_value"))
+            kv_side = ({"kv_segment_ids": _slice(travellers["kv_segment_ids"], 1, k_offset, kp.length)}
+                       if problem.config.has_segment_ids else {})
+            piece_rows = _tangent_rows(rows, q_offset, qp.length)
+            q_side = _query_side(problem, q_offset, qp.length)
+
+            def call(config, q=q, k=k, v=v, piece_rows=piece_rows, t_k=t_k, t_v=t_v, q_side=q_side, kv_side=kv_side,
+                     row_start=row_start, key_start=key_start):
+                return _call_tangent(split, problem, config, q, k, v, piece_rows, t_k, t_v, None, q_side, kv_side,
+                                     row_start, key_start, False)
+
+            def skip(q=q):
+                return (_full(q, (problem.batch, qp.length, problem.q_heads, problem.v_head_dim), q.dtype, 0),
+                        _full(q, (problem.batch, problem.q_heads, qp.length), jnp.float32, 0))
+
+            t_out, t_lse = _step_branches(problem, call, skip, row_start, qp.length, key_start, kp.length)
+            t_outs[t] = t_outs[t] + t_out.astype(jnp.float32)
+            t_lses[t] = t_lses[t] + t_lse
+        travellers = arriving
+    t_out, t_lse = jnp.concatenate(t_outs, axis=1), jnp.concatenate(t_lses, axis=2)
+    if problem.config.has_sinks:
+        out, lse, _ = rows
+        sinks = problem.optional["sinks"].astype(jnp.float32).reshape(1, -1, 1)
+        # exp(sink - lse), 0 on rows whose lse is -inf (they saw neither key nor sink).
+        sink_term = jnp.exp(sinks - jnp.where(jnp.isfinite(lse), lse, jnp.inf)) * t_sinks.astype(
+            jnp.float32).reshape(1, -1, 1)
+        t_lse = t_lse + sink_term
+        t_out = t_out - jnp.swapaxes(sink_term, 1, 2)[..., None] * out.astype(jnp.float32)
+    return t_out.astype(problem.query.dtype), t_lse

@@ -1,34 +1,45 @@
-"""The attention primitives: abstract evaluation, batching, and the custom VJP that ties them together.
+"""The attention primitives: abstract evaluation, batching, and the autodiff rules that tie them together.
 
 Two layers, as in TransformerEngine's JAX extension:
-- outer primitives (`attention_fwd_p`, `attention_bwd_p`) carry the logical operation. They validate in
-  abstract evaluation and have batching rules, so `vmap`, `grad` and `jacobian` never see sharding.
-  `fa4_jax/sharding.py` lowers them through `custom_partitioning`.
-- inner primitives (`attention_fwd_inner_p`, `attention_bwd_inner_p`) are what each device runs on its
-  shard; `fa4_jax/lowering/` lowers them per platform (CuTe kernels on CUDA, the reference elsewhere).
+- outer primitives (`attention_fwd_p`, `attention_bwd_p`, `attention_tangent_p`) carry the logical
+  operation. They validate in abstract evaluation and have batching rules, so `vmap`, `grad`,
+  `jvp` and `jacobian` never see sharding. `fa4_jax/sharding.py` lowers them through
+  `custom_partitioning`, or inside shard_map with `context_parallel_axis` through the sequence split
+  of `fa4_jax/context_parallel.py`.
+- autodiff is JAX's own, as for its primitives: the forward has a JVP rule whose tangent is
+  `attention_tangent_p`, linear in the tangents of query, key, value and sinks, and that primitive's
+  transpose rule is the backward primitive. So forward mode (`jvp`, `linearize`, `jacfwd`) and reverse
+  mode (`grad`, `vjp`, which JAX derives by transposing the linearized tangent) share one definition.
+- inner primitives (`attention_fwd_inner_p`, `attention_bwd_inner_p`, `attention_tangent_inner_p`) are
+  what each device runs on its shard; `fa4_jax/lowering/` lowers them per platform (CuTe kernels on
+  CUDA, the reference elsewhere; the tangent has no kernel yet and runs the reference everywhere).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
-from jax.interpreters import batching
+from jax.interpreters import ad, batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fa4_jax import context_parallel
 from fa4_jax.config import AttentionConfig
+from fa4_jax.reference import reference_backward, reference_forward, reference_tangent
 from fa4_jax.validation import validate_operands
 
 attention_fwd_p = Primitive("fa4_attention_fwd")
 attention_bwd_p = Primitive("fa4_attention_bwd")
+attention_tangent_p = Primitive("fa4_attention_tangent")
 attention_fwd_inner_p = Primitive("fa4_attention_fwd_inner")
 attention_bwd_inner_p = Primitive("fa4_attention_bwd_inner")
-for _p in (attention_fwd_p, attention_bwd_p, attention_fwd_inner_p, attention_bwd_inner_p):
+attention_tangent_inner_p = Primitive("fa4_attention_tangent_inner")
+_ALL = (attention_fwd_p, attention_bwd_p, attention_tangent_p, attention_fwd_inner_p, attention_bwd_inner_p,
+        attention_tangent_inner_p)
+for _p in _ALL:
     _p.multiple_results = True
 
 # Residual names, for remat policies such as jax.checkpoint_policies.save_only_these_names(...).
@@ -47,10 +58,27 @@ def split_backward_operands(config: AttentionConfig, has_d_lse: bool, operands):
     return tensors, d_lse, named
 
 
+_TANGENTS = ("t_query", "t_key", "t_value")
+
+
+def tangent_operand_names(config: AttentionConfig) -> tuple[str, ...]:
+    """The tangent primitive's operands: the forward's residuals, the (linear) tangents, the rest."""
+    tangents = _TANGENTS + (("t_sinks",) if config.has_sinks else ())
+    return ("query", "key", "value", "out", "lse") + tangents + config.present_operands()
+
+
+def split_tangent_operands(config: AttentionConfig, operands):
+    """-> ([query, key, value, out, lse], [t_query, t_key, t_value, t_sinks or None], optional)."""
+    named = dict(zip(tangent_operand_names(config), operands))
+    residuals = [named.pop(n) for n in ("query", "key", "value", "out", "lse")]
+    tangents = [named.pop(n) for n in _TANGENTS] + [named.pop("t_sinks", None)]
+    return residuals, tangents, named
+
+
 # ----------------------------------------------------------------------------------------- abstract eval
 
 def _derived_aval(like, shape, dtype, spec_from):
-    """An aval of `shape`/`dtype` that keeps `like`'s mesh and varying manual axes (so custom_vjp works
+    """An aval of `shape`/`dtype` that keeps `like`'s mesh and varying manual axes (so autodiff works
     inside shard_map); spec_from[i] names the axis of `like` whose sharding result axis i takes."""
     sharding = getattr(like, "sharding", None)
     if not isinstance(sharding, NamedSharding):
@@ -79,6 +107,13 @@ def _backward_abstract_eval(*operands, config: AttentionConfig, has_d_lse: bool)
     return tuple(grads)
 
 
+def _tangent_abstract_eval(*operands, config: AttentionConfig):
+    (query, key, value, *_), _, optional = split_tangent_operands(config, operands)
+    return _forward_abstract_eval(*config.join_operands(query, key, value, optional), config=config)
+
+
+for _p in (attention_tangent_p, attention_tangent_inner_p):
+    _p.def_abstract_eval(_tangent_abstract_eval)
 for _p in (attention_fwd_p, attention_fwd_inner_p):
     _p.def_abstract_eval(_forward_abstract_eval)
 for _p in (attention_bwd_p, attention_bwd_inner_p):
@@ -100,7 +135,7 @@ def _eager(primitive):
     return impl
 
 
-for _p in (attention_fwd_p, attention_bwd_p, attention_fwd_inner_p, attention_bwd_inner_p):
+for _p in _ALL:
     _p.def_impl(_eager(_p))
 
 
@@ -113,11 +148,13 @@ for _p in (attention_fwd_p, attention_bwd_p, attention_fwd_inner_p, attention_bw
 _NOT_MAPPED = None  # how JAX marks an operand without a vmapped axis
 
 _BATCH_AXIS = {"query": 0, "key": 0, "value": 0, "out": 0, "lse": 0, "d_out": 0, "d_lse": 0,
+               "t_query": 0, "t_key": 0, "t_value": 0,
                "q_segment_ids": 0, "kv_segment_ids": 0, "q_seq_lengths": 0, "kv_seq_lengths": 0,
-               "sinks": None, "q_start": None, "kv_start": None}
-_HEAD_AXIS = {"query": 2, "key": 2, "value": 2, "out": 2, "d_out": 2, "lse": 1, "d_lse": 1, "sinks": 0}
+               "sinks": None, "t_sinks": None, "q_start": None, "kv_start": None}
+_HEAD_AXIS = {"query": 2, "key": 2, "value": 2, "out": 2, "d_out": 2, "lse": 1, "d_lse": 1, "sinks": 0,
+              "t_query": 2, "t_key": 2, "t_value": 2, "t_sinks": 0}
 # Operands whose head axis holds query heads, grouped per KV head (the others hold the KV heads).
-_QUERY_HEADS = {"query", "out", "d_out", "lse", "d_lse", "sinks"}
+_QUERY_HEADS = {"query", "out", "d_out", "lse", "d_lse", "sinks", "t_query", "t_sinks"}
 
 
 def _type_shards(x, batch_dim, axis) -> bool:
@@ -200,62 +237,168 @@ def _backward_batch_rule(operands, batch_dims, *, config, has_d_lse):
                        config=config, has_d_lse=has_d_lse)
 
 
-batching.primitive_batchers[attention_fwd_p] = _forward_batch_rule
-batching.primitive_batchers[attention_bwd_p] = _backward_batch_rule
+def _tangent_batch_rule(operands, batch_dims, *, config):
+    return _batch_rule(attention_tangent_p, tangent_operand_names(config), ("out", "lse"), operands, batch_dims,
+                       config=config)
 
 
-# -------------------------------------------------------------------------------------------- custom VJP
+# ------------------------------------------------------------------ the sequence split over named axes
+# With context_parallel_axis the operands are a shard's slices of the sequence, split over named axes:
+# shard_map's mesh axes (or pmap's), where the outer primitives' lowering runs the split
+# (fa4_jax/sharding.py), or a vmap's axis name standing in for a mesh axis, where the batching rule must
+# run it, since the named axis is gone by the time anything lowers. Each piece binds an outer primitive
+# again, with a config that has no split left.
 
-def _manual_split(config: AttentionConfig, query, key) -> context_parallel.SequenceSplit:
-    """Inside shard_map, the sequence split over `context_parallel_axis`: the per-shard calls bind the
-    outer primitives (which batch), and the collectives name the axis directly."""
-    axes = config.context_parallel_axis
-    strategy = context_parallel.choose_strategy(config, query.shape[1], query.shape[2], key.shape[2])
-    return context_parallel.SequenceSplit(
-        axes=axes, num_shards=math.prod(jax.lax.axis_size(a) for a in axes), strategy=strategy,
-        kv_whole=False, forward_p=attention_fwd_p, backward_p=attention_bwd_p)
-
-
-def _forward(config, query, key, value, optional):
-    operands = config.join_operands(query, key, value, optional)
-    if config.context_parallel_axis:
-        return context_parallel.forward(config, operands, _manual_split(config, query, key))
-    return attention_fwd_p.bind(*operands, config=config)
+def _named_split(config: AttentionConfig, operands) -> context_parallel.SequenceSplit:
+    return context_parallel.manual_split(config, operands[0], operands[1], forward_p=attention_fwd_p,
+                                         backward_p=attention_bwd_p, tangent_p=attention_tangent_p)
 
 
-def _backward(config, has_d_lse, operands):
-    if config.context_parallel_axis:
-        query, key = operands[:2]
-        return context_parallel.backward(config, has_d_lse, operands, _manual_split(config, query, key),
-                                         split_backward_operands)
-    return attention_bwd_p.bind(*operands, config=config, has_d_lse=has_d_lse)
+def split_forward(operands, *, config: AttentionConfig):
+    return list(context_parallel.forward(config, operands, _named_split(config, operands)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attention_vjp(config: AttentionConfig, return_lse: bool, query, key, value, optional: dict):
-    """Differentiable attention over the primitives; returns out, or (out, lse) when return_lse."""
-    out, lse = _forward(config, query, key, value, optional)
+def split_backward(operands, *, config: AttentionConfig, has_d_lse: bool):
+    return list(context_parallel.backward(config, has_d_lse, operands, _named_split(config, operands),
+                                          split_backward_operands))
+
+
+def split_tangent(operands, *, config: AttentionConfig):
+    return list(context_parallel.tangent(config, operands, _named_split(config, operands), split_tangent_operands))
+
+
+def _batcher(primitive, batch_rule, split_function):
+    """The batching rule, except for a vmap whose axis name is in context_parallel_axis: the split runs
+    there, under a vmap of that name and size, so that its collectives move data between the vmapped
+    shards (each piece's outer primitive then batches by `batch_rule`)."""
+    def rule(axis_data, operands, batch_dims, **params):
+        axes = params["config"].context_parallel_axis
+        if axes and axis_data.name in axes:
+            results = jax.vmap(functools.partial(split_function, **params), in_axes=(list(batch_dims),),
+                               axis_name=axis_data.name, axis_size=axis_data.size,
+                               spmd_axis_name=axis_data.spmd_name)(list(operands))
+            return results, [0] * len(results)
+        if all(d is _NOT_MAPPED for d in batch_dims):
+            results = primitive.bind(*operands, **params)
+            return results, [_NOT_MAPPED] * len(results)
+        return batch_rule(operands, batch_dims, **params)
+    return rule
+
+
+batching.fancy_primitive_batchers[attention_fwd_p] = _batcher(attention_fwd_p, _forward_batch_rule, split_forward)
+batching.fancy_primitive_batchers[attention_bwd_p] = _batcher(attention_bwd_p, _backward_batch_rule, split_backward)
+batching.fancy_primitive_batchers[attention_tangent_p] = _batcher(attention_tangent_p, _tangent_batch_rule,
+                                                                  split_tangent)
+
+
+# ------------------------------------------------------------------------------------- JVP and transpose
+
+def attention_differentiable(config: AttentionConfig, return_lse: bool, query, key, value, optional: dict):
+    """Attention over the primitives, differentiable in both modes; returns out, or (out, lse)."""
+    out, lse = attention_fwd_p.bind(*config.join_operands(query, key, value, optional), config=config)
     return (out, lse) if return_lse else out
 
 
-def _attention_fwd_rule(config, return_lse, query, key, value, optional):
-    out, lse = _forward(config, query, key, value, optional)
-    residuals = tuple(checkpoint_name(x, name) for x, name in zip((query, key, value, out, lse), RESIDUAL_NAMES))
-    return ((out, lse) if return_lse else out), (residuals, optional)
+def _forward_jvp(primals, tangents, *, config: AttentionConfig):
+    query, key, value, optional = config.split_operands(primals)
+    out, lse = attention_fwd_p.bind(*primals, config=config)
+    t_query, t_key, t_value, t_optional = config.split_operands(tangents)
+    differentiable = [t_query, t_key, t_value] + ([t_optional["sinks"]] if config.has_sinks else [])
+    if all(type(t) is ad.Zero for t in differentiable):
+        return (out, lse), (ad.Zero.from_primal_value(out), ad.Zero.from_primal_value(lse))
+    # The residuals of the linearized (and so of the transposed, reverse-mode) computation, by name.
+    residuals = [checkpoint_name(x, name) for x, name in zip((query, key, value, out, lse), RESIDUAL_NAMES)]
+    tangent_operands = [ad.instantiate_zeros(t) for t in differentiable]
+    t_out, t_lse = attention_tangent_p.bind(
+        *residuals, *tangent_operands, *(optional[name] for name in config.present_operands()), config=config)
+    return (out, lse), (t_out, t_lse)
 
 
-def _attention_bwd_rule(config, return_lse, saved, cotangent):
-    (query, key, value, out, lse), optional = saved
-    d_out, d_lse = cotangent if return_lse else (cotangent, None)
-    operands = (query, key, value, out, lse, d_out) + ((d_lse,) if d_lse is not None else ())
-    operands += tuple(optional[name] for name in config.present_operands())
-    grads = _backward(config, d_lse is not None, operands)
-    d_query, d_key, d_value = grads[:3]
-    # Integer operands (segment ids, lengths, q_start, kv_start) get no cotangent.
-    d_optional = {name: None for name in optional}
-    if config.has_sinks:
-        d_optional["sinks"] = grads[3]
-    return d_query, d_key, d_value, d_optional
+def _tangent_transpose(cotangents, *operands, config: AttentionConfig):
+    """The tangent's transpose is the backward pass: (d_out, d_lse) -> (dq, dk, dv, d_sinks)."""
+    (query, key, value, out, lse), tangents, optional = split_tangent_operands(config, operands)
+    d_out, d_lse = cotangents
+    if type(d_out) is ad.Zero and type(d_lse) is ad.Zero:
+        return [None] * len(operands)
+    d_out = ad.instantiate_zeros(d_out)
+    has_d_lse = type(d_lse) is not ad.Zero
+    backward_operands = (query, key, value, out, lse, d_out) + ((d_lse,) if has_d_lse else ())
+    grads = attention_bwd_p.bind(*backward_operands, *(optional[name] for name in config.present_operands()),
+                                 config=config, has_d_lse=has_d_lse)
+    names = tangent_operand_names(config)
+    result = [None] * len(operands)
+    for name, grad, tangent in zip(_TANGENTS + ("t_sinks",), grads, tangents):
+        if ad.is_undefined_primal(tangent):
+            result[names.index(name)] = grad
+    return result
 
 
-attention_vjp.defvjp(_attention_fwd_rule, _attention_bwd_rule)
+def _reference_forward(*operands, config: AttentionConfig):
+    query, key, value, optional = config.split_operands(operands)
+    return list(reference_forward(query, key, value, optional, config))
+
+
+def _reference_backward(*operands, config: AttentionConfig, has_d_lse: bool):
+    (query, key, value, out, lse, d_out), d_lse, optional = split_backward_operands(config, has_d_lse, operands)
+    grads = reference_backward(query, key, value, out, lse, d_out, d_lse, optional, config)
+    return list(grads[:3]) + ([grads[3]] if config.has_sinks else [])
+
+
+def _reference_tangent(*operands, config: AttentionConfig):
+    (query, key, value, out, lse), tangents, optional = split_tangent_operands(config, operands)
+    return list(reference_tangent(query, key, value, out, lse, *tangents, optional, config))
+
+
+class _Reference:
+    """Stands in for a primitive in context_parallel's per-shard calls: binds the pure-JAX reference."""
+
+    def __init__(self, function):
+        self.bind = function
+
+
+_REFERENCE_CALLS = dict(forward_p=_Reference(_reference_forward), backward_p=_Reference(_reference_backward),
+                        tangent_p=_Reference(_reference_tangent))
+
+
+def _reference_split(config: AttentionConfig, query, key):
+    """The sequence split for the reference of an outer primitive's call, or None when the operands
+    are the whole sequence in its order (under jit XLA partitions the reference like any JAX code)."""
+    if config.context_parallel_axis:
+        return context_parallel.manual_split(config, query, key, **_REFERENCE_CALLS)
+    if config.zigzag_shards is not None:
+        return context_parallel.SequenceSplit(axes=(), num_shards=1, strategy="all_gather", kv_whole=True,
+                                              **_REFERENCE_CALLS)
+    return None
+
+
+def _backward_function(operands, *, config: AttentionConfig, has_d_lse: bool):
+    split = _reference_split(config, operands[0], operands[1])
+    if split is None:
+        return functools.partial(_reference_backward, config=config, has_d_lse=has_d_lse)
+    return lambda *operands: list(context_parallel.backward(config, has_d_lse, operands, split,
+                                                            split_backward_operands))
+
+
+def _tangent_function(operands, *, config: AttentionConfig):
+    split = _reference_split(config, operands[0], operands[1])
+    if split is None:
+        return functools.partial(_reference_tangent, config=config)
+    return lambda *operands: list(context_parallel.tangent(config, operands, split, split_tangent_operands))
+
+
+def _second_order_jvp(function_of):
+    """JVP of the backward or tangent primitive (second order: Hessian-vector products, jvp of grad,
+    grad of jvp), by JAX's own differentiation of the pure-JAX reference (with the primitive's sequence
+    split, collectives included); the result is pure JAX, so JAX transposes it as well. Forward over
+    reverse stays linear in memory; transposing the reference's scan over key blocks (grad of jvp)
+    keeps every block's score tiles, O(Sq·Sk). No kernel runs in such a program's second-order part."""
+    def rule(primals, tangents, **params):
+        function = function_of(primals, **params)
+        return jax.jvp(function, list(primals), [ad.instantiate_zeros(t) for t in tangents])
+    return rule
+
+
+ad.primitive_jvps[attention_fwd_p] = _forward_jvp
+ad.primitive_transposes[attention_tangent_p] = _tangent_transpose
+ad.primitive_jvps[attention_bwd_p] = _second_order_jvp(_backward_function)
+ad.primitive_jvps[attention_tangent_p] = _second_order_jvp(_tangent_function)

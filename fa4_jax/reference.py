@@ -204,3 +204,51 @@ def reference_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
         d_sinks = d_sinks.astype(optional["sinks"].dtype)
     return (layout.ungroup_query(d_q).astype(query.dtype), unblock(d_k).astype(key.dtype),
             unblock(d_v).astype(value.dtype), d_sinks)
+
+
+def reference_tangent(query, key, value, out, lse, t_query, t_key, t_value, t_sinks, optional,
+                      config: AttentionConfig):
+    """Forward-mode tangents (t_out [B, Sq, Hq, Dv] in query dtype, t_lse [B, Hq, Sq] float32) from the
+    saved out and lse, in one pass over the key blocks; t_sinks is None without sinks.
+
+    With P = exp(S − lse) and t_S = scale·(t_q·kᵀ + q·t_kᵀ) (times the softcap's slope 1 − tanh²):
+    t_lse = rowsum(P ∘ t_S) + P_sink·t_sink and t_out = P·t_v + (P ∘ t_S)·V − t_lse ∘ O. Linear in the
+    tangents; its transpose is `reference_backward`'s gradient.
+    """
+    layout = _Layout(query, key, value, config)
+    q = layout.group_query(query.astype(jnp.float32))
+    scaled_q = q * config.scale
+    t_q = layout.group_query(t_query.astype(jnp.float32))
+    grouped = lambda x: x.reshape(layout.batch, layout.kv_heads, layout.group, layout.q_len)
+    lse = grouped(lse)
+    finite_lse = jnp.isfinite(lse)
+    safe_lse = jnp.where(finite_lse, lse, 0.0)[..., None]
+    index, k_blocks, v_blocks, seg_blocks = _key_scan_inputs(
+        layout, optional, key.astype(jnp.float32), value.astype(jnp.float32))
+    t_k_blocks, t_v_blocks = _blocked_keys(layout, t_key.astype(jnp.float32), t_value.astype(jnp.float32))
+
+    def step(carry, block):
+        t_acc, t_row = carry
+        index, k_block, v_block, seg_block, t_k_block, t_v_block = block
+        s, tanh = _logits(scaled_q, k_block, config)
+        visible = _block_mask(layout, config, optional, index, seg_block) & finite_lse[..., None]
+        p = jnp.where(visible, jnp.exp(s - safe_lse), 0.0)
+        t_s = _einsum("bqhgd,bkhd->bhgqk", t_q, k_block) + _einsum("bqhgd,bkhd->bhgqk", q, t_k_block)
+        t_s = t_s * config.scale
+        if tanh is not None:
+            t_s = t_s * (1.0 - tanh * tanh)
+        p_t_s = p * t_s
+        t_acc = t_acc + _einsum("bhgqk,bkhe->bhgqe", p, t_v_block) + _einsum("bhgqk,bkhe->bhgqe", p_t_s, v_block)
+        return (t_acc, t_row + p_t_s.sum(axis=-1)), None
+
+    stats_shape = (layout.batch, layout.kv_heads, layout.group, layout.q_len)
+    init = (jnp.zeros(stats_shape + (layout.v_head_dim,), jnp.float32), jnp.zeros(stats_shape, jnp.float32))
+    (t_acc, t_lse), _ = _scan_blocks(step, init, (index, k_blocks, v_blocks, seg_blocks, t_k_blocks, t_v_blocks))
+    if config.has_sinks:
+        sink = optional["sinks"].astype(jnp.float32).reshape(1, layout.kv_heads, layout.group, 1)
+        p_sink = jnp.exp(sink - jnp.where(finite_lse, lse, jnp.inf))
+        t_lse = t_lse + p_sink * t_sinks.astype(jnp.float32).reshape(1, layout.kv_heads, layout.group, 1)
+    o = jnp.einsum("bqhge->bhgqe", layout.group_query(out.astype(jnp.float32)))
+    t_out = t_acc - t_lse[..., None] * o
+    t_out = jnp.einsum("bhgqe->bqhge", t_out).reshape(layout.batch, layout.q_len, layout.q_heads, layout.v_head_dim)
+    return t_out.astype(query.dtype), t_lse.reshape(layout.batch, layout.q_heads, layout.q_len)

@@ -14,6 +14,10 @@ What each shard needs, whatever the operands arrive with:
   gathers them itself and reduce-scatters dK/dV ("all_gather"), or passes them around the ring
   ("ring"); otherwise K/V are whole on each shard (XLA gathers a split because `partition` asks for it).
   With `zigzag_shards` every shard's rows and keys are pieces of the original order.
+- the forward-mode tangent is sharded like the forward (its key tangents like the keys): its rows
+  are independent, so it needs no reduction; under context parallelism it takes the forward's route.
+- inside shard_map with `context_parallel_axis` the operands are already local: the lowering runs the
+  sequence split directly (`primitive.split_forward` and co.), each piece through the rules here.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from fa4_jax import context_parallel
 from fa4_jax.config import AttentionConfig
-from fa4_jax.primitive import (attention_bwd_inner_p, attention_bwd_p, attention_fwd_inner_p,
-                               attention_fwd_p, backward_operand_names, split_backward_operands)
+from fa4_jax.primitive import (attention_bwd_inner_p, attention_bwd_p, attention_fwd_inner_p, attention_fwd_p,
+                               attention_tangent_inner_p, attention_tangent_p, backward_operand_names,
+                               split_backward, split_backward_operands, split_forward, split_tangent,
+                               split_tangent_operands, tangent_operand_names)
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
@@ -93,13 +99,14 @@ class _Plan:
             "key": (b, t, g, None), "value": (b, t, g, None),
             "sinks": (h,), "q_segment_ids": (b, s), "kv_segment_ids": (b, t),
             "q_seq_lengths": (b,), "kv_seq_lengths": (b,),
+            "t_query": (b, s, h, None), "t_key": (b, t, g, None), "t_value": (b, t, g, None), "t_sinks": (h,),
         }
         return NamedSharding(self.mesh, PartitionSpec(*specs[name]))
 
     def split(self) -> context_parallel.SequenceSplit:
         return context_parallel.SequenceSplit(
             axes=self.seq, num_shards=self.size(self.seq), strategy=self.strategy, kv_whole=not self.kv_seq,
-            forward_p=attention_fwd_inner_p, backward_p=attention_bwd_inner_p)
+            forward_p=attention_fwd_inner_p, backward_p=attention_bwd_inner_p, tangent_p=attention_tangent_inner_p)
 
     def splits_sequence(self, config: AttentionConfig) -> bool:
         """Whether the rows' positions differ from their local order (the context-parallel code runs)."""
@@ -113,7 +120,7 @@ def _forward_names(config):
 # ---------------------------------------------------------------------------------------------- forward
 
 _UNSPLIT = dict(axes=(), num_shards=1, strategy="all_gather", kv_whole=True,
-                forward_p=attention_fwd_inner_p, backward_p=attention_bwd_inner_p)
+                forward_p=attention_fwd_inner_p, backward_p=attention_bwd_inner_p, tangent_p=attention_tangent_inner_p)
 
 
 def _forward_shard(config, *operands):
@@ -141,7 +148,8 @@ def _forward_partition(config, mesh, arg_infos, result_infos):
 
 _FACTORS = {"query": "b s h d", "out": "b s h e", "d_out": "b s h e", "lse": "b h s", "d_lse": "b h s",
             "key": "b t g d", "value": "b t g e", "sinks": "h", "q_segment_ids": "b s",
-            "kv_segment_ids": "b t", "q_seq_lengths": "b", "kv_seq_lengths": "b"}
+            "kv_segment_ids": "b t", "q_seq_lengths": "b", "kv_seq_lengths": "b",
+            "t_query": "b s h d", "t_key": "b t g d", "t_value": "b t g e", "t_sinks": "h"}
 
 
 def _forward_rule(config, mesh, operand_types, result_types):
@@ -208,16 +216,69 @@ backward_sharded.def_partition(partition=_backward_partition, infer_sharding_fro
                                sharding_rule=_backward_rule)
 
 
+# ---------------------------------------------------------------------------------------------- tangent
+
+def _tangent_shard(config, *operands):
+    if config.zigzag_shards is not None:
+        return tuple(context_parallel.tangent(config, operands, context_parallel.SequenceSplit(**_UNSPLIT),
+                                              split_tangent_operands))
+    return tuple(attention_tangent_inner_p.bind(*operands, config=config))
+
+
+def _tangent_infer(config, mesh, arg_infos, result_infos):
+    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
+    return plan.spec("out"), plan.spec("lse")
+
+
+def _tangent_partition(config, mesh, arg_infos, result_infos):
+    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
+
+    def lower(*operands):
+        # Every row's tangent is its own shard's: no sum over shards, unlike the backward.
+        if plan.splits_sequence(config):
+            return tuple(context_parallel.tangent(config, operands, plan.split(), split_tangent_operands))
+        return tuple(attention_tangent_inner_p.bind(*operands, config=config))
+
+    arg_shardings = tuple(plan.spec(n) for n in tangent_operand_names(config))
+    return mesh, lower, (plan.spec("out"), plan.spec("lse")), arg_shardings
+
+
+def _tangent_rule(config, mesh, operand_types, result_types):
+    inputs = ", ".join(_FACTORS[n] for n in tangent_operand_names(config))
+    return f"{inputs} -> {_FACTORS['out']}, {_FACTORS['lse']}"
+
+
+tangent_sharded = custom_partitioning(_tangent_shard, static_argnums=(0,))
+tangent_sharded.def_partition(partition=_tangent_partition, infer_sharding_from_operands=_tangent_infer,
+                              sharding_rule=_tangent_rule)
+
+
+# ------------------------------------------------------------------------------------------- lowering
+
+# Inside shard_map (or pmap) with context_parallel_axis the operands are already a shard's slices: the
+# sequence split runs here, each piece an outer primitive again that lowers through the rules above.
+
 def _lower_forward(*operands, config):
+    if config.context_parallel_axis:
+        return split_forward(operands, config=config)
     return forward_sharded(config, *operands)
 
 
 def _lower_backward(*operands, config, has_d_lse):
+    if config.context_parallel_axis:
+        return split_backward(operands, config=config, has_d_lse=has_d_lse)
     return backward_sharded(config, has_d_lse, *operands)
+
+
+def _lower_tangent(*operands, config):
+    if config.context_parallel_axis:
+        return split_tangent(operands, config=config)
+    return tangent_sharded(config, *operands)
 
 
 mlir.register_lowering(attention_fwd_p, mlir.lower_fun(_lower_forward, multiple_results=True))
 mlir.register_lowering(attention_bwd_p, mlir.lower_fun(_lower_backward, multiple_results=True))
+mlir.register_lowering(attention_tangent_p, mlir.lower_fun(_lower_tangent, multiple_results=True))
 
 
 def _mark_needs_devices():
@@ -229,7 +290,7 @@ def _mark_needs_devices():
         return
     registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
     if registry is not None:
-        registry.update((attention_fwd_p, attention_bwd_p))
+        registry.update((attention_fwd_p, attention_bwd_p, attention_tangent_p))
 
 
 _mark_needs_devices()

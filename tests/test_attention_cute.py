@@ -1,8 +1,8 @@
 """The CuTe kernels through `fa4_jax.attention(implementation="cute")` on the shared test grid (GPU).
 
 The kernel engineers' own files (test_sm90_forward.py, ...) test each kernel directly; this one runs
-every `AttentionTestBase` case that this GPU's kernels take through the public API, the custom VJP
-and the CUDA dispatch. Cases are split by what the kernels take, so each runs once:
+every `AttentionTestBase` case that this GPU's kernels take through the public API, reverse mode (the
+transpose of the JVP rule's tangent) and the CUDA dispatch. Cases are split by what the kernels take, so each runs once:
 `TestCuteAttention` (forward and backward kernels both take it) and `TestCuteForwardOnly` (the
 forward kernel does, the backward falls back). Cases no kernel takes are not collected here; the
 dispatch tests check that they fall back or raise.

@@ -1,11 +1,13 @@
 """Context parallelism on 8 fake CPU devices: the sequence split over devices (all-gather and ring
-strategies, with and without the zigzag order) gives the unsharded forward, LSE and every gradient; the
-compiled HLO moves K/V the way each strategy says; zigzag balances causal work.
+strategies, with and without the zigzag order) gives the unsharded forward, LSE and every gradient, and
+the unsharded forward-mode tangents (jvp, vmap of jvp, a Hessian-vector product); the compiled HLO moves
+K/V (and their tangents) the way each strategy says; zigzag balances causal work.
 
 The grid is a covering set, not the product: every feature meets both strategies and the zigzag order
 somewhere, and each case compiles the forward and backward together (one vjp) to keep the file quick.
 """
 
+import functools
 import math
 import re
 
@@ -26,7 +28,7 @@ TOLERANCE = 1e-5  # float32: the sharded run differs from the unsharded one only
 SEQ_LEN = 32
 # The operands whose axis 1 (or 2, for the LSE) is the sequence, and so are in zigzag order.
 SEQUENCE_AXIS = {"query": 1, "key": 1, "value": 1, "d_out": 1, "d_lse": 2, "q_segment_ids": 1,
-                 "kv_segment_ids": 1}
+                 "kv_segment_ids": 1, "t_query": 1, "t_key": 1, "t_value": 1}
 
 
 def _mesh(shape, names) -> Mesh:
@@ -101,7 +103,9 @@ def _specs(mesh_axes, batch_axis=None, head_axis=None):
             "value": PartitionSpec(batch_axis, seq, head_axis), "d_out": PartitionSpec(batch_axis, seq, head_axis),
             "d_lse": PartitionSpec(batch_axis, head_axis, seq), "q_segment_ids": PartitionSpec(batch_axis, seq),
             "kv_segment_ids": PartitionSpec(batch_axis, seq), "sinks": PartitionSpec(head_axis),
-            "q_seq_lengths": PartitionSpec(batch_axis), "kv_seq_lengths": PartitionSpec(batch_axis)}
+            "q_seq_lengths": PartitionSpec(batch_axis), "kv_seq_lengths": PartitionSpec(batch_axis),
+            "t_query": PartitionSpec(batch_axis, seq, head_axis), "t_key": PartitionSpec(batch_axis, seq, head_axis),
+            "t_value": PartitionSpec(batch_axis, seq, head_axis), "t_sinks": PartitionSpec(head_axis)}
 
 
 # (features, strategy, zigzag shards, mesh layout, kv_heads): each feature with both strategies, with
@@ -313,3 +317,179 @@ def test_forced_strategy_with_uneven_sequence_raises():
     with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="not a multiple of the 4 shards"):
         jax.jit(lambda x: fa4_jax.attention(constrained(x), constrained(x), constrained(x), causal=True,
                                             context_parallel="ring"))(x)
+
+
+# ---------------------------------------------------------------------------------------- forward mode
+# The tangent takes the forward's route (its key tangents travel or are gathered with the keys); the
+# unsharded jvp it is compared with is checked against the float64 oracle in tests/test_forward_mode.py.
+
+def _with_tangents(inputs, operands):
+    tangents = {"t_" + name: inputs.normal(operands[name].shape) for name in ("query", "key", "value", "sinks")
+                if name in operands}
+    return dict(operands, **tangents)
+
+
+def _jvp_results(operands, options):
+    """(out, lse, t_out, t_lse) with the operands' tangents t_query, t_key, t_value (, t_sinks)."""
+    segment_ids = None
+    if "q_segment_ids" in operands:
+        segment_ids = (operands["q_segment_ids"], operands["kv_segment_ids"])
+
+    def function(query, key, value, sinks):
+        return fa4_jax.attention(query, key, value, sinks=sinks, segment_ids=segment_ids,
+                                 q_seq_lengths=operands.get("q_seq_lengths"),
+                                 kv_seq_lengths=operands.get("kv_seq_lengths"), return_lse=True, **options)
+
+    names = ("query", "key", "value", "sinks")
+    (out, lse), (t_out, t_lse) = jax.jvp(function, tuple(operands.get(n) for n in names),
+                                         tuple(operands.get("t_" + n) for n in names))
+    return out, lse, t_out, t_lse
+
+
+def _expected_jvp(operands, options, shards):
+    single = jax.devices()[0]
+    local = {name: jax.device_put(np.asarray(x), single) for name, x in operands.items()}
+    results = jax.jit(lambda ops: _jvp_results(ops, options))(local)
+    if shards is None:
+        return results
+    return tuple(fa4_jax.zigzag(r, shards, axis=a) for r, a in zip(results, (1, 2, 1, 2)))
+
+
+def _check_jvp(actual, expected):
+    for name, got, want in zip(("out", "lse", "t_out", "t_lse"), actual, expected, strict=True):
+        oracle.assert_close(got, np.asarray(want), TOLERANCE, name, floor=1.0)
+
+
+JVP_JIT_CASES = {
+    "causal-ring-zigzag-seq4": (dict(causal=True), "ring", 4, "seq4", 2),
+    "causal-window-softcap-sinks-allgather-zigzag": (dict(causal=True, window=(9, 2), softcap=3.0, sinks=True),
+                                                     "all_gather", 2, "seq", 2),
+    "window-sinks-segments-lengths-ring": (dict(window=(5, 5), sinks=True, segments=True, lengths=True), "ring",
+                                           None, "seq", 2),
+    "mqa-causal-sinks-ring-heads-x-seq": (dict(causal=True, sinks=True), "ring", None, "heads", 1),
+}
+
+
+@pytest.mark.parametrize("features,strategy,shards,layout,kv_heads", JVP_JIT_CASES.values(),
+                         ids=JVP_JIT_CASES.keys())
+def test_jvp_of_sequence_sharded_jit_equals_unsharded(inputs, features, strategy, shards, layout, kv_heads):
+    operands, options = _problem(inputs, features, kv_heads=kv_heads)
+    operands = _with_tangents(inputs, operands)
+    if layout in ("seq", "seq4"):
+        mesh, specs = _mesh((4 if layout == "seq4" else 2,), ("seq",)), _specs("seq")
+    else:
+        mesh, specs = _mesh((2, 2), ("heads", "seq")), _specs("seq", head_axis="heads")
+        specs["key"] = specs["value"] = specs["t_key"] = specs["t_value"] = PartitionSpec(None, "seq")
+    placed = {name: jax.device_put(x, NamedSharding(mesh, specs[name]))
+              for name, x in _in_zigzag_order(operands, shards).items()}
+    actual = jax.jit(lambda ops: _jvp_results(ops, dict(options, context_parallel=strategy, zigzag_shards=shards)))(
+        placed)
+    _check_jvp(actual, _expected_jvp(operands, options, shards))
+
+
+@pytest.mark.parametrize("features,strategy,shards", SHARD_MAP_CASES.values(), ids=SHARD_MAP_CASES.keys())
+def test_jvp_in_shard_map_with_context_parallel_axis_equals_unsharded(inputs, features, strategy, shards):
+    operands, options = _problem(inputs, features)
+    operands = _with_tangents(inputs, operands)
+    operands.pop("d_out"), operands.pop("d_lse")
+    mesh, specs, names = _mesh((2,), ("sp",)), _specs("sp"), sorted(operands)
+    cp_options = dict(options, context_parallel=strategy, zigzag_shards=shards, context_parallel_axis="sp")
+    function = jax.shard_map(lambda *arrays: _jvp_results(dict(zip(names, arrays)), cp_options), mesh=mesh,
+                             in_specs=tuple(specs[n] for n in names),
+                             out_specs=(specs["query"], specs["d_lse"]) * 2)
+    ordered = _in_zigzag_order(operands, shards)
+    _check_jvp(jax.jit(function)(*(ordered[n] for n in names)), _expected_jvp(operands, options, shards))
+
+
+def test_zigzag_jvp_on_one_device_is_the_permuted_jvp(inputs):
+    operands, options = _problem(inputs, dict(causal=True, window=(7, 3), sinks=True, segments=True, lengths=True))
+    operands = _with_tangents(inputs, operands)
+    single = jax.devices()[0]
+    ordered = {name: jax.device_put(np.asarray(x), single) for name, x in _in_zigzag_order(operands, 4).items()}
+    actual = jax.jit(lambda ops: _jvp_results(ops, dict(options, zigzag_shards=4)))(ordered)
+    _check_jvp(actual, _expected_jvp(operands, options, 4))
+
+
+def test_vmap_of_jvp_and_of_grad_in_shard_map_ring(inputs):
+    """The outer primitives batch inside shard_map too: the sequence split runs in their lowering."""
+    query, key, value = (inputs.normal(s) for s in ((2, SEQ_LEN, 4, 16), (2, SEQ_LEN, 2, 16), (2, SEQ_LEN, 2, 8)))
+    tangents = [inputs.normal((3,) + x.shape) for x in (query, key, value)]
+    options = dict(causal=True, zigzag_shards=2)
+
+    def both(q, k, v, t_q, t_k, t_v, **cp):
+        function = lambda q, k, v: fa4_jax.attention(q, k, v, **options, **cp)
+        t_out = jax.vmap(lambda *t: jax.jvp(function, (q, k, v), t)[1])(t_q, t_k, t_v)
+        grads = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(function(q, k, v) ** 2), (0, 1, 2)))(t_q, t_k, t_v)
+        return t_out, grads
+
+    seq, vmapped = PartitionSpec(None, "sp"), PartitionSpec(None, None, "sp")
+    in_zigzag = [fa4_jax.zigzag(x, 2) for x in (query, key, value)] + [fa4_jax.zigzag(t, 2, axis=2) for t in tangents]
+    sharded = jax.jit(jax.shard_map(functools.partial(both, context_parallel="ring", context_parallel_axis="sp"),
+                                    mesh=_mesh((2,), ("sp",)), in_specs=(seq,) * 3 + (vmapped,) * 3,
+                                    out_specs=(vmapped, (vmapped,) * 3)))(*in_zigzag)
+    expected = jax.jit(both)(*in_zigzag)
+    for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(expected), strict=True):
+        oracle.assert_close(got, np.asarray(want), TOLERANCE, "vmapped", floor=1.0)
+
+
+def test_hessian_vector_product_in_shard_map_ring(inputs):
+    """Second order inside shard_map: JAX differentiates the reference through the same ring."""
+    query, key, value = (inputs.normal(s) for s in ((2, SEQ_LEN, 4, 16), (2, SEQ_LEN, 2, 16), (2, SEQ_LEN, 2, 8)))
+    sinks = inputs.normal((4,))
+    primals = (query, key, value, sinks)
+    tangents = tuple(inputs.normal(x.shape) for x in primals)
+
+    def loss(q, k, v, s, **cp):
+        out, lse = fa4_jax.attention(q, k, v, sinks=s, causal=True, return_lse=True, **cp)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(lse ** 2)
+
+    def hvp(loss, *primals_and_tangents):
+        return jax.jvp(jax.grad(loss, argnums=(0, 1, 2, 3)), primals_and_tangents[:4], primals_and_tangents[4:])[1]
+
+    def local_loss(*arrays):
+        return jax.lax.psum(loss(*arrays, context_parallel="ring", context_parallel_axis="sp"), "sp")
+
+    seq = PartitionSpec(None, "sp")
+    sharded = jax.jit(jax.shard_map(functools.partial(hvp, local_loss), mesh=_mesh((2,), ("sp",)),
+                                    in_specs=(seq, seq, seq, PartitionSpec()) * 2,
+                                    out_specs=(seq, seq, seq, PartitionSpec())))(*primals, *tangents)
+    expected = jax.jit(functools.partial(hvp, loss))(*primals, *tangents)
+    for name, got, want in zip(("query", "key", "value", "sinks"), sharded, expected, strict=True):
+        oracle.assert_close(got, np.asarray(want), 1e-4, name, floor=1.0)
+
+
+def test_tangent_hlo_moves_key_tangents_with_the_keys():
+    """ring: forward 6 permutes (K, V over 3 steps) + tangent 12 (K, V, t_K, t_V); all_gather: 2 + 4
+    gathers. Neither moves the query or its tangent."""
+    mesh = _mesh((4,), ("seq",))
+    operands = _sharded_qkv(mesh) + _sharded_qkv(mesh)  # primals, tangents (distinct arrays)
+    for strategy, kind, count in (("ring", "collective-permute", 18), ("all_gather", "all-gather", 6)):
+        jvp = jax.jit(lambda q, k, v, *t: jax.jvp(
+            lambda *a: fa4_jax.attention(*a, causal=True, context_parallel=strategy, zigzag_shards=4),
+            (q, k, v), t))
+        collectives = _compiled_collectives(jvp, *operands)
+        assert len(collectives) == count and all(kind in line for line in collectives), (strategy, collectives)
+        assert not any("f32[2,32,4,16]" in line for line in collectives), "the query was moved"
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_jvp_under_a_vmap_named_as_the_sequence_axis(inputs, strategy):
+    """vmap(..., axis_name="sp") stands in for the mesh (tests/test_context_parallel_gpu.py): the
+    batching rule runs the split under that named vmap, for the tangent as for the forward."""
+    shards = 2
+    to_shards = lambda x: jnp.moveaxis(x.reshape(x.shape[0], shards, -1, *x.shape[2:]), 1, 0)
+    from_shards = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+    shapes = ((2, SEQ_LEN, 4, 16), (2, SEQ_LEN, 2, 16), (2, SEQ_LEN, 2, 8))
+    primals, tangents = [inputs.normal(s) for s in shapes], [inputs.normal(s) for s in shapes]
+    sinks, t_sinks = inputs.normal((4,)), inputs.normal((4,))
+
+    def jvp(q, k, v, t_q, t_k, t_v, **cp):
+        function = lambda q, k, v, s: fa4_jax.attention(q, k, v, sinks=s, causal=True, window=(9, 2), **cp)
+        return jax.jvp(function, (q, k, v, sinks), (t_q, t_k, t_v, t_sinks))
+
+    per_shard = jax.vmap(functools.partial(jvp, context_parallel=strategy, context_parallel_axis="sp"),
+                         axis_name="sp")
+    out, t_out = jax.jit(per_shard)(*(to_shards(x) for x in primals + tangents))
+    expected_out, expected_t_out = jax.jit(jvp)(*primals, *tangents)
+    oracle.assert_close(from_shards(out), np.asarray(expected_out), TOLERANCE, "out", floor=1.0)
+    oracle.assert_close(from_shards(t_out), np.asarray(expected_t_out), TOLERANCE, "t_out", floor=1.0)

@@ -17,6 +17,7 @@ import pytest
 import fa4_jax
 from fa4_jax.config import AttentionConfig
 from fa4_jax.lowering import cuda
+from fa4_jax.primitive import attention_tangent_p
 
 SHAPES = ((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64))
 # The tests that consult the real routing table import the kernel modules, which need the CuTe DSL
@@ -260,6 +261,25 @@ def test_export_for_cuda_without_a_gpu_uses_the_reference(monkeypatch):
     with pytest.raises(NotImplementedError, match="no GPU is visible"):
         jax.export.export(jax.jit(lambda q: fa4_jax.attention(q, q, q, implementation="cute")),
                           platforms=["cuda"])(spec)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="needs a host without a GPU")
+def test_forward_mode_tangent_on_cuda_warns_or_refuses(monkeypatch):
+    """The tangent primitive alone, lowered for CUDA: it has no kernel, so it takes the reference with the
+    usual one-time warning, and implementation="cute" names what is missing."""
+    monkeypatch.setattr(cuda, "_warned", set())
+    spec = jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)
+
+    def tangent(implementation):
+        config = AttentionConfig(scale=0.125, causal=True, implementation=implementation)
+        return jax.jit(lambda q, out, lse, t: attention_tangent_p.bind(q, q, q, out, lse, t, t, t, config=config))
+
+    with pytest.warns(UserWarning, match="attention tangent runs on the XLA reference path because there is no "
+                                         "CuTe kernel for the forward-mode tangent"):
+        jax.export.export(tangent(None), platforms=["cuda"])(spec, spec, lse, spec)
+    with pytest.raises(NotImplementedError, match="cannot run this attention tangent pass"):
+        jax.export.export(tangent("cute"), platforms=["cuda"])(spec, spec, lse, spec)
 
 
 def test_cute_on_cpu_raises():

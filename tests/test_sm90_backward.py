@@ -288,7 +288,8 @@ def test_deterministic_head_splits_are_bitwise_reproducible(causal, inputs):
 
 
 def test_grad_through_public_api(inputs):
-    """jax.grad of fa4_jax.attention(implementation='cute') reaches this kernel through the custom VJP."""
+    """jax.grad of fa4_jax.attention(implementation='cute') reaches this kernel (the transpose of the
+    forward's tangent is the backward primitive)."""
     batch, length, heads, dim = 2, 256, 4, 128
     query, key, value = (inputs.normal((batch, length, heads, dim), jnp.bfloat16) for _ in range(3))
 

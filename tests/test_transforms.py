@@ -239,7 +239,7 @@ def test_nested_vmap(inputs):
 
 
 def test_jacobian(inputs):
-    """jax.jacobian (reverse mode: a custom_vjp has no forward mode) on a tiny problem, every entry."""
+    """jax.jacobian (reverse mode) on a tiny problem, every entry (forward mode: test_forward_mode.py)."""
     query, key, value, sinks = _small(inputs, batch=1, q_len=3, kv_len=4, q_heads=2, kv_heads=1, head_dim=4,
                                       value_dim=3)
     options = dict(causal=True, softcap=2.0)

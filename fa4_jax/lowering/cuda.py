@@ -25,7 +25,8 @@ from jax.interpreters import mlir
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.lowering import head_padding, reference
-from fa4_jax.primitive import attention_bwd_inner_p, attention_fwd_inner_p, split_backward_operands
+from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_inner_p,
+                               split_backward_operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,3 +203,22 @@ def _backward_rule(ctx, *operands, config: AttentionConfig, has_d_lse: bool):
 
 mlir.register_lowering(attention_fwd_inner_p, _forward_rule, platform="cuda")
 mlir.register_lowering(attention_bwd_inner_p, _backward_rule, platform="cuda")
+
+
+_NO_TANGENT_KERNEL = ("there is no CuTe kernel for the forward-mode tangent (jax.jvp / linearize / jacfwd) yet; "
+                      "the reference computes it blockwise (memory linear in the sequence length)")
+
+
+def _tangent_rule(ctx, *operands, config: AttentionConfig):
+    """The forward-mode tangent: the reference, after the usual warning (or refusal under "cute")."""
+    if config.implementation == "cute":
+        raise NotImplementedError(f"implementation='cute' cannot run this attention tangent pass: {_NO_TANGENT_KERNEL}. "
+                                  "Use implementation=None to run it on the reference path.")
+    if config.implementation is None and _NO_TANGENT_KERNEL not in _warned:
+        _warned.add(_NO_TANGENT_KERNEL)
+        warnings.warn(f"fa4_jax: attention tangent runs on the XLA reference path because {_NO_TANGENT_KERNEL}.",
+                      stacklevel=2)
+    return mlir.lower_fun(reference.tangent, multiple_results=True)(ctx, *operands, config=config)
+
+
+mlir.register_lowering(attention_tangent_inner_p, _tangent_rule, platform="cuda")

@@ -1,13 +1,15 @@
 """Lowering of the inner primitives to the pure-JAX reference: the rule for every platform without a
-kernel (CPU, TPU, ...), and the path the CUDA rule falls back to."""
+kernel (CPU, TPU, ...), and the path the CUDA rule falls back to. The forward-mode tangent has no
+kernel on any platform yet: its inner primitive lowers to `reference_tangent` everywhere."""
 
 from __future__ import annotations
 
 from jax.interpreters import mlir
 
 from fa4_jax.config import AttentionConfig
-from fa4_jax.reference import reference_backward, reference_forward
-from fa4_jax.primitive import attention_bwd_inner_p, attention_fwd_inner_p, split_backward_operands
+from fa4_jax.reference import reference_backward, reference_forward, reference_tangent
+from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_inner_p,
+                               split_backward_operands, split_tangent_operands)
 
 
 def forward(*operands, config: AttentionConfig):
@@ -20,6 +22,12 @@ def backward(*operands, config: AttentionConfig, has_d_lse: bool):
     d_query, d_key, d_value, d_sinks = reference_backward(
         query, key, value, out, lse, d_out, d_lse, optional, config)
     return (d_query, d_key, d_value) + ((d_sinks,) if config.has_sinks else ())
+
+
+def tangent(*operands, config: AttentionConfig):
+    (query, key, value, out, lse), (t_query, t_key, t_value, t_sinks), optional = split_tangent_operands(
+        config, operands)
+    return reference_tangent(query, key, value, out, lse, t_query, t_key, t_value, t_sinks, optional, config)
 
 
 def _refuse_cute(platform_rule):
@@ -37,3 +45,4 @@ def _refuse_cute(platform_rule):
 
 mlir.register_lowering(attention_fwd_inner_p, _refuse_cute(mlir.lower_fun(forward, multiple_results=True)))
 mlir.register_lowering(attention_bwd_inner_p, _refuse_cute(mlir.lower_fun(backward, multiple_results=True)))
+mlir.register_lowering(attention_tangent_inner_p, _refuse_cute(mlir.lower_fun(tangent, multiple_results=True)))
