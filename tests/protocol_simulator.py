@@ -326,7 +326,8 @@ class Simulation:
         elif isinstance(step, ps.ExpectTx):
             key = (step.barrier, self._index(step.index, variables, step.barrier))
             if key not in self.barriers:
-                raise _Stop(Violation("stage_count", f"{role} expects bytes on {key[0]}[{key[1]}], which does not exist"))
+                raise _Stop(Violation("stage_count", (
+                    f"{role} expects bytes on {key[0]}[{key[1]}], which does not exist")))
             self.barriers[key].tx += step.bytes
             self._arrive(role, key, 1, actor)
         elif isinstance(step, ps.Drain):
