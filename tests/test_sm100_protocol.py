@@ -435,6 +435,20 @@ def test_backward_names_what_each_hand_off_protects():
     assert expected | {"@q"} <= buffers, sorted(buffers)
 
 
+def test_backward_phases_follow_the_pattern_the_kernel_computes():
+    """The kernel computes a phase in block `it` as its initial value flipped `it` times: a schedule
+    that flips a phase twice per block, or outside the loop, or takes a slot twice, is refused."""
+    for role in backward().roles:
+        backward_schedule.block_phases(role)
+    twice = sim.change_role(backward(), "cta0.dq", lambda s: (s, s) if isinstance(s, ps.Flip) else None)
+    after = sim.change_role(backward(), "cta0.compute", lambda s: (s, ps.Flip("dkv_phase"))
+                            if isinstance(s, ps.Wait) and "dkv" in s.barrier else None)
+    slots = sim.change_role(backward(), "cta0.mma", lambda s: (s, s) if isinstance(s, ps.ConsumerWait) else None)
+    for bugged, role in ((twice, "cta0.dq"), (after, "cta0.compute"), (slots, "cta0.mma")):
+        with pytest.raises(ValueError, match=role):
+            backward_schedule.block_phases(bugged.role(role))
+
+
 def _pairs(mask, pairs, m_blocks, group, deterministic=True):
     """Every CTA pair of one (batch, KV head) at once: (merged schedule, walk per role). Each pair walks
     the query blocks its keys see (masking.query_block_range) for every head of the group, taking

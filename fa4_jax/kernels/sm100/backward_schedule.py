@@ -220,7 +220,7 @@ def block_phases(role: Role) -> dict:
     """{phase variable: True if flipped once per query block, False if never} for each phase variable
     `role` waits with: the kernel's role loops compute a phase in block `it` of the walk as its
     initial value flipped `it` times (Sm100BackwardKernel.parity), which holds only for these two
-    patterns; any other raises."""
+    patterns, and a one-stage pipeline's phase likewise from its slots taken; any other raises."""
     (loop,) = [step for step in role.program if isinstance(step, BlockLoop)] or [BlockLoop(())]
     inside = [step.phase for step in loop.body if isinstance(step, Flip)]
     outside = [step.phase for step in role.program if isinstance(step, Flip)]
@@ -228,4 +228,10 @@ def block_phases(role: Role) -> dict:
     if outside or len(inside) != len(set(inside)) or not set(inside) <= waited:
         raise ValueError(f"role {role.name}: phases must flip once per query block or never "
                          f"(flipped in the loop: {inside}, outside it: {outside})")
+    # Likewise a pipeline participant's phase (one stage): one acquire or wait per block, a drain after.
+    advances = [step.pipeline for step in loop.body if isinstance(step, (Acquire, ConsumerWait))]
+    if len(advances) != len(set(advances)) or any(
+            isinstance(step, (Acquire, ConsumerWait)) or isinstance(step, Drain) and step.pipeline not in advances
+            for step in role.program):
+        raise ValueError(f"role {role.name}: a pipeline slot must be taken once per query block")
     return {phase: phase in inside for phase in waited}
