@@ -1,5 +1,6 @@
 """Discrete-event model of mbarriers, pipelines and asynchronous copies/MMAs, replaying a kernel's
-`pipeline_schedule.Schedule` for one CTA (or a CTA pair described as one schedule) over given tiles.
+`pipeline_schedule.Schedule` for one CTA, a CTA pair described as one schedule, or several pairs
+(schedules merged with `merge`, sharing global turn counters) over given tiles.
 
 State, as the hardware keeps it: per mbarrier a completed-phase count (its parity is the phase bit),
 the arrivals still pending in the current phase and the transaction bytes still expected; per pipeline
@@ -9,12 +10,20 @@ bit differs from p, exactly like `mbarrier.try_wait.parity`.
 
 Actors: each role is one sequential actor (a thread group moves as one: its arrive counts as the
 role's `arrivals`); each MMA role also owns an in-order queue of issued tcgen05 operations (an MMA
-executes, reading and writing its buffers, a commit arrives) that drains independently of the issuing
-thread; each TMA copy lands at some later moment, writing its slot and completing its bytes on the
-slot's full barrier. A schedule picks which enabled event happens next: random (seeded), or one of
-two deterministic ones: "eager" (asynchronous work completes as soon as it can, then each role runs as
-far as it can) and "lazy" (every role runs as far as it can before any asynchronous work completes,
-which lets producers run furthest ahead of their consumers).
+executes, reading and writing its buffers; a commit, once every MMA before it has executed, sends its
+arrivals) that drains independently of the issuing thread; a commit's arrivals (one per barrier of a
+multicast) land at some later moment each, in any order: the PTX promises an arrival once the MMAs
+before it are done, not an order between two commits or two CTAs; each TMA copy lands at some later
+moment, writing its buffer and completing its bytes on its barrier. A global turn counter
+(`TurnWait` / `TurnPass`) lets its waiter pass when it shows the waiter's value.
+
+A schedule picks which enabled event happens next: random (seeded), or one of three deterministic
+ones: "eager" (asynchronous work completes as soon as it can, then each role runs as far as it can),
+"lazy" (every role runs as far as it can before any asynchronous work completes,
+which lets producers run furthest ahead of their consumers) and "late" (as lazy, and then a TMA copy
+lands or a commit's arrival lands only if a blocked role waits on its barrier, the oldest otherwise:
+whatever nobody waits for stays in flight as long as it can, so a copy read without its wait, or an
+arrival a CTA exits before, shows).
 
 What is checked, each a `Violation` kind:
   deadlock        no event is enabled and some role has not finished
@@ -31,6 +40,10 @@ What is checked, each a `Violation` kind:
   overwrite       a buffer written while a reader of its previous content had not finished with it
   unconsumed      a buffer's content never finished with by a declared reader by the end
   stage_count     a wait or arrive on a barrier stage that does not exist
+  late_arrival    (a cluster) every role has finished, so the CTAs exit, while an arrival or a TMA
+                  copy is still in flight: it would land in an exited CTA's shared memory (a producer
+                  must drain what a peer's commit releases, a consumer wait for what it was sent)
+  turn            a turn passed by a role that does not hold it
 """
 
 from __future__ import annotations
@@ -38,11 +51,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 from fa4_jax.kernels.common import pipeline_schedule as ps
 
-SCHEDULES = ("eager", "lazy", "random")
+SCHEDULES = ("eager", "lazy", "late", "random")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +131,11 @@ class _Actor:
 
 
 class Simulation:
-    def __init__(self, schedule: ps.Schedule, tile_blocks: Sequence[int], mode: str = "random",
-                 seed: int = 0):
+    """`tile_blocks`: the key blocks of each tile every role walks, or per role name (several CTA
+    pairs whose walks differ)."""
+
+    def __init__(self, schedule: ps.Schedule, tile_blocks: Union[Sequence[int], Mapping[str, Sequence[int]]],
+                 mode: str = "random", seed: int = 0):
         if mode not in SCHEDULES:
             raise ValueError(f"mode {mode!r} not in {SCHEDULES}")
         self.schedule = schedule
@@ -140,11 +156,15 @@ class Simulation:
                                                            pipeline.consumer_arrivals)
         self.buffers = collections.defaultdict(_Buffer)
         choose = lambda arms: self.rng.randrange(arms)  # noqa: E731
-        self.actors = [_Actor(role, ps.expand(schedule, role, tile_blocks, choose))
+        walks = tile_blocks if isinstance(tile_blocks, Mapping) else {r.name: tile_blocks for r in schedule.roles}
+        self.actors = [_Actor(role, ps.expand(schedule, role, walks[role.name], choose))
                        for role in schedule.roles]
         self.mma_queues = {actor.role.name: collections.deque() for actor in self.actors
                            if actor.role.mma}
         self.tma_in_flight = []
+        self.arrivals_in_flight = []   # (role, barrier key, count, actor) a commit has sent
+        self.counters = collections.Counter()   # (counter, index) -> value
+        self.turn_holders = {}                  # (counter, index) -> the role that waited for it
         self.events = 0
 
     # -------------------------------------------------------------------------------------------
@@ -168,6 +188,10 @@ class Simulation:
         runnable = [a for a in self.actors if not a.done and self._can_run(a)]
         asynchronous = [("mma", name) for name, queue in self.mma_queues.items() if queue]
         asynchronous += [("tma", i) for i in range(len(self.tma_in_flight))]
+        asynchronous += [("arrival", i) for i in range(len(self.arrivals_in_flight))]
+        if self.schedule.cluster > 1 and asynchronous and all(a.done for a in self.actors):
+            raise _Stop(Violation("late_arrival", "every role has finished, the CTAs exit, with "
+                                  + "; ".join(self._in_flight())))
         if not runnable and not asynchronous:
             blocked = [a for a in self.actors if not a.done]
             if blocked:
@@ -177,6 +201,8 @@ class Simulation:
             event = asynchronous[0] if asynchronous else runnable[0]
         elif self.mode == "lazy":
             event = runnable[0] if runnable else asynchronous[0]
+        elif self.mode == "late":
+            event = runnable[0] if runnable else self._latest(asynchronous)
         else:
             choices = runnable + asynchronous
             event = choices[self.rng.randrange(len(choices))]
@@ -184,9 +210,37 @@ class Simulation:
             self._execute(event)
         elif event[0] == "mma":
             self._drain_mma(event[1])
-        else:
+        elif event[0] == "tma":
             self._land_tma(self.tma_in_flight.pop(event[1]))
+        else:
+            self._arrive(*self.arrivals_in_flight.pop(event[1]))
         return True
+
+    def _latest(self, asynchronous):
+        """The "late" schedule's choice: queued MMAs, or a copy or an arrival some role waits for."""
+        waited = set()
+        for actor in self.actors:
+            target = None if actor.done else self._wait_target(actor, *actor.current)
+            if target is not None:
+                waited.add(target[0])
+        for event in asynchronous:
+            if event[0] == "mma":
+                return event
+            if event[0] == "tma":
+                slot, step, _ = self.tma_in_flight[event[1]]
+                key = (step.barrier, 0) if slot is None else (slot.pipeline.name + ".full", slot.index)
+            else:
+                key = self.arrivals_in_flight[event[1]][1]
+            if key in waited:
+                return event
+        return asynchronous[0]
+
+    def _in_flight(self):
+        described = [f"{role}'s {entry[0]} queued" for role, queue in self.mma_queues.items() for entry in queue]
+        described += [f"a TMA copy of {ps.resolve(step.tag, v)} into "
+                      f"{step.buffer if slot is None else slot.buffers}" for slot, step, v in self.tma_in_flight]
+        described += [f"{role}'s arrival on {key[0]}[{key[1]}]" for role, key, _, _ in self.arrivals_in_flight]
+        return described
 
     # -------------------------------------------------------------------------------------------
     # Waits
@@ -197,10 +251,11 @@ class Simulation:
             # The k-th wait means the k-th completion; a variable starting at 1 means the (k - 1)-th.
             return (key, actor.phases[step.phase],
                     actor.waits[key] + 1 - actor.initial_phases.get(step.phase, 0))
-        if isinstance(step, (ps.Acquire, ps.ConsumerWait)):
+        if isinstance(step, (ps.Acquire, ps.ConsumerWait, ps.Drain)):
             pipeline = self.schedule.pipeline(step.pipeline)
-            state = self._pipeline_state(actor, pipeline, producer=isinstance(step, ps.Acquire))
-            if isinstance(step, ps.Acquire):
+            producer = not isinstance(step, ps.ConsumerWait)
+            state = self._pipeline_state(actor, pipeline, producer=producer)
+            if producer:
                 # Round r of a slot needs r consumer releases of it.
                 return ((pipeline.empty_barrier(actor.role.name), state.index), state.phase,
                         state.count // pipeline.stages)
@@ -209,6 +264,8 @@ class Simulation:
 
     def _can_run(self, actor) -> bool:
         step, variables = actor.current
+        if isinstance(step, ps.TurnWait):
+            return self.counters[self._turn(step, variables)] == ps.resolve(step.value, variables)
         target = self._wait_target(actor, step, variables)
         if target is None:
             return True
@@ -220,6 +277,10 @@ class Simulation:
 
     def _blocked_on(self, actor) -> str:
         step, variables = actor.current
+        if isinstance(step, ps.TurnWait):
+            key = self._turn(step, variables)
+            return (f"{actor.role.name} waits for turn {ps.resolve(step.value, variables)} of {key[0]}"
+                    f"{list(key[1:])} (block {variables.block}; the counter shows {self.counters[key]})")
         key, parity, want = self._wait_target(actor, step, variables)
         barrier = self.barriers[key]
         return (f"{actor.role.name} waits {key[0]}[{key[1]}] parity {parity} (tile {variables.tile}, "
@@ -254,6 +315,23 @@ class Simulation:
                 actor.waits[key] += 1
         if isinstance(step, ps.Wait):
             pass
+        elif isinstance(step, ps.TurnWait):
+            self.turn_holders[self._turn(step, variables)] = role
+        elif isinstance(step, ps.TurnPass):
+            key = self._turn(step, variables)
+            if self.turn_holders.pop(key, None) != role:
+                raise _Stop(Violation("turn", f"{role} passes the turn of {key[0]}{list(key[1:])} at "
+                                      f"{self.counters[key]}, which it does not hold (block {variables.block})"))
+            self.counters[key] += 1
+        elif isinstance(step, ps.ExpectTx):
+            key = (step.barrier, self._index(step.index, variables, step.barrier))
+            if key not in self.barriers:
+                raise _Stop(Violation("stage_count", (
+                    f"{role} expects bytes on {key[0]}[{key[1]}], which does not exist")))
+            self.barriers[key].tx += step.bytes
+            self._arrive(role, key, 1, actor)
+        elif isinstance(step, ps.Drain):
+            self._pipeline_state(actor, self.schedule.pipeline(step.pipeline), producer=True).advance()
         elif isinstance(step, ps.Flip):
             actor.phases[step.phase] ^= 1
         elif isinstance(step, ps.Arrive):
@@ -288,9 +366,16 @@ class Simulation:
                 self._queue_mma(actor, ("release", slot, variables))
             else:
                 self._release(role, slot, actor.role.arrivals)
+        elif isinstance(step, ps.Read) and actor.role.mma:
+            # The MMA warp touches buffers only through its tcgen05 operations: in their order.
+            self._queue_mma(actor, ("mma", ([(b, step.tag, step.done) for b in self._buffers(
+                actor, step.buffer, variables)], []), variables))
         elif isinstance(step, ps.Read):
             for buffer in self._buffers(actor, step.buffer, variables):
                 self._read(role, buffer, step.tag, variables, step.done)
+        elif isinstance(step, ps.Write) and actor.role.mma:
+            self._queue_mma(actor, ("mma", ([], [(b, step.tag, step.readers) for b in self._buffers(
+                actor, step.buffer, variables)]), variables))
         elif isinstance(step, ps.Write):
             for buffer in self._buffers(actor, step.buffer, variables):
                 self._write(role, buffer, step.tag, variables, step.readers)
@@ -300,6 +385,8 @@ class Simulation:
                         [(buffer, t, r) for b, t, r in step.writes
                          for buffer in self._buffers(actor, b, variables)])
             self._queue_mma(actor, ("mma", resolved, variables))
+        elif isinstance(step, ps.TmaLoad) and step.handle is None:
+            self.tma_in_flight.append((None, step, variables))
         elif isinstance(step, ps.TmaLoad):
             slot = self._handle(actor, step.handle, variables)
             self.tma_in_flight.append((slot, step, variables))
@@ -323,12 +410,27 @@ class Simulation:
         elif kind == "commit":
             actor = next(a for a in self.actors if a.role.name == role)
             for name in _names(what.barrier):
-                self._arrive(role, (name, self._index(what.index, variables, name)), 1, actor)
+                self._send(role, (name, self._index(what.index, variables, name)), 1, actor)
         else:
-            self._release(role, what, 1)
+            self._release(role, what, 1, sent=True)
+
+    def _send(self, role, key, count, actor):
+        """A commit's arrival: it lands later, as an event of its own."""
+        if key not in self.barriers:
+            raise _Stop(Violation("stage_count", f"{role} arrives on {key[0]}[{key[1]}], which does not exist"))
+        self.arrivals_in_flight.append((role, key, count, actor))
 
     def _land_tma(self, flight):
         slot, step, variables = flight
+        if slot is None:
+            self._write("tma", step.buffer, step.tag, variables, step.readers)
+            key = (step.barrier, 0)
+            if key not in self.barriers:
+                raise _Stop(Violation("stage_count", f"a TMA copy completes on {step.barrier}, which does not exist"))
+            barrier = self.barriers[key]
+            barrier.tx -= step.bytes
+            self._maybe_complete(barrier)
+            return
         (buffer,) = slot.buffers
         self._write("tma", buffer, step.tag, variables, (slot.pipeline.consumer,))
         barrier = self.barriers[slot.pipeline.name + ".full", slot.index]
@@ -337,11 +439,17 @@ class Simulation:
         barrier.tx -= step.bytes
         self._maybe_complete(barrier)
 
-    def _release(self, role, slot, arrivals):
+    def _release(self, role, slot, arrivals, sent=False):
+        """The consumer is done with the slot; its empty barriers' arrivals land now (threads), or
+        later (`sent`: an MMA warp's commit, one arrival per CTA's barrier)."""
         for buffer in slot.buffers:
             self._done(role, buffer)
         for producer in slot.pipeline.producers:
-            self._arrive(role, (slot.pipeline.empty_barrier(producer), slot.index), arrivals, None)
+            key = (slot.pipeline.empty_barrier(producer), slot.index)
+            if sent:
+                self._send(role, key, arrivals, None)
+            else:
+                self._arrive(role, key, arrivals, None)
 
     # -------------------------------------------------------------------------------------------
     # Barriers and buffers
@@ -370,6 +478,10 @@ class Simulation:
 
     def _index(self, index, variables, name):
         return ps.resolve(index, variables)
+
+    @staticmethod
+    def _turn(step, variables):
+        return (step.counter, ps.resolve(step.index, variables))
 
     def _slot(self, pipeline, state, producer):
         """The slot a participant's state points at: a producer's own CTA's buffer, or (producer None,
@@ -419,7 +531,7 @@ class Simulation:
             raise _Stop(Violation("overwrite", (
                 f"{role} writes {tag} into {buffer} while {state.pending} still need {state.tag}")))
         state.tag = tag
-        state.pending = [_fmt(reader, variables) for reader in readers]
+        state.pending = [_fmt(reader, variables) for reader in ps.resolve(readers, variables)]
 
     def _check_end(self):
         for (name, index), barrier in self.barriers.items():
@@ -442,11 +554,11 @@ def _fmt(name, variables):
 
 def check_arrival_counts(schedule: ps.Schedule) -> list:
     """Static: each barrier's arrival count equals the arrivals its arriving roles contribute per phase
-    (a role's threads for Arrive, 1 for an MmaCommit's elected thread)."""
+    (a role's threads for Arrive, 1 for an MmaCommit's or an ExpectTx's elected thread)."""
     contributions = collections.defaultdict(dict)
     for role in schedule.roles:
         for step, variables in _all_steps(schedule, role):
-            if isinstance(step, (ps.Arrive, ps.MmaCommit)):
+            if isinstance(step, (ps.Arrive, ps.MmaCommit, ps.ExpectTx)):
                 count = role.arrivals if isinstance(step, ps.Arrive) else 1
                 for name in _names(step.barrier):
                     contributions[name, ps.resolve(step.index, variables)][role.name] = count
@@ -469,12 +581,12 @@ def _all_steps(schedule, role):
     return seen
 
 
-def replay(schedule: ps.Schedule, tile_blocks: Sequence[int], seeds: int = 50,
+def replay(schedule: ps.Schedule, tile_blocks, seeds: int = 50,
            static_checks: bool = True) -> list:
-    """(mode, seed, Violation) of every run that found one, over the eager and lazy schedules and
+    """(mode, seed, Violation) of every run that found one, over the eager, lazy and late schedules and
     `seeds` random ones."""
     found = []
-    runs = [("eager", 0), ("lazy", 0)] + [("random", seed) for seed in range(seeds)]
+    runs = [("eager", 0), ("lazy", 0), ("late", 0)] + [("random", seed) for seed in range(seeds)]
     for mode, seed in runs:
         violation = Simulation(schedule, tile_blocks, mode, seed).run(static_checks=static_checks)
         if violation is not None:
@@ -490,7 +602,7 @@ def map_steps(program: tuple, change) -> tuple:
         replaced = change(step)
         if replaced is not None:
             out.extend(replaced)
-        elif isinstance(step, (ps.TileLoop, ps.BlockLoop, ps.Stages)):
+        elif isinstance(step, (ps.TileLoop, ps.BlockLoop, ps.Stages, ps.Leader)):
             out.append(dataclasses.replace(step, body=map_steps(step.body, change)))
         elif isinstance(step, ps.Either):
             out.append(ps.Either(map_steps(step.first, change), map_steps(step.second, change)))
@@ -505,3 +617,12 @@ def change_role(schedule: ps.Schedule, role: str, change) -> ps.Schedule:
     return schedule.replace(roles=tuple(
         dataclasses.replace(r, program=map_steps(r.program, change)) if r.name.startswith(role) else r
         for r in schedule.roles))
+
+
+def merge(*schedules: ps.Schedule) -> ps.Schedule:
+    """One schedule of several (CTA pairs with distinct names) run at once: what connects them is the
+    global turn counters their roles share."""
+    return ps.Schedule(barriers=sum((s.barriers for s in schedules), ()),
+                       pipelines=sum((s.pipelines for s in schedules), ()),
+                       roles=sum((s.roles for s in schedules), ()),
+                       stages=max(s.stages for s in schedules), cluster=max(s.cluster for s in schedules))

@@ -8,15 +8,15 @@ cta_group::2), S^T / dP^T / dQ / dK / dV are read from TMEM and P^T / dS^T writt
 synchronises (`barrier.cluster`) and exchanges dS through distributed shared memory
 (`st.shared::cluster` after `fence.proxy.async.shared::cluster`), the operand tiles arrive by 2-CTA
 TMA (`cp.async.bulk.tensor ... cta_group::2`), dQ is added with fp32 atomics, and ptxas reports no
-spills. The barrier protocol table (`sm100.backward.PROTOCOL`) is checked for balance here; its
-numerics are the sm90 backward's (docs/blackwell.md).
+spills. Its numerics are the sm90 backward's (docs/blackwell.md). Every compile here also checks the
+kernel's barrier protocol against its schedule (sm100/backward_schedule.py) while the kernel is traced;
+tests/test_sm100_protocol.py replays the schedule.
 """
 
 from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 
 from fa4_jax.config import AttentionConfig
@@ -92,21 +92,10 @@ def check_kernel(name: str, compiled: dict):
         assert resources["spill_store_bytes"] == 0 and resources["stack_frame_bytes"] == 0, (name, resources)
 
 
-def check_protocol_trace(trace: list):
-    """The waits and signals each role took while the kernel was traced (its loop bodies once) are
-    ROLE_STEPS, in order: the table the tests check is the one the kernel runs (its waits take their
-    parity from it too)."""
-    expected = [[role, section, action, name] for role, sections in sm100_backward.ROLE_STEPS.items()
-                for section, steps in sections.items() for action, name, _ in steps]
-    key = lambda step: list(sm100_backward.ROLE_STEPS).index(step[0])  # noqa: E731 (roles trace in any order)
-    assert sorted(trace, key=key) == expected
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiles_to_the_2cta_design(name, tmp_path):
     compiled = sm100_inspect.compile_kernels({name: CASES[name]}, str(tmp_path), direction="backward")[name]
     check_kernel(name, {**compiled, "deterministic": CASES[name]["config"].get("deterministic", False)})
-    check_protocol_trace(compiled["protocol_trace"])
 
 
 @pytest.mark.slow
@@ -115,182 +104,6 @@ def test_grid_compiles(tmp_path):
     assert sorted(compiled) == sorted(GRID)
     for name in GRID:
         check_kernel(name, {**compiled[name], "deterministic": GRID[name]["config"].get("deterministic", False)})
-
-
-# ----------------------------------------------------------------------------------------------------
-# The barrier protocol table (what the role loops follow), checked without compiling
-
-def test_protocol_balances_per_query_block():
-    """Every barrier is signalled by exactly one role and waited by exactly one; a barrier with `count` >
-    1 is signalled by every thread of both CTAs (the table says so), and once-per-CTA barriers appear
-    only in prologue / epilogue steps."""
-    barriers = {barrier.name: barrier for barrier in sm100_backward.BARRIERS}
-    once = {"kv_full", "dkv_full"}
-    signals, waits = {}, {}
-    for role, phases in sm100_backward.ROLE_STEPS.items():
-        for phase_name, steps in phases.items():
-            for action, name, phase in steps:
-                assert name in barriers, (role, name)
-                # Per-block barriers also appear once after the walk: a producer's tail wait.
-                assert name not in once or phase_name != "block", (role, name)
-                assert phase in (("0",) if name in once else ("p", "p^1")), (role, name, phase)
-                (signals if action == "signal" else waits).setdefault(name, set()).add(role)
-    assert sorted(signals) == sorted(waits) == sorted(barriers)
-    for name, barrier in barriers.items():
-        assert len(signals[name]) == 1 and len(waits[name]) == 1, name
-        (signaller,), (waiter,) = signals[name], waits[name]
-        assert signaller != waiter, name
-        assert barrier.signalled_by.startswith(signaller), (name, barrier.signalled_by)
-        assert barrier.waited_by == waiter, name
-        # Remote arrivals of every thread of a 128-thread role in both CTAs, or one commit / expect_tx.
-        assert barrier.count in (1, 2 * sm100_backward.ROWS), name
-        assert barrier.home == ("leader" if waiter == "mma" else "each"), name
-
-
-def replay(role_steps, barriers, blocks: int, seed: int = 0) -> list:
-    """Run the roles of both CTAs of a pair over `blocks` query blocks on a model of the mbarriers, in a
-    random interleaving (`seed`); the problems found (none for a sound protocol).
-
-    Model: a barrier instance per CTA ("each") or the leader's only; a wait with parity P passes when
-    the completed-phase count k has k % 2 != P (hardware), and it must then be exactly the completion
-    the step means (`p`: block b's, k == b + 1; `p^1`: the previous block's, k == b; `0`: k == 1),
-    else the wait passed on another round's phase (aliasing). Signals: the MMA warp (leader only)
-    commits to both CTAs' instances; the load warps of both CTAs add their TMA bytes to the leader's
-    instance and the leader's arrives (expect_tx); the 128 threads of a compute or dQ warpgroup of each
-    CTA arrive on the leader's. The MMA warp's commits land later, in any order (the PTX promises each
-    lands once its MMAs complete, not an order between two of them), so each CTA must wait for every
-    commit sent to it before it exits (a producer's tail); the threads' own arrivals precede their
-    exit.
-    A phase completes at its count (and, with TMA bytes, both CTAs' bytes); more arrivals in a phase
-    than its count is a problem; a state where no role can move before all finished is a deadlock."""
-    rows = sm100_backward.ROWS
-    table = {barrier.name: barrier for barrier in barriers}
-    state = {(name, cta): [0, 0, 0] for name in table for cta in (0, 1)}   # completed, arrivals, tx
-    programs = {}
-    for cta in (0, 1):
-        for role, sections in role_steps.items():
-            if role == "mma" and cta == 1:
-                continue
-            steps = [(0, step) for step in sections["prologue"]]
-            steps += [(b, step) for b in range(blocks) for step in sections["block"]]
-            steps += [(blocks, step) for step in sections["epilogue"]]
-            programs[(role, cta)] = steps
-    position = {agent: 0 for agent in programs}
-    problems = []
-
-    def arrive(name, cta, arrivals, tx):
-        instance = state[(name, cta)]
-        instance[1] += arrivals
-        instance[2] += tx
-        barrier = table[name]
-        if instance[1] > barrier.count:
-            problems.append(f"{name}: {instance[1]} arrivals in a phase of {barrier.count}")
-        if instance[1] == barrier.count and (not barrier.tx or instance[2] == 2):
-            instance[0] += 1
-            instance[1] = instance[2] = 0
-
-    def ready(agent):
-        block, (action, name, label) = programs[agent][position[agent]]
-        if action != "wait":
-            return True
-        home = agent[1] if table[name].home == "each" else 0
-        return state[(name, home)][0] % 2 != {"p": block & 1, "p^1": (block & 1) ^ 1, "0": 0}[label]
-
-    random = np.random.default_rng(seed)
-    in_flight = []          # the MMA warp's commits not yet landed (in any order)
-    commits = {}            # (barrier, CTA): commits issued to it
-    observed = {}           # (barrier, CTA): the latest of its completions a role of that CTA waited for
-    while not problems:
-        unfinished = [agent for agent in programs if position[agent] < len(programs[agent])]
-        if not unfinished:
-            for (name, cta), count in commits.items():
-                if observed.get((name, cta), 0) < count:
-                    problems.append(f"{name}@{cta}: a commit no role of the CTA waits for may land after "
-                                    "it has exited")
-            break
-        movable = [agent for agent in unfinished if ready(agent)]
-        if in_flight and (not movable or random.integers(2)):
-            landed = in_flight.pop(random.integers(len(in_flight)))
-            for peer in (0, 1):
-                arrive(landed, peer, 1, 0)
-            continue
-        if not movable:
-            problems.append(f"deadlock: { {agent: programs[agent][position[agent]] for agent in unfinished} }")
-            break
-        role, cta = movable[random.integers(len(movable))]
-        block, (action, name, label) = programs[(role, cta)][position[(role, cta)]]
-        if action == "wait":
-            completed = state[(name, cta if table[name].home == "each" else 0)][0]
-            target = {"p": block + 1, "p^1": block, "0": 1}[label]
-            home = (name, cta if table[name].home == "each" else 0)
-            observed[home] = max(observed.get(home, 0), target)
-            if completed != target:
-                problems.append(f"{role}@{cta} block {block}: wait on {name} passed at phase "
-                                f"{completed}, meant {target}")
-        elif role == "mma":
-            in_flight.append(name)
-            for peer in (0, 1):
-                commits[(name, peer)] = commits.get((name, peer), 0) + 1
-        elif role == "load":
-            arrive(name, 0, 1 if cta == 0 else 0, 1)
-        else:
-            arrive(name, 0, rows, 0)
-        position[(role, cta)] += 1
-    return problems
-
-
-@pytest.mark.parametrize("blocks", [0, 1, 2, 3, 5])
-def test_protocol_replays_without_deadlock_or_aliasing(blocks):
-    for seed in range(50):
-        assert replay(sm100_backward.ROLE_STEPS, sm100_backward.BARRIERS, blocks, seed) == [], seed
-
-
-def _planted(role, section, change):
-    steps = {role_name: dict(sections) for role_name, sections in sm100_backward.ROLE_STEPS.items()}
-    steps[role][section] = change(list(steps[role][section]))
-    return steps
-
-
-PLANTED_BUGS = {
-    # the compute warpgroup forgets to publish dS
-    "dropped-arrive": (_planted("compute", "block", lambda s: [x for x in s if x[1] != "ds_ready"]),
-                       sm100_backward.BARRIERS),
-    # the MMA warp waits for dS before it has committed dP, which dS needs
-    "swapped-steps": (_planted("mma", "block", lambda s: s[:3] + [s[4], s[3]] + s[5:]),
-                      sm100_backward.BARRIERS),
-    # the MMA warp's dQ-drained wait takes this block's parity instead of the previous block's
-    "wrong-parity": (_planted("mma", "block",
-                              lambda s: [(a, n, "p" if n == "dq_empty" else ph) for a, n, ph in s]),
-                     sm100_backward.BARRIERS),
-    # the load warp refills the Q / dO stage without waiting for the MMAs that read it
-    "dropped-wait": (_planted("load", "block", lambda s: [x for x in s if x[1] != "q_empty"]),
-                     sm100_backward.BARRIERS),
-    # the load warp leaves without waiting for the last block's release (the producer's tail)
-    "no-tail": (_planted("load", "epilogue", lambda s: []), sm100_backward.BARRIERS),
-    # dq_empty initialised for one CTA's warpgroup: the phase completes before the peer has read dQ
-    "half-count": (sm100_backward.ROLE_STEPS,
-                   tuple(b if b.name != "dq_empty" else sm100_backward.Barrier(
-                       b.name, sm100_backward.ROWS, b.home, b.signalled_by, b.waited_by)
-                         for b in sm100_backward.BARRIERS)),
-}
-
-
-@pytest.mark.parametrize("bug", sorted(PLANTED_BUGS))
-def test_protocol_replay_catches_planted_bugs(bug):
-    role_steps, barriers = PLANTED_BUGS[bug]
-    assert all(replay(role_steps, barriers, 3, seed) != [] for seed in range(10))
-
-
-def test_protocol_waits_precede_the_signals_they_enable():
-    """Within one query block, a role never signals a barrier before it waited for what that signal
-    publishes: the MMA warp's commits follow their operands' waits in the table's order."""
-    mma = [step[:2] for step in sm100_backward.ROLE_STEPS["mma"]["block"]]
-    assert mma.index(("wait", "q_full")) < mma.index(("signal", "s_full"))
-    assert mma.index(("wait", "dq_empty")) < mma.index(("signal", "dp_full"))
-    assert mma.index(("wait", "ds_ready")) < mma.index(("signal", "dq_full"))
-    assert mma[-1] == ("signal", "q_empty")
-    compute = [step[:2] for step in sm100_backward.ROLE_STEPS["compute"]["block"]]
-    assert compute.index(("wait", "dp_full")) < compute.index(("signal", "ds_ready"))
 
 
 # ----------------------------------------------------------------------------------------------------

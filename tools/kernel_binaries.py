@@ -118,7 +118,7 @@ def _jobs_of(module_name: str, module) -> list:
                 for collection, specs in collections.items() for name, spec in specs.items()]
         return jobs + [_script_job(f"{module_name}::_LOWER", module.sm100_inspect.TARGET, module._LOWER)]
     if module_name == "test_sm100_protocol":
-        return []  # its one compile stops while tracing, on a planted schedule mismatch: no binary
+        return []  # its compiles stop while tracing, on planted schedule mismatches: no binary
     if module_name == "test_kernel_compile_sm100_backward":
         collections = {"CASES": module.CASES, "GRID": module.GRID,
                        "REPORT_SPECS": module.sm100_inspect.BACKWARD_REPORT_SPECS}

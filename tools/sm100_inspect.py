@@ -63,7 +63,7 @@ for name, spec in specs.items():
             "threads_per_cta": kernel.threads_per_cta,
         }
         print("SM100_KERNEL " + json.dumps({"name": name, "compile_seconds": round(seconds, 2),
-                                            "layout": layout, "protocol_trace": kernel.protocol_trace}),
+                                            "layout": layout}),
               flush=True)
         continue
     print("SM100_KERNEL " + json.dumps({"name": name, "compile_seconds": round(seconds, 2), "layout": {

@@ -21,6 +21,16 @@ the order this description says. It adds nothing to the generated code. The CPU 
 (tests/test_sm100_protocol.py) replays the same programs, expanded over concrete tiles by `expand`, in a
 discrete-event model of mbarriers (tests/protocol_simulator.py).
 
+A CTA pair (2-CTA MMA, cta_group::2) is one schedule over both CTAs: its roles are `cta0.<role>` and
+`cta1.<role>` (`Role.cta`; the MMA warp only in the leader, cta0), its barriers and buffers are named by
+the CTA that holds them (`cta1.s_full`), a multicast tcgen05.commit names every CTA's barrier, an arrive
+on the leader's barrier from the peer names `cta0.…`, `Leader` holds the steps only the leader's copy of
+a role runs (the expect_tx that announces both CTAs' TMA bytes), and a pipeline has a producer and a
+buffer per CTA. The kernel runs one code copy per role in both CTAs: `ProtocolTrace` checks it against
+both CTAs' programs, the kernel naming barriers as templates (`cta{cta}.s_full`: its own CTA's).
+`TurnWait` / `TurnPass` are the global-memory turns of a deterministic reduction
+(common/ordered_reduction.py), between CTA pairs.
+
 What is described, not checked against the kernel: the data effects (`Read` / `Write` / `Mma` /
 `TmaLoad`) and the arrival counts a role contributes (`Role.arrivals`): they state what the kernel's
 compute between two synchronisation steps touches and how many threads run the role.
@@ -40,7 +50,12 @@ ACQUIRE = "acquire"            # pipeline producer: wait for an empty slot (TMA 
 COMMIT = "commit"              # pipeline producer: the slot is full (a no-op for TMA producers)
 CONSUMER_WAIT = "consumer_wait"   # pipeline consumer: wait for a full slot
 RELEASE = "release"            # pipeline consumer: the slot is empty again
-SYNC_KINDS = (WAIT, ARRIVE, MMA_COMMIT, FLIP, ACQUIRE, COMMIT, CONSUMER_WAIT, RELEASE)
+DRAIN = "drain"                # pipeline producer's tail: wait for a slot's release, fill nothing
+EXPECT_TX = "expect_tx"        # one elected arrive announcing TMA bytes on a raw barrier
+TURN_WAIT = "turn_wait"        # wait until a global turn counter shows this role's turn
+TURN_PASS = "turn_pass"        # pass the turn on (the counter's next value)
+SYNC_KINDS = (WAIT, ARRIVE, MMA_COMMIT, FLIP, ACQUIRE, COMMIT, CONSUMER_WAIT, RELEASE, DRAIN, EXPECT_TX,
+              TURN_WAIT, TURN_PASS)
 
 # Pipeline kinds (as cutlass.pipeline builds them): who arrives how.
 TMA_UMMA = "tma_umma"          # TMA producer (arrive + expected bytes), MMA consumer (tcgen05.commit)
@@ -103,59 +118,110 @@ class Pipeline:
 # ---------------------------------------------------------------------------------------------------
 # Program steps. `index` is the barrier's stage: an int, STAGE (the enclosing `Stages` loop's stage,
 # or the role's own stage for a role run once per query tile), or a callable of the loop variables.
+# Each synchronisation step's class names the kind the kernel reports it as (`kind`).
 
 STAGE = "stage"
 Index = Union[int, str, Callable]
 Tag = Union[str, Callable]     # what a buffer holds: a string, or a callable of the loop variables
+Barriers = Union[str, tuple]   # one barrier, or (a multicast commit) one per CTA
 
 
 @dataclasses.dataclass(frozen=True)
 class Wait:
+    kind = WAIT
     barrier: str
     index: Index
     phase: str                 # the role's phase variable (starts at 0) whose value the wait uses
 
 
 @dataclasses.dataclass(frozen=True)
-class Arrive:
-    barrier: str
+class _OnBarrier:
+    barrier: Barriers
     index: Index
+
+
+class Arrive(_OnBarrier):
+    """Every thread of the role arrives (on the peer CTA's barrier where `barrier` names it)."""
+    kind = ARRIVE
+
+
+class MmaCommit(_OnBarrier):
+    """tcgen05.commit: arrives once every MMA issued before it is done (on each barrier of a tuple)."""
+    kind = MMA_COMMIT
 
 
 @dataclasses.dataclass(frozen=True)
-class MmaCommit:
+class ExpectTx:
+    """One elected thread arrives on `barrier` and expects `bytes` of TMA copies to complete it."""
+    kind = EXPECT_TX
     barrier: str
     index: Index
+    bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Flip:
+    kind = FLIP
     phase: str
 
 
 @dataclasses.dataclass(frozen=True)
-class Acquire:
+class _OnPipeline:
     pipeline: str
     handle: str                # name the slot is known by until the next step that names it
 
 
+class Acquire(_OnPipeline):
+    """Producer: wait for an empty slot (a TMA producer also arrives expecting its bytes)."""
+    kind = ACQUIRE
+
+
+class ConsumerWait(_OnPipeline):
+    kind = CONSUMER_WAIT
+
+
 @dataclasses.dataclass(frozen=True)
-class Commit:
+class _OnHandle:
     handle: str
 
 
+class Commit(_OnHandle):
+    kind = COMMIT
+
+
+class Release(_OnHandle):
+    kind = RELEASE
+
+
 @dataclasses.dataclass(frozen=True)
-class ConsumerWait:
+class Drain:
+    """The producer's tail (cutlass.pipeline's producer_tail, one slot per step): wait until its next
+    slot has been released, without filling it. A CTA whose slots a peer's commit releases must see
+    that commit land before it exits."""
+    kind = DRAIN
     pipeline: str
-    handle: str
 
 
 @dataclasses.dataclass(frozen=True)
-class Release:
-    handle: str
+class TurnWait:
+    """Wait until the global counter `counter`[index] equals `value` (common/ordered_reduction.py's
+    wait_for_turn): the reductions of earlier turns are complete."""
+    kind = TURN_WAIT
+    counter: str
+    index: Callable            # of the loop variables: which counter (the output tile)
+    value: Callable            # of the loop variables: this role's turn
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnPass:
+    """Increment `counter`[index]: the next turn's holder may go (finish_atomic_adds)."""
+    kind = TURN_PASS
+    counter: str
+    index: Callable
 
 
 # Data effects. A buffer is a name ("tmem_s0") or a pipeline handle's slot ("@k": the buffer of handle k).
+# An MMA role's data effects happen in its tcgen05 issue order (they are the MMAs' operands).
 @dataclasses.dataclass(frozen=True)
 class Read:
     buffer: str
@@ -167,7 +233,7 @@ class Read:
 class Write:
     buffer: str
     tag: Tag
-    readers: tuple             # roles that must read (and be done with) it before it is overwritten
+    readers: Union[tuple, Callable]   # roles that must read (and be done with) it before it is overwritten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,11 +246,16 @@ class Mma:
 
 @dataclasses.dataclass(frozen=True)
 class TmaLoad:
-    """A TMA copy into a pipeline slot: lands later and then counts `bytes` on the slot's full barrier."""
+    """A TMA copy into a pipeline slot (`handle`) that lands later and then counts `bytes` on the
+    slot's full barrier; or, `handle` None, a copy loaded once into `buffer` for `readers`, counting
+    on the raw barrier `barrier` (stage 0) that an `ExpectTx` announced."""
 
-    handle: str
+    handle: Optional[str]
     tag: Tag
     bytes: int
+    buffer: Optional[str] = None
+    barrier: Optional[str] = None
+    readers: tuple = ()
 
 
 # Control structure, mirroring the kernel's loops.
@@ -195,7 +266,8 @@ class TileLoop:
 
 @dataclasses.dataclass(frozen=True)
 class BlockLoop:
-    """Key blocks first .. (blocks of the tile - end_offset), exclusive: a dynamic loop in the kernel."""
+    """Key blocks first .. (blocks of the tile - end_offset), exclusive: a dynamic loop in the kernel.
+    (The sm100 backward's loop is over query blocks: `blocks` counts what the loop walks.)"""
 
     body: tuple
     first: int = 0
@@ -218,8 +290,17 @@ class Either:
 
 
 @dataclasses.dataclass(frozen=True)
+class Leader:
+    """Steps only the pair's leader CTA runs (a branch on the CTA rank in the kernel's one code copy,
+    which the kernel traces once, as it does any branch)."""
+
+    body: tuple
+
+
+@dataclasses.dataclass(frozen=True)
 class Role:
-    """A role: `arrivals` threads run `program`; `stage` is set for a role run once per query tile."""
+    """A role: `arrivals` threads run `program`; `stage` is set for a role run once per query tile,
+    `cta` for the copy of a role in one CTA of a pair (named cta<cta>.<kernel role>)."""
 
     name: str
     program: tuple
@@ -229,6 +310,16 @@ class Role:
     # (phase variable, initial value) where not 0: a variable starting at 1 lets its first wait pass
     # on a fresh barrier, the way a producer waits for an empty slot.
     initial_phases: tuple = ()
+    cta: Optional[int] = None
+
+    @property
+    def kernel_role(self) -> str:
+        """The name the kernel's role method reports (a pair's roles: without the CTA)."""
+        prefix = f"cta{self.cta}."
+        return self.name[len(prefix):] if self.cta is not None and self.name.startswith(prefix) else self.name
+
+    def initial_phase(self, phase: str) -> int:
+        return dict(self.initial_phases).get(phase, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +328,10 @@ class Schedule:
     pipelines: tuple
     roles: tuple
     stages: int                # query tiles per CTA (what `Stages` unrolls over)
+    # CTAs that run the schedule together and exit together (a cluster barrier at the kernel's end):
+    # where more than one, an arrival still in flight when every role has finished would land in an
+    # exited CTA's shared memory.
+    cluster: int = 1
 
     def barrier(self, name: str) -> Barrier:
         return _named(self.barriers, name)
@@ -276,7 +371,7 @@ class LoopVariables:
 
 
 def resolve(value, variables: LoopVariables):
-    """An index or tag for the current loop variables."""
+    """An index, tag or reader list for the current loop variables."""
     if callable(value):
         return value(variables)
     if value == STAGE:
@@ -287,7 +382,8 @@ def resolve(value, variables: LoopVariables):
 def expand(schedule: Schedule, role: Role, tile_blocks: Sequence[int],
            choose: Callable[[int], int] = lambda arms: 0) -> Iterator[tuple]:
     """The role's steps over tiles with `tile_blocks[t]` key blocks each, as (step, LoopVariables)
-    pairs; `choose(2)` picks the arm of each `Either` (the test's random schedules vary it)."""
+    pairs; `choose(2)` picks the arm of each `Either` (the test's random schedules vary it). A role
+    without a `TileLoop` (a kernel that is not persistent) runs one tile: `tile_blocks` has one entry."""
     def walk(steps, variables):
         for step in steps:
             if isinstance(step, TileLoop):
@@ -303,10 +399,18 @@ def expand(schedule: Schedule, role: Role, tile_blocks: Sequence[int],
                     yield from walk(step.body, dataclasses.replace(variables, stage=stage))
             elif isinstance(step, Either):
                 yield from walk((step.first, step.second)[choose(2)], variables)
+            elif isinstance(step, Leader):
+                if role.cta in (None, 0):
+                    yield from walk(step.body, variables)
             else:
                 yield step, variables
 
-    yield from walk(role.program, LoopVariables(stage=role.stage or 0))
+    blocks = 0
+    if not any(isinstance(step, TileLoop) for step in role.program):
+        if len(tile_blocks) != 1:
+            raise ValueError(f"role {role.name} runs one tile, not {len(tile_blocks)}")
+        blocks = tile_blocks[0]
+    yield from walk(role.program, LoopVariables(stage=role.stage or 0, blocks=blocks))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -314,27 +418,23 @@ def expand(schedule: Schedule, role: Role, tile_blocks: Sequence[int],
 
 def sync_step(step, variables: Optional[LoopVariables] = None):
     """(kind, name, index) of a synchronisation step as the kernel reports it, or None for a data
-    effect. Pipeline steps are named by their pipeline; the index of a role-stage or of a callable
-    is None (a dynamic value in the kernel)."""
+    effect. Pipeline steps are named by their pipeline, turns by their counter; the index of a
+    role-stage or of a callable is None (a dynamic value in the kernel)."""
     def index(value):
         if variables is not None:
             return resolve(value, variables)
         return value if isinstance(value, int) else None
-    if isinstance(step, Wait):
-        return WAIT, step.barrier, index(step.index)
-    if isinstance(step, Arrive):
-        return ARRIVE, step.barrier, index(step.index)
-    if isinstance(step, MmaCommit):
-        return MMA_COMMIT, step.barrier, index(step.index)
+    if isinstance(step, (Wait, _OnBarrier, ExpectTx)):
+        return step.kind, step.barrier, index(step.index)
     if isinstance(step, Flip):
         return FLIP, step.phase, None
-    if isinstance(step, Acquire):
-        return ACQUIRE, step.pipeline, None
-    if isinstance(step, ConsumerWait):
-        return CONSUMER_WAIT, step.pipeline, None
-    if isinstance(step, (Commit, Release)):
+    if isinstance(step, (_OnPipeline, Drain)):
+        return step.kind, step.pipeline, None
+    if isinstance(step, _OnHandle):
         handle = step.handle if variables is None else step.handle.format(stage=variables.stage)
-        return (COMMIT if isinstance(step, Commit) else RELEASE), handle, None
+        return step.kind, handle, None
+    if isinstance(step, (TurnWait, TurnPass)):
+        return step.kind, step.counter, None
     return None
 
 
@@ -346,8 +446,8 @@ class _Optional:
 def traced_steps(schedule: Schedule, role_name: str) -> list:
     """The role's synchronisation steps in the order the DSL traces the kernel's role method: every
     loop body once, `Stages` unrolled (the kernel's range_constexpr), both arms of an `Either` (the
-    second as an `_Optional` group). Loop bodies are bracketed by ("loop", kind) / ("end", kind)
-    markers the kernel reports too."""
+    second as an `_Optional` group), a `Leader` body as it stands. Loop bodies are bracketed by
+    ("loop", kind) / ("end", kind) markers the kernel reports too."""
     role = schedule.role(role_name)
     out = []
 
@@ -361,6 +461,8 @@ def traced_steps(schedule: Schedule, role_name: str) -> list:
             elif isinstance(step, Stages):
                 for s in range(schedule.stages):
                     walk(step.body, s)
+            elif isinstance(step, Leader):
+                walk(step.body, stage)
             elif isinstance(step, Either):
                 # A branch on a dynamic value traces both arms; on a constant (a mask without partial
                 # blocks, say) only one: the second arm is optional.
@@ -381,12 +483,22 @@ def traced_steps(schedule: Schedule, role_name: str) -> list:
     return out
 
 
+def for_cta(name, cta):
+    """A barrier name (or a tuple of them) as the kernel reports it, for the copy in CTA `cta`: the
+    template "cta{cta}.s_full" is that CTA's own barrier."""
+    if isinstance(name, tuple):
+        return tuple(for_cta(item, cta) for item in name)
+    return name.format(cta=cta) if cta is not None and "{cta}" in name else name
+
+
 class ProtocolTrace:
     """Trace-time conformance of a kernel's role methods to a schedule (no code is generated).
 
     The kernel calls `begin(role)` on entering a role method, `expect(role, kind, name, index)` next to
     each synchronisation call and around each loop (`loop(role, kind)` / `end(role, kind)`), and
-    `finish(role)` at the end; any difference from `traced_steps` raises ProtocolMismatch."""
+    `finish(role)` at the end; any difference from `traced_steps` raises ProtocolMismatch. A role of a
+    CTA pair is checked against the programs of both its copies (cta0.<role>, cta1.<role>), each with
+    the reported names resolved for its CTA (`for_cta`)."""
 
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
@@ -400,22 +512,31 @@ class ProtocolTrace:
         self._position.clear()
         self.finished = set()
 
+    def _copies(self, role: str) -> list:
+        """The schedule's roles that the kernel's role method `role` runs as."""
+        copies = [r for r in self.schedule.roles if r.name == role or (r.cta is not None and r.kernel_role == role)]
+        if not copies:
+            raise KeyError(f"the schedule has no role {role}")
+        return copies
+
     def begin(self, role: str):
-        self._expected[role] = traced_steps(self.schedule, role)
+        self._expected[role] = {copy.name: (copy.cta, traced_steps(self.schedule, copy.name))
+                                for copy in self._copies(role)}
         self._position[role] = 0
 
-    def expect(self, role: str, kind: str, name: str, index=None):
+    def expect(self, role: str, kind: str, name, index=None):
         if kind not in SYNC_KINDS + ("loop", "end"):
             raise ValueError(f"unknown step kind {kind!r}")
-        steps, position = self._expected[role], self._position[role]
-        got = (kind, name, index if isinstance(index, int) else None)
-        while position < len(steps) and isinstance(steps[position], _Optional):
-            group = steps[position].steps
-            steps[position:position + 1] = list(group) if group and _matches(group[0], got) else []
-        want = steps[position] if position < len(steps) else None
-        if want is None or not _matches(want, got):
-            raise ProtocolMismatch(
-                f"role {role}: step {position} of its schedule is {want}, the kernel issues {got}")
+        position = self._position[role]
+        for copy, (cta, steps) in self._expected[role].items():
+            got = (kind, for_cta(name, cta), index if isinstance(index, int) else None)
+            while position < len(steps) and isinstance(steps[position], _Optional):
+                group = steps[position].steps
+                steps[position:position + 1] = list(group) if group and _matches(group[0], got) else []
+            want = steps[position] if position < len(steps) else None
+            if want is None or not _matches(want, got):
+                raise ProtocolMismatch(
+                    f"role {copy}: step {position} of its schedule is {want}, the kernel issues {got}")
         self._position[role] = position + 1
 
     def loop(self, role: str, kind: str):
@@ -425,17 +546,19 @@ class ProtocolTrace:
         self.expect(role, "end", kind)
 
     def finish(self, role: str):
-        steps, position = self._expected[role], self._position[role]
-        steps[position:] = [step for step in steps[position:] if not isinstance(step, _Optional)]
-        if position != len(steps):
-            raise ProtocolMismatch(
-                f"role {role}: the kernel stopped after {position} of its schedule's {len(steps)} "
-                f"steps; next expected {steps[position]}")
+        position = self._position[role]
+        for copy, (cta, steps) in self._expected[role].items():
+            steps[position:] = [step for step in steps[position:] if not isinstance(step, _Optional)]
+            if position != len(steps):
+                raise ProtocolMismatch(
+                    f"role {copy}: the kernel stopped after {position} of its schedule's {len(steps)} "
+                    f"steps; next expected {steps[position]}")
         self.finished.add(role)
 
     def check_finished(self):
-        """Every role the kernel traces (those of one code copy per query tile: the first) finished."""
-        traced = {role.name for role in self.schedule.roles if role.stage in (None, 0)}
+        """Every role the kernel traces (those of one code copy per query tile: the first; a pair's
+        roles by their kernel name) finished."""
+        traced = {role.kernel_role for role in self.schedule.roles if role.stage in (None, 0)}
         if self.finished != traced:
             raise ProtocolMismatch(f"roles traced to the end: {sorted(self.finished)}; the schedule "
                                    f"has {sorted(traced)}")

@@ -38,12 +38,13 @@ operand take 195 KiB, so the next block's loads wait for the current block's las
 would fit at D <= 96; not done yet). deterministic=True orders the dQ atomics by the turns of
 `common/ordered_reduction.py` (pairs launched highest first, CTA 0 then CTA 1 of a pair).
 
-The barrier protocol is one table, `PROTOCOL` (BARRIERS, ROLE_STEPS): every mbarrier with its arrival
-count, home CTA, signaller and waiter, and each role's ordered steps with their phase parity. The
-kernel initialises the barriers from it, every wait takes its parity from it, and every step is
-recorded while the kernel is traced; tests/test_kernel_compile_sm100_backward.py checks the recording
-against the table and replays the table over both CTAs of a pair (deadlock, phase aliasing, arrival
-counts, commits landing after exit), with planted bugs that it catches.
+The barrier protocol is stated once, in backward_schedule.py (the vocabulary of
+common/pipeline_schedule.py, as the forward's forward_schedule.py): the kernel initialises its
+mbarriers with the counts there, takes its TMA byte counts and every wait's phase from it, and checks
+each role's waits, arrives and commits against the programs of both CTAs' copies of the role while it
+is traced (`self.protocol`); tests/test_sm100_protocol.py replays it for both CTAs of a pair, and for
+several pairs with the deterministic turns (deadlock, phase aliasing, arrival counts, buffer hazards,
+arrivals landing after the pair exits), with planted bugs it catches.
 
 No Blackwell GPU was available while writing it: it is compiled for sm_100a and inspected
 (tests/test_kernel_compile_sm100_backward.py), not run.
@@ -67,78 +68,40 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.common import backward_numerics, masking, ordered_reduction
+from fa4_jax.kernels.common import backward_numerics, masking, ordered_reduction, pipeline_schedule
+from fa4_jax.kernels.common.pipeline_schedule import (
+    ACQUIRE, ARRIVE, CONSUMER_WAIT, DRAIN, EXPECT_TX, FLIP, MMA_COMMIT, RELEASE, TURN_PASS, TURN_WAIT, WAIT)
+from fa4_jax.kernels.sm100 import backward_schedule
+from fa4_jax.kernels.sm100.backward_schedule import both, leader, own
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 THREADS_PER_WARP = 32
-ROWS = 128                      # keys per CTA, query rows per block, TMEM lanes
+ROWS = backward_schedule.ROWS   # keys per CTA, query rows per block, TMEM lanes
 PAIR_KEYS = 2 * ROWS            # keys per CTA pair
 TMEM_COLUMNS = 512
 SLICE = 32                      # columns per TMEM load in the compute warpgroup
 
 
-# ------------------------------------------------------------------------------------------------
-# The barrier protocol, as data: what the role loops do, in order.
-
-@dataclasses.dataclass(frozen=True)
-class Barrier:
-    """One mbarrier (one stage; its phase flips once per use). `count`: arrivals that complete a phase
-    (besides the TMA transaction bytes of `tx`); it lives in the CTA `home` ("leader" or "each")."""
-
-    name: str
-    count: int
-    home: str
-    signalled_by: str
-    waited_by: str
-    tx: bool = False
+# The kernel's mbarrier array (each CTA has all of them; both initialise them alike): the schedule's
+# barriers by their name in one CTA, and each pipeline's full and empty barrier.
+BARRIER_ARRAY = ("kv_full", "load_q.full", "load_q.empty", "s_full", "dp_full", "ds_ready", "dq_full",
+                 "dq_empty", "dkv_full")
 
 
-# Per query block unless `once`; both CTAs of the pair run every role except the MMA warp's issue.
-BARRIERS = (
-    Barrier("kv_full", 1, "leader", "load (expect_tx by the leader; TMA of both CTAs)", "mma", tx=True),
-    Barrier("q_full", 1, "leader", "load (expect_tx by the leader; TMA of both CTAs)", "mma", tx=True),
-    Barrier("q_empty", 1, "each", "mma (tcgen05.commit multicast to both CTAs)", "load"),
-    Barrier("s_full", 1, "each", "mma (commit multicast)", "compute"),
-    Barrier("dp_full", 1, "each", "mma (commit multicast)", "compute"),
-    Barrier("ds_ready", 2 * ROWS, "leader", "compute (every thread of both CTAs)", "mma"),
-    Barrier("dq_full", 1, "each", "mma (commit multicast)", "dq"),
-    Barrier("dq_empty", 2 * ROWS, "leader", "dq (every thread of both CTAs)", "mma"),
-    Barrier("dkv_full", 1, "each", "mma (commit multicast)", "compute"),
-)
-
-# Each role's steps: ("wait" | "signal", barrier, phase) where phase "p" is the query block's parity
-# (block i of the walk: i % 2), "p^1" the previous block's (a wait on a fresh barrier with parity 1
-# passes at once: the producer's first acquire), "0" the single use of a once-per-CTA barrier.
-# "prologue" runs once before the walk, "block" per query block, "epilogue" once after, where block
-# means the walk's length n (so "p^1" there is the last block's completion, at once when n = 0).
-ROLE_STEPS = {
-    "load": {
-        "prologue": (("signal", "kv_full", "0"),),
-        "block": (("wait", "q_empty", "p^1"), ("signal", "q_full", "p")),
-        # The producer's tail: the last block's multicast commit lands in this CTA before it may exit.
-        "epilogue": (("wait", "q_empty", "p^1"),),
-    },
-    "mma": {
-        "prologue": (("wait", "kv_full", "0"),),
-        "block": (("wait", "q_full", "p"), ("signal", "s_full", "p"), ("wait", "dq_empty", "p^1"),
-                  ("signal", "dp_full", "p"), ("wait", "ds_ready", "p"), ("signal", "dq_full", "p"),
-                  ("signal", "q_empty", "p")),
-        "epilogue": (("signal", "dkv_full", "0"),),
-    },
-    "compute": {
-        "prologue": (),
-        "block": (("wait", "s_full", "p"), ("wait", "dp_full", "p"), ("signal", "ds_ready", "p")),
-        "epilogue": (("wait", "dkv_full", "0"),),
-    },
-    "dq": {
-        "prologue": (),
-        "block": (("wait", "dq_full", "p"), ("signal", "dq_empty", "p")),
-        "epilogue": (),
-    },
-}
-
-PROTOCOL = {"barriers": BARRIERS, "roles": ROLE_STEPS}
-BARRIER_INDEX = {barrier.name: index for index, barrier in enumerate(BARRIERS)}
+def barrier_counts(schedule: pipeline_schedule.Schedule) -> tuple:
+    """The arrival count of each barrier of BARRIER_ARRAY, from the schedule (which names a barrier
+    once per CTA that uses it: they must agree)."""
+    counts = {}
+    for barrier in schedule.barriers:
+        local = barrier.name.split(".", 1)[1]
+        assert barrier.stages == 1 and counts.setdefault(local, barrier.arrivals) == barrier.arrivals, barrier
+    for description in schedule.pipelines:
+        # The kernel's shared memory holds one stage of Q / dO (and its phases are one per block).
+        assert description.stages == 1, description
+        counts[description.name + ".full"] = description.producer_arrivals
+        counts[description.name + ".empty"] = description.consumer_arrivals
+    assert sorted(counts) == sorted(BARRIER_ARRAY), sorted(counts)
+    return tuple(counts[name] for name in BARRIER_ARRAY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +163,16 @@ class Sm100BackwardKernel:
         assert self.tmem_columns_used <= TMEM_COLUMNS
         self.tmem_columns_allocated = TMEM_COLUMNS
         self.tmem_users = THREADS_PER_WARP * (len(self.compute_warp_ids) + len(self.dq_warp_ids) + 1)
-        # (role, section, action, barrier) of every protocol step, in the order the role loops take them
-        # while the kernel is traced (a loop body is traced once): tests compare it with ROLE_STEPS.
-        self.protocol_trace = []
-        self.tracing = ("", "")
+        # Both CTAs' copies complete on the leader's barriers: it expects the pair's bytes.
+        self.key_bytes, self.query_bytes = backward_schedule.pair_bytes(d, self.dtype.width // 8)
+        self.schedule = backward_schedule.backward_schedule(self.key_bytes, self.query_bytes,
+                                                            options.deterministic)
+        assert self.schedule.pipeline("load_q").tx_bytes == self.query_bytes
+        self.barrier_counts = barrier_counts(self.schedule)
+        # Which phase variables of each role flip once per query block (the others never): `parity`.
+        self.block_phases = {role.kernel_role: backward_schedule.block_phases(role)
+                             for role in self.schedule.roles}
+        self.protocol = pipeline_schedule.ProtocolTrace(self.schedule)
 
     # --------------------------------------------------------------------------------------------
     # Host side
@@ -266,17 +235,17 @@ class Sm100BackwardKernel:
                                                                  self.dkv_tiler, dkv_mma, cluster)
         tma_atom_kt, tma_kt = cute.nvgpu.make_tiled_tma_atom_B(load_op, k_t, one(k_columns_layout),
                                                                self.dq_tiler, dq_mma, cluster)
-        # Both CTAs' copies complete on the leader's barrier: it expects the pair's bytes.
-        self.key_bytes = 2 * (2 * cute.size_in_bytes(self.dtype, one(k_layout))
-                              + cute.size_in_bytes(self.dtype, one(k_columns_layout)))
-        self.query_bytes = 2 * 2 * (cute.size_in_bytes(self.dtype, one(q_rows_layout))
-                                    + cute.size_in_bytes(self.dtype, one(q_columns_layout)))
+        # The schedule's byte counts (backward_schedule.pair_bytes) are what the pair's copies move.
+        assert self.key_bytes == 2 * (2 * cute.size_in_bytes(self.dtype, one(k_layout))
+                                      + cute.size_in_bytes(self.dtype, one(k_columns_layout)))
+        assert self.query_bytes == 2 * 2 * (cute.size_in_bytes(self.dtype, one(q_rows_layout))
+                                            + cute.size_in_bytes(self.dtype, one(q_columns_layout)))
 
         align = 1024
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[Int64, len(BARRIERS)]
+            barriers: cute.struct.MemRange[Int64, len(BARRIER_ARRAY)]
             tmem_dealloc_barrier: Int64
             tmem_address: Int32
             row_stats: cute.struct.MemRange[Float32, 2 * 2 * ROWS]
@@ -319,6 +288,7 @@ class Sm100BackwardKernel:
                q_columns_layout: cute.ComposedLayout, k_columns_layout: cute.ComposedLayout,
                ds_layout: cute.ComposedLayout, p_tmem_layout: cute.ComposedLayout,
                seqlen_q: Int32, seqlen_k: Int32):
+        self.protocol.start()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         pair = cute.arch.block_idx()[0] // 2
@@ -335,8 +305,8 @@ class Sm100BackwardKernel:
         barriers = storage.barriers.data_ptr()
         if warp_idx == self.mma_warp_id:
             with cute.arch.elect_one():
-                for index, barrier in enumerate(BARRIERS):
-                    cute.arch.mbarrier_init(barriers + index, barrier.count)
+                for index, count in enumerate(self.barrier_counts):
+                    cute.arch.mbarrier_init(barriers + index, count)
         tmem_allocator = utils.TmemAllocator(
             storage.tmem_address.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=self.tmem_users),
@@ -400,57 +370,98 @@ class Sm100BackwardKernel:
         # Neither CTA leaves while the other may still write its shared memory or barriers.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
+        self.protocol.check_finished()
 
     # --------------------------------------------------------------------------------------------
-    # Protocol helpers: every wait / signal of a role goes through one of these, named as in BARRIERS
+    # Protocol helpers: every synchronisation step of a role goes through one of these, which reports
+    # it to `self.protocol` (checked against the schedule's programs of both CTAs' copies of the role)
+    # and issues it. Barriers are named as in BARRIER_ARRAY; `role` is the kernel's role name.
     # --------------------------------------------------------------------------------------------
     def barrier(self, barriers, name: str):
-        return barriers + BARRIER_INDEX[name]
+        return barriers + BARRIER_ARRAY.index(name)
 
-    def section(self, role: str, section: str):
-        """Trace time: the role and section ("prologue", "block", "epilogue") whose steps follow."""
-        self.tracing = (role, section)
+    def parity(self, role: str, phase: str, flips, initial: Optional[int] = None):
+        """The phase a wait of `role` uses: its phase variable `phase` (as the schedule names it, with
+        the schedule's initial value, or a pipeline participant's `initial`) after `flips` flips. A
+        backward role flips each phase once per query block or never (`block_phases`), so in block
+        `it` of the walk a flipped phase is its initial value flipped `it` times: `flips` is `it`
+        (the walk's length after the loop), or None for a phase never flipped."""
+        if initial is None:
+            initial = self.schedule.role("cta0." + role).initial_phase(phase)
+            assert self.block_phases[role][phase] == (flips is not None), (role, phase)
+        if flips is None:
+            return initial
+        if initial == 1:
+            return (flips & 1) ^ 1
+        return flips & 1
 
-    def record(self, action: str, name: str):
-        self.protocol_trace.append((*self.tracing, action, name))
-
-    @cute.jit
-    def wait(self, barriers, name: cutlass.Constexpr, block):
-        """Wait on `name` at the parity ROLE_STEPS gives this step of the traced role, for query block
-        `block` of the walk (ignored by once-per-CTA barriers)."""
-        self.record("wait", name)
-        role, section = self.tracing
-        (label,) = [phase for action, barrier, phase in ROLE_STEPS[role][section]
-                    if action == "wait" and barrier == name]
-        parity = 0
-        if const_expr(label == "p"):
-            parity = block & 1
-        elif const_expr(label == "p^1"):
-            parity = (block & 1) ^ 1
-        cute.arch.mbarrier_wait(self.barrier(barriers, name), parity)
+    def flip(self, role: str, phase: str):
+        """The end of a query block for `role`'s phase variable `phase`: no code, since `parity`
+        computes its value from the block count."""
+        self.protocol.expect(role, FLIP, phase)
 
     @cute.jit
-    def expect_pair_bytes(self, barriers, name: cutlass.Constexpr, tx_bytes: cutlass.Constexpr, rank):
-        """Load warp: the leader arrives on its `name` expecting both CTAs' TMA bytes (the copies of both
-        complete there)."""
-        self.record("signal", name)
+    def wait(self, role: cutlass.Constexpr, barriers, name: cutlass.Constexpr, phase: cutlass.Constexpr,
+             flips):
+        """Wait on this CTA's barrier `name` with `role`'s phase variable `phase` (see `parity`)."""
+        self.protocol.expect(role, WAIT, own(name), 0)
+        cute.arch.mbarrier_wait(self.barrier(barriers, name), self.parity(role, phase, flips))
+
+    @cute.jit
+    def expect_pair_bytes(self, role: cutlass.Constexpr, barriers, name: cutlass.Constexpr,
+                          tx_bytes: cutlass.Constexpr, rank):
+        """The leader arrives on its `name` expecting both CTAs' TMA bytes (the copies of both complete
+        there); the peer's copy of the role does nothing (the schedule's `Leader`: traced once, as the
+        branch on the rank is)."""
+        self.protocol.expect(role, EXPECT_TX, leader(name), 0)
         with cute.arch.elect_one():
             if rank == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(self.barrier(barriers, name), tx_bytes)
 
     @cute.jit
-    def commit_to_pair(self, barriers, name: cutlass.Constexpr):
+    def commit_to_pair(self, role: cutlass.Constexpr, barriers, name: cutlass.Constexpr):
         """MMA warp: arrive on `name` in both CTAs once every MMA issued so far has completed."""
-        self.record("signal", name)
+        self.protocol.expect(role, MMA_COMMIT, both(name), 0)
         with cute.arch.elect_one():
             tcgen05.commit(self.barrier(barriers, name), Int32(0b11), tcgen05.CtaGroup.TWO)
 
     @cute.jit
-    def arrive_on_leader(self, barriers, name: cutlass.Constexpr):
+    def arrive_on_leader(self, role: cutlass.Constexpr, barriers, name: cutlass.Constexpr):
         """Every thread of a role in both CTAs: arrive on the leader CTA's `name` (cluster scope, so
         this thread's earlier shared-memory writes, local or remote, are visible to its waiter)."""
-        self.record("signal", name)
+        self.protocol.expect(role, ARRIVE, leader(name), 0)
         cute.arch.mbarrier_arrive(self.barrier(barriers, name), Int32(0), scope=nvvm.MemScopeKind.CLUSTER)
+
+    # The one-stage Q / dO pipeline (schedule: load_q), on raw barriers: its slot is always 0 and a
+    # participant's phase flips with every block (producers start at phase 1, as cutlass.pipeline).
+    @cute.jit
+    def acquire(self, role: cutlass.Constexpr, barriers, name: cutlass.Constexpr, count, rank):
+        """Producer: wait for this CTA's slot to be released, then the leader expects the slot's bytes
+        of both CTAs on its full barrier."""
+        self.protocol.expect(role, ACQUIRE, name)
+        cute.arch.mbarrier_wait(self.barrier(barriers, name + ".empty"), self.parity(role, name, count, 1))
+        with cute.arch.elect_one():
+            if rank == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(self.barrier(barriers, name + ".full"),
+                                                        self.schedule.pipeline(name).tx_bytes)
+
+    @cute.jit
+    def drain(self, role: cutlass.Constexpr, barriers, name: cutlass.Constexpr, count):
+        """Producer's tail: the last slot's release (a commit multicast into this CTA) has landed."""
+        self.protocol.expect(role, DRAIN, name)
+        cute.arch.mbarrier_wait(self.barrier(barriers, name + ".empty"), self.parity(role, name, count, 1))
+
+    @cute.jit
+    def consumer_wait(self, role: cutlass.Constexpr, barriers, name: cutlass.Constexpr, count):
+        self.protocol.expect(role, CONSUMER_WAIT, name)
+        cute.arch.mbarrier_wait(self.barrier(barriers, name + ".full"), self.parity(role, name, count, 0))
+
+    @cute.jit
+    def release(self, role: cutlass.Constexpr, barriers, name: cutlass.Constexpr, handle: cutlass.Constexpr):
+        """MMA warp: the slot is free in both CTAs once the MMAs issued so far (its readers) are done."""
+        self.protocol.expect(role, RELEASE, handle)
+        with cute.arch.elect_one():
+            tcgen05.commit(self.barrier(barriers, name + ".empty"), Int32(0b11), tcgen05.CtaGroup.TWO)
 
     # --------------------------------------------------------------------------------------------
     # Load warp
@@ -480,26 +491,26 @@ class Sm100BackwardKernel:
         tOtsdOt, tOtgdOt = partition(tma_atom_dot, tma_dot, sdOt, self.dkv_tiler, dkv_thr, "B")
 
         kv_coordinate = (kv_head, batch)
-        self.section("load", "prologue")
+        self.protocol.begin("load")
         full = self.barrier(barriers, "kv_full")
-        self.expect_pair_bytes(barriers, "kv_full", self.key_bytes, rank)
+        self.expect_pair_bytes("load", barriers, "kv_full", self.key_bytes, rank)
         cute.copy(tma_atom_k, tKgK[None, pair, 0, kv_coordinate], tKsK[None, 0], tma_bar_ptr=full)
         cute.copy(tma_atom_v, tVgV[None, pair, 0, kv_coordinate], tVsV[None, 0], tma_bar_ptr=full)
         cute.copy(tma_atom_kt, tKtgKt[None, 0, pair, kv_coordinate], tKtsKt[None, 0], tma_bar_ptr=full)
 
-        full = self.barrier(barriers, "q_full")
-        self.section("load", "block")
+        full = self.barrier(barriers, "load_q.full")
+        self.protocol.loop("load", "blocks")
         for it in cutlass.range(m_count * self.options.group, unroll=1):
             q_head, m_block = self.query_block(it, walk)
             coordinate = (q_head, batch)
-            self.wait(barriers, "q_empty", it)
-            self.expect_pair_bytes(barriers, "q_full", self.query_bytes, rank)
+            self.acquire("load", barriers, "load_q", it, rank)
             cute.copy(tma_atom_q, tQgQ[None, m_block, 0, coordinate], tQsQ[None, 0], tma_bar_ptr=full)
             cute.copy(tma_atom_do, tOgdO[None, m_block, 0, coordinate], tOsdO[None, 0], tma_bar_ptr=full)
             cute.copy(tma_atom_qt, tQtgQt[None, 0, m_block, coordinate], tQtsQt[None, 0], tma_bar_ptr=full)
             cute.copy(tma_atom_dot, tOtgdOt[None, 0, m_block, coordinate], tOtsdOt[None, 0], tma_bar_ptr=full)
-        self.section("load", "epilogue")
-        self.wait(barriers, "q_empty", m_count * self.options.group)
+        self.protocol.end("load", "blocks")
+        self.drain("load", barriers, "load_q", m_count * self.options.group)
+        self.protocol.finish("load")
 
     @cute.jit
     def query_block(self, it, walk):
@@ -553,25 +564,28 @@ class Sm100BackwardKernel:
         for accumulator, columns in ((tStS, self.tmem_dp - self.tmem_s), (tQtdQ, self.tmem_dv - self.tmem_dq),
                                      (tVtdV, self.tmem_dk - self.tmem_dv)):
             assert tcgen05.find_tmem_tensor_col_offset(accumulator) <= columns, (accumulator, columns)
-        self.section("mma", "prologue")
-        self.wait(barriers, "kv_full", 0)
-        self.section("mma", "block")
+        self.protocol.begin("mma")
+        self.wait("mma", barriers, "kv_full", "kv_phase", None)
+        self.protocol.loop("mma", "blocks")
         for it in cutlass.range(m_count * self.options.group, unroll=1):
-            self.wait(barriers, "q_full", it)
+            self.consumer_wait("mma", barriers, "load_q", it)
             self.gemm(s_mma, tStS, tSrK, tSrQ, False)
-            self.commit_to_pair(barriers, "s_full")
+            self.commit_to_pair("mma", barriers, "s_full")
             # dP^T overwrites the previous block's dQ: the dQ warps of both CTAs must have read it.
-            self.wait(barriers, "dq_empty", it)
+            self.wait("mma", barriers, "dq_empty", "dq_empty_phase", it)
             self.gemm(s_mma, tStdP, tSrV, tSrdO, False)
-            self.commit_to_pair(barriers, "dp_full")
-            self.wait(barriers, "ds_ready", it)
+            self.commit_to_pair("mma", barriers, "dp_full")
+            self.wait("mma", barriers, "ds_ready", "ds_phase", it)
             self.gemm(dkv_mma, tVtdV, tVrP, tVrdOt, it > 0)
             self.gemm(dkv_mma, tKtdK, tKrdS, tKrQt, it > 0)
             self.gemm(dq_mma, tQtdQ, tQrdS, tQrKt, False)
-            self.commit_to_pair(barriers, "dq_full")
-            self.commit_to_pair(barriers, "q_empty")
-        self.section("mma", "epilogue")
-        self.commit_to_pair(barriers, "dkv_full")
+            self.commit_to_pair("mma", barriers, "dq_full")
+            self.release("mma", barriers, "load_q", "q")
+            self.flip("mma", "dq_empty_phase")
+            self.flip("mma", "ds_phase")
+        self.protocol.end("mma", "blocks")
+        self.commit_to_pair("mma", barriers, "dkv_full")
+        self.protocol.finish("mma")
 
     # --------------------------------------------------------------------------------------------
     # Compute warpgroup: P, dS per key row; P^T, dS^T into TMEM; dS into both CTAs' dQ operands
@@ -623,7 +637,8 @@ class Sm100BackwardKernel:
         ds_row_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(ds_row.iterator, peer), ds_row.layout)
         chunk_coordinates = cute.make_identity_tensor((SLICE, 1))
 
-        self.section("compute", "block")
+        self.protocol.begin("compute")
+        self.protocol.loop("compute", "blocks")
         for it in cutlass.range(m_count * self.options.group, unroll=1):
             q_head, m_block = self.query_block(it, walk)
             row_start = m_block * ROWS
@@ -632,8 +647,8 @@ class Sm100BackwardKernel:
             row_stats[row, 0, buffer] = mLSE[batch, q_head, row_start + row]
             row_stats[row, 1, buffer] = mdPsum[batch, q_head, row_start + row]
             stats_barrier.arrive_and_wait()
-            self.wait(barriers, "s_full", it)
-            self.wait(barriers, "dp_full", it)
+            self.wait("compute", barriers, "s_full", "phase", it)
+            self.wait("compute", barriers, "dp_full", "phase", it)
             for k in cutlass.range_constexpr(ROWS // SLICE):
                 loaded_scores = cute.make_rmem_tensor(loaded_shape, Float32)
                 loaded_grads = cute.make_rmem_tensor(loaded_shape, Float32)
@@ -674,11 +689,12 @@ class Sm100BackwardKernel:
             cute.arch.fence_view_async_tmem_store()
             # The dQ MMA reads dS through the async proxy, in this CTA and the peer.
             cute.arch.fence_proxy("async.shared", space="cluster")
-            self.arrive_on_leader(barriers, "ds_ready")
-
-        self.section("compute", "epilogue")
-        self.wait(barriers, "dkv_full", 0)
+            self.arrive_on_leader("compute", barriers, "ds_ready")
+            self.flip("compute", "phase")
+        self.protocol.end("compute", "blocks")
+        self.wait("compute", barriers, "dkv_full", "dkv_phase", None)
         self.store_dkv(tiled_load, tLt, loaded_shape, m_count > 0, pair, rank, row, kv_head, batch, mdK, mdV)
+        self.protocol.finish("compute")
 
     @cute.jit
     def store_packed(self, values, tiled_store, tSt, stored_shape, column):
@@ -727,18 +743,20 @@ class Sm100BackwardKernel:
         thr_load = tiled_load.get_slice(thread)
         tLtdQ = thr_load.partition_S(tQtdQ)
         tLcdQ = thr_load.partition_D(dq_thr.partition_C(cute.make_identity_tensor(self.dq_tiler[:2])))
-        self.section("dq", "block")
+        self.protocol.begin("dq")
+        self.protocol.loop("dq", "blocks")
         for it in cutlass.range(m_count * self.options.group, unroll=1):
             q_head, m_block = self.query_block(it, walk)
-            self.wait(barriers, "dq_full", it)
+            self.wait("dq", barriers, "dq_full", "phase", it)
             values = cute.make_rmem_tensor(tLcdQ.shape, Float32)
             cute.copy(tiled_load, tLtdQ, values)
             cute.arch.fence_view_async_tmem_load()
-            self.arrive_on_leader(barriers, "dq_empty")
+            self.arrive_on_leader("dq", barriers, "dq_empty")
             flag = None
             if const_expr(self.options.deterministic):
                 turn = ordered_reduction.key_block_turn(self.mask, pair, m_block * ROWS, ROWS, PAIR_KEYS, kv_len,
                                                         offset, highest_first=True)
+                self.protocol.expect("dq", TURN_WAIT, backward_schedule.TURN_COUNTER)
                 flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), 2 * turn + rank,
                                                        cute.arch.lane_idx())
             rows = mdQacc[batch, None, q_head, None]
@@ -748,7 +766,11 @@ class Sm100BackwardKernel:
                 target = rows.iterator + cute.crd2idx((m_block * ROWS + q_row, column), rows.layout)
                 cute.arch.red(target, values[e], op="add", dtype=Float32, sem="relaxed", scope="gpu")
             if const_expr(self.options.deterministic):
+                self.protocol.expect("dq", TURN_PASS, backward_schedule.TURN_COUNTER)
                 ordered_reduction.finish_atomic_adds(flag, thread, dq_threads)
+            self.flip("dq", "phase")
+        self.protocol.end("dq", "blocks")
+        self.protocol.finish("dq")
 
 
 # ------------------------------------------------------------------------------------------------
