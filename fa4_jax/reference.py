@@ -160,27 +160,45 @@ def reference_forward(query, key, value, optional, config: AttentionConfig):
     return out.astype(query.dtype), lse
 
 
+class _SavedSoftmax:
+    """P recomputed from the forward's saved LSE, the one way both the backward and the tangent do it:
+    rows with lse = -inf (nothing visible, no sink) get P = 0 rather than exp(-inf - -inf)."""
+
+    def __init__(self, layout: _Layout, config: AttentionConfig, optional, scaled_q, lse):
+        self.layout, self.config, self.optional, self.scaled_q = layout, config, optional, scaled_q
+        self.lse = lse.reshape(layout.batch, layout.kv_heads, layout.group, layout.q_len)
+        self.finite = jnp.isfinite(self.lse)
+        self.safe = jnp.where(self.finite, self.lse, 0.0)[..., None]
+
+    def block(self, index, k_block, seg_block):
+        """(P, the softcap's tanh or None) of one key block."""
+        s, tanh = _logits(self.scaled_q, k_block, self.config)
+        visible = _block_mask(self.layout, self.config, self.optional, index, seg_block) & self.finite[..., None]
+        return jnp.where(visible, jnp.exp(s - self.safe), 0.0), tanh
+
+    def sink_probability(self):
+        """P_sink = exp(sink - lse) ([1, Hkv, G, Sq]; lse already includes the sink)."""
+        layout = self.layout
+        sink = self.optional["sinks"].astype(jnp.float32).reshape(1, layout.kv_heads, layout.group, 1)
+        return jnp.exp(sink - jnp.where(self.finite, self.lse, jnp.inf))
+
+
 def reference_backward(query, key, value, out, lse, d_out, d_lse, optional, config: AttentionConfig):
     """Gradients (dq, dk, dv, dsinks or None) from the saved out and lse; d_lse may be None."""
     layout = _Layout(query, key, value, config)
     q = layout.group_query(query.astype(jnp.float32))
     scaled_q = q * config.scale
     d_o = layout.group_query(d_out.astype(jnp.float32))
-    grouped = lambda x: x.reshape(layout.batch, layout.kv_heads, layout.group, layout.q_len)
-    lse = grouped(lse)
+    saved = _SavedSoftmax(layout, config, optional, scaled_q, lse)
     # delta_i = rowsum(dO ∘ O) − dLSE_i: the softmax Jacobian's row term (dLSE enters it directly).
     delta = jnp.einsum("bqhge->bhgq", layout.group_query(out.astype(jnp.float32)) * d_o)
     if d_lse is not None:
-        delta = delta - grouped(d_lse.astype(jnp.float32))
-    finite_lse = jnp.isfinite(lse)
-    safe_lse = jnp.where(finite_lse, lse, 0.0)[..., None]
+        delta = delta - d_lse.astype(jnp.float32).reshape(delta.shape)
     blocks = _key_scan_inputs(layout, optional, key.astype(jnp.float32), value.astype(jnp.float32))
 
     def step(d_q, block):
         index, k_block, v_block, seg_block = block
-        s, tanh = _logits(scaled_q, k_block, config)
-        visible = _block_mask(layout, config, optional, index, seg_block) & finite_lse[..., None]
-        p = jnp.where(visible, jnp.exp(s - safe_lse), 0.0)
+        p, tanh = saved.block(index, k_block, seg_block)
         d_v = _einsum("bhgqk,bqhge->bkhe", p, d_o)
         d_p = _einsum("bqhge,bkhe->bhgqk", d_o, v_block)
         d_s = p * (d_p - delta[..., None])
@@ -197,10 +215,8 @@ def reference_backward(query, key, value, out, lse, d_out, d_lse, optional, conf
 
     d_sinks = None
     if config.has_sinks:
-        sink = optional["sinks"].astype(jnp.float32).reshape(1, layout.kv_heads, layout.group, 1)
-        # lse already includes the sink, so P_sink = exp(sink − lse) and d sink = −Σ_i P_sink,i δ_i.
-        p_sink = jnp.exp(sink - jnp.where(finite_lse, lse, jnp.inf))
-        d_sinks = -(p_sink * delta).sum(axis=(0, 3)).reshape(layout.q_heads)
+        # d sink = −Σ_i P_sink,i δ_i.
+        d_sinks = -(saved.sink_probability() * delta).sum(axis=(0, 3)).reshape(layout.q_heads)
         d_sinks = d_sinks.astype(optional["sinks"].dtype)
     return (layout.ungroup_query(d_q).astype(query.dtype), unblock(d_k).astype(key.dtype),
             unblock(d_v).astype(value.dtype), d_sinks)
@@ -219,10 +235,7 @@ def reference_tangent(query, key, value, out, lse, t_query, t_key, t_value, t_si
     q = layout.group_query(query.astype(jnp.float32))
     scaled_q = q * config.scale
     t_q = layout.group_query(t_query.astype(jnp.float32))
-    grouped = lambda x: x.reshape(layout.batch, layout.kv_heads, layout.group, layout.q_len)
-    lse = grouped(lse)
-    finite_lse = jnp.isfinite(lse)
-    safe_lse = jnp.where(finite_lse, lse, 0.0)[..., None]
+    saved = _SavedSoftmax(layout, config, optional, scaled_q, lse)
     index, k_blocks, v_blocks, seg_blocks = _key_scan_inputs(
         layout, optional, key.astype(jnp.float32), value.astype(jnp.float32))
     t_k_blocks, t_v_blocks = _blocked_keys(layout, t_key.astype(jnp.float32), t_value.astype(jnp.float32))
@@ -230,9 +243,7 @@ def reference_tangent(query, key, value, out, lse, t_query, t_key, t_value, t_si
     def step(carry, block):
         t_acc, t_row = carry
         index, k_block, v_block, seg_block, t_k_block, t_v_block = block
-        s, tanh = _logits(scaled_q, k_block, config)
-        visible = _block_mask(layout, config, optional, index, seg_block) & finite_lse[..., None]
-        p = jnp.where(visible, jnp.exp(s - safe_lse), 0.0)
+        p, tanh = saved.block(index, k_block, seg_block)
         t_s = _einsum("bqhgd,bkhd->bhgqk", t_q, k_block) + _einsum("bqhgd,bkhd->bhgqk", q, t_k_block)
         t_s = t_s * config.scale
         if tanh is not None:
@@ -245,9 +256,7 @@ def reference_tangent(query, key, value, out, lse, t_query, t_key, t_value, t_si
     init = (jnp.zeros(stats_shape + (layout.v_head_dim,), jnp.float32), jnp.zeros(stats_shape, jnp.float32))
     (t_acc, t_lse), _ = _scan_blocks(step, init, (index, k_blocks, v_blocks, seg_blocks, t_k_blocks, t_v_blocks))
     if config.has_sinks:
-        sink = optional["sinks"].astype(jnp.float32).reshape(1, layout.kv_heads, layout.group, 1)
-        p_sink = jnp.exp(sink - jnp.where(finite_lse, lse, jnp.inf))
-        t_lse = t_lse + p_sink * t_sinks.astype(jnp.float32).reshape(1, layout.kv_heads, layout.group, 1)
+        t_lse = t_lse + saved.sink_probability() * t_sinks.astype(jnp.float32).reshape(1, layout.kv_heads, layout.group, 1)
     o = jnp.einsum("bqhge->bhgqe", layout.group_query(out.astype(jnp.float32)))
     t_out = t_acc - t_lse[..., None] * o
     t_out = jnp.einsum("bhgqe->bqhge", t_out).reshape(layout.batch, layout.q_len, layout.q_heads, layout.v_head_dim)
