@@ -52,7 +52,6 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.sm90 import decode
 
-decode.GPU_VERIFIED = True     # the code is compiled here whether or not it is routed to yet
 configs = json.loads(sys.argv[1])
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
 result = {}
@@ -218,7 +217,6 @@ def _problem(q_len=1, q_heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", pa
     (AttentionConfig(scale=-0.1), _problem(), "positive scale"),
 ])
 def test_unsupported(config, problem, message, monkeypatch):
-    monkeypatch.setattr(decode, "GPU_VERIFIED", True)     # the reasons behind the GPU gate
     assert message in decode.unsupported_reason(config, problem)
 
 
@@ -282,7 +280,6 @@ def test_routing(monkeypatch):
     from fa4_jax.lowering import cuda
 
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(decode, "GPU_VERIFIED", True)
     config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
     assert cuda.kernel_for_problem("decode", config, _problem()) is decode
     contiguous = host.Problem((2, 4, 32, 128), (2, 5000, 8, 128), (2, 5000, 8, 128), "bfloat16")
@@ -292,21 +289,6 @@ def test_routing(monkeypatch):
     assert cuda.decode_module_for_attention(config, long_query) is None
     monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
     assert cuda.kernel_for_problem("decode", config, _problem()) is decode
-
-
-def test_the_kernel_stays_off_until_it_passes_on_a_gpu(monkeypatch):
-    """Its first H200 run failed (misaligned address), so `decode.GPU_VERIFIED` is False: a paged call
-    names that reason (and takes the reference by default), a short-query attention keeps the forward
-    kernel."""
-    from fa4_jax.lowering import cuda
-
-    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
-    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
-    assert not decode.GPU_VERIFIED
-    with pytest.raises(NotImplementedError, match="decode kernel is off"):
-        cuda.kernel_for_problem("decode", config.replace(implementation="cute"), _problem())
-    contiguous = host.Problem((2, 4, 32, 128), (2, 5000, 8, 128), (2, 5000, 8, 128), "bfloat16")
-    assert cuda.decode_module_for_attention(config, contiguous) is None
 
 
 def test_both_entry_points_lower_to_the_decode_kernel(monkeypatch):
@@ -319,7 +301,6 @@ def test_both_entry_points_lower_to_the_decode_kernel(monkeypatch):
 
     monkeypatch.setenv("FA4_JAX_CACHE_DIR", "")
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(decode, "GPU_VERIFIED", True)
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     int32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     paged = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute")).trace(

@@ -53,12 +53,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _decode_kernel_on(monkeypatch):
-    """The kernel is off (`decode.GPU_VERIFIED`) until these tests pass on a GPU; they run it."""
-    monkeypatch.setattr(decode, "GPU_VERIFIED", True)
-
-
 def _error(actual, expected):
     return float(np.max(np.abs(oracle.to_float64(actual) - expected)) / max(np.max(np.abs(expected)), 1e-6))
 

@@ -393,10 +393,6 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
 
     `problem.key` is the logical [B, pages * page_size, Hkv, D]; `problem.page_size` is None for a
     contiguous cache (one page per sequence)."""
-    if not GPU_VERIFIED:
-        return ("the sm90 decode kernel is off: its first GPU run (H200, rev 82798e2) stopped with "
-                "CUDA_ERROR_MISALIGNED_ADDRESS; decoding takes the other kernels or the reference until it passes "
-                "tests/test_sm90_decode.py")
     reason = host.kernel_unsupported_reason("sm90 decode", config, problem, SUPPORTED_HEAD_DIMS)
     if reason is not None:
         return reason
@@ -411,11 +407,6 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
         return "the sm90 decode kernel's grid (key/value heads x row tiles, batch) exceeds CUDA's limits"
     return None
 
-
-# Whether the kernel has passed its GPU tests (tests/test_sm90_decode.py): until then unsupported_reason
-# refuses every call, so nothing routes to it; the tests that exercise the routing and lowering
-# plumbing, and the GPU tests themselves, switch it on.
-GPU_VERIFIED = False
 
 # Packed rows (q_len * group) up to which the decode kernel serves a call: beyond, the query is a
 # prefill chunk, for which the forward kernel's 128-row tiles read K/V fewer times.
