@@ -122,7 +122,7 @@ def attention(
     context_parallel_axis: Union[str, Sequence[str], None] = None,
 ):
     """Scaled dot-product attention, FlashAttention-style: fused, O(S) memory, differentiable in both
-    modes (forward mode's tangent has no kernel yet: a blocked pure-JAX pass, see the README).
+    modes (forward mode's tangent: a fused kernel on Hopper, else a blocked pure-JAX pass; see the README).
 
     Args:
       query: [batch, q_len, q_heads, head_dim]; key: [batch, kv_len, kv_heads, head_dim];

@@ -211,6 +211,39 @@ def attention_backward(query, key, value, d_out, d_lse=None, *, scale=None, caus
     }
 
 
+def attention_tangent(query, key, value, t_query, t_key, t_value, t_sinks=None, *, scale=None, causal=False,
+                      window=None, softcap=None, sinks=None, segment_ids=None, q_seq_lengths=None,
+                      kv_seq_lengths=None):
+    """Forward-mode tangents (t_out [B, Sq, Hq, Dv], t_lse [B, Hq, Sq]) of `attention_forward` in float64,
+    the JVP written out from the dense probabilities:
+      t_X_ij   = scale (t_Q_i . K_j + Q_i . t_K_j)                 (the logits' tangent before softcap)
+      t_S_ij   = t_X_ij * (1 - tanh^2(X_ij / c))                   (through the softcap)
+      t_lse_i  = sum_j P_ij t_S_ij + P_sink,i t_sink
+      t_out_i  = sum_j P_ij t_V_j + sum_j P_ij t_S_ij V_j - t_lse_i O_i
+    Rows with lse = -inf (nothing visible, no sink) have P = 0: both tangents are 0 there."""
+    masking = Masking(causal, window, segment_ids, q_seq_lengths, kv_seq_lengths)
+    state = _softmax(query, key, value, scale, softcap, sinks, masking)
+    query_64 = to_float64(query)
+    q_heads = query_64.shape[2]
+    if scale is None:
+        scale = 1.0 / np.sqrt(query_64.shape[-1])
+    t_query = to_float64(t_query)
+    t_key = _expand_kv_heads(to_float64(t_key), q_heads)
+    t_value = _expand_kv_heads(to_float64(t_value), q_heads)
+    t_logits = scale * (np.einsum("bqhd,bkhd->bhqk", t_query, state.key)
+                        + np.einsum("bqhd,bkhd->bhqk", query_64, t_key))
+    if softcap is not None:
+        t_logits = t_logits * (1.0 - np.tanh(state.raw_logits / softcap) ** 2)
+    weighted = state.probabilities * t_logits
+    t_lse = weighted.sum(axis=-1)
+    if sinks is not None:
+        t_lse = t_lse + state.sink_probability * to_float64(t_sinks)[None, :, None]
+    t_out = (np.einsum("bhqk,bkhd->bqhd", state.probabilities, t_value)
+             + np.einsum("bhqk,bkhd->bqhd", weighted, state.value)
+             - np.einsum("bhq,bqhd->bqhd", t_lse, state.out))
+    return t_out, t_lse
+
+
 def assert_close(actual, expected, tolerance, what, floor=1e-6):
     """max |actual - expected| <= tolerance * max |expected|, with infinities matched exactly."""
     actual = to_float64(actual)

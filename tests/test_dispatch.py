@@ -265,8 +265,8 @@ def test_export_for_cuda_without_a_gpu_uses_the_reference(monkeypatch):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="needs a host without a GPU")
 def test_forward_mode_tangent_on_cuda_warns_or_refuses(monkeypatch):
-    """The tangent primitive alone, lowered for CUDA: it has no kernel, so it takes the reference with the
-    usual one-time warning, and implementation="cute" names what is missing."""
+    """The tangent primitive alone, lowered for CUDA with no GPU visible: no kernel can be compiled, so
+    it takes the reference with the usual one-time warning, and implementation="cute" says why."""
     monkeypatch.setattr(cuda, "_warned", set())
     spec = jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)
@@ -275,11 +275,33 @@ def test_forward_mode_tangent_on_cuda_warns_or_refuses(monkeypatch):
         config = AttentionConfig(scale=0.125, causal=True, implementation=implementation)
         return jax.jit(lambda q, out, lse, t: attention_tangent_p.bind(q, q, q, out, lse, t, t, t, config=config))
 
-    with pytest.warns(UserWarning, match="attention tangent runs on the XLA reference path because there is no "
-                                         "CuTe kernel for the forward-mode tangent"):
+    with pytest.warns(UserWarning, match="attention tangent runs on the XLA reference path because no GPU is visible"):
         jax.export.export(tangent(None), platforms=["cuda"])(spec, spec, lse, spec)
-    with pytest.raises(NotImplementedError, match="cannot run this attention tangent pass"):
+    with pytest.raises(NotImplementedError, match="cannot run this attention tangent pass: no GPU is visible"):
         jax.export.export(tangent("cute"), platforms=["cuda"])(spec, spec, lse, spec)
+
+
+@needs_cutlass
+def test_tangent_routes_to_the_sm90_kernel_or_names_why_not(monkeypatch):
+    """The real table for the forward-mode tangent: the sm90 tangent kernel for D in {64, 128} on Hopper;
+    other head dims, float32 and Blackwell fall back naming the reason (refused under "cute")."""
+    monkeypatch.setattr(cuda, "_warned", set())
+    config = AttentionConfig(scale=0.125, causal=True, has_sinks=True, implementation="cute")
+    shapes = lambda d: [jax.ShapeDtypeStruct((1, 8, 2, d), jnp.bfloat16) for _ in range(3)]
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    for head_dim in (64, 128):
+        assert cuda.kernel_for("tangent", config, *shapes(head_dim)).__name__ == "fa4_jax.kernels.sm90.tangent"
+    with pytest.raises(NotImplementedError, match=r"tangent kernels for compute capability 9\.x take head dims "
+                                                  r"\(64, 128\), not 96"):
+        cuda.kernel_for("tangent", config, *shapes(96))
+    float32 = [aval.update(dtype=jnp.float32) for aval in shapes(64)]
+    with pytest.raises(NotImplementedError, match="takes bfloat16 or float16 inputs"):
+        cuda.kernel_for("tangent", config, *float32)
+    with pytest.warns(UserWarning, match="attention tangent runs on the XLA reference path because the tangent"):
+        assert cuda.kernel_for("tangent", config.replace(implementation=None), *shapes(96)) is None
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
+    with pytest.raises(NotImplementedError, match=r"no CuTe tangent kernel for compute capability 10\.0"):
+        cuda.kernel_for("tangent", config, *shapes(64))
 
 
 def test_cute_on_cpu_raises():

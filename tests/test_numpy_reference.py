@@ -198,3 +198,37 @@ def test_gradients_match_finite_differences(rng, options):
         np.testing.assert_allclose(grads["dsinks"], numeric, rtol=1e-6, atol=1e-7, err_msg="dsinks")
     else:
         assert grads["dsinks"] is None
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(causal=True, softcap=1.5, sinks=True),
+    dict(causal=True, window=(2, None), softcap=0.7, sinks=True, segments=True, lengths=True),
+], ids=["plain", "causal-softcap-sinks", "everything"])
+def test_tangent_matches_a_directional_finite_difference(rng, options):
+    """attention_tangent is the derivative of attention_forward along (t_q, t_k, t_v, t_sinks)."""
+    options = dict(options)
+    query, key, value = _inputs(rng, batch=2, q_len=4, kv_len=5, q_heads=4, kv_heads=2, head_dim=3,
+                                value_dim=2)
+    sinks = rng.standard_normal(4) if options.pop("sinks", False) else None
+    if options.pop("segments", False):
+        options["segment_ids"] = (np.array([[0, 0, 1, 1], [0, 1, 1, 1]]),
+                                  np.array([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]))
+    if options.pop("lengths", False):
+        options["q_seq_lengths"] = np.array([4, 3])
+        options["kv_seq_lengths"] = np.array([5, 4])
+    primals = [query, key, value] + ([sinks] if sinks is not None else [])
+    tangents = [rng.standard_normal(x.shape) for x in primals]
+
+    def forward(step):
+        moved = [x + step * t for x, t in zip(primals, tangents)]
+        return oracle.attention_forward(*moved[:3], sinks=moved[3] if sinks is not None else None, **options)
+
+    step = 1e-6
+    (out_plus, lse_plus), (out_minus, lse_minus) = forward(step), forward(-step)
+    t_out, t_lse = oracle.attention_tangent(*primals[:3], *tangents[:3], tangents[3] if sinks is not None else None,
+                                            sinks=sinks, **options)
+    np.testing.assert_allclose(t_out, (out_plus - out_minus) / (2 * step), rtol=1e-6, atol=1e-7)
+    finite = np.isfinite(lse_plus)
+    np.testing.assert_allclose(t_lse[finite], ((lse_plus - lse_minus) / (2 * step))[finite], rtol=1e-6, atol=1e-7)
+    assert np.all(t_lse[~finite] == 0)

@@ -204,6 +204,61 @@ def forward_fake_arguments(config, shape, dtype_name: str) -> list:
     ]
 
 
+# The tangent kernel's operands after (query, key, value, out, LSE_log2, t_query, t_key, t_value): the
+# sinks and their tangents, then the mask operands, in its launcher's order.
+TANGENT_OPTIONAL = ("sinks", "t_sinks", "q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths",
+                    "q_start")
+
+
+def launch_tangent(kernel, options, query, key, value, out, lse, t_query, t_key, t_value, t_sinks,
+                   optional: dict):
+    """Run a tangent kernel through `cutlass_call`: (t_out [B, Sq, Hq, Dv] in the query dtype, t_lse
+    [B, Hq, Sq] float32). The kernel reads the LSE in the exp2 domain padded to whole query tiles
+    (`padded_lse_log2`); the tangents are cast to the primals' type (the tensor cores take one type).
+    (kernel name, options) is the compile key."""
+    from cutlass.jax import cutlass_call
+
+    from fa4_jax.kernels import compile_cache
+
+    batch, q_len, q_heads, _ = query.shape
+    outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
+               jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
+    extra = dict(optional)
+    if t_sinks is not None:
+        extra["sinks"] = optional["sinks"].astype(jnp.float32)
+        extra["t_sinks"] = t_sinks.astype(jnp.float32)
+    arguments = (query, key, value, out.astype(query.dtype), padded_lse_log2(lse, options.tile_m),
+                 t_query.astype(query.dtype), t_key.astype(key.dtype), t_value.astype(value.dtype))
+    arguments += tuple(extra.get(name) for name in TANGENT_OPTIONAL)
+    compile_key = (str(kernel), options)
+    compile_cache.prepare(kernel, arguments, outputs, compile_key)
+    t_out, t_lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
+    return t_out, t_lse
+
+
+def tangent_fake_arguments(config, shape, dtype_name: str, tile_m: int) -> list:
+    """Fake tensors in a tangent kernel's argument order (inputs as in `launch_tangent`, then t_out and
+    t_lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    import cutlass
+
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    element = cutlass_dtype(dtype_name)
+    f32 = cutlass.Float32
+    query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
+               "q_seq_lengths": config.has_q_seq_lengths, "kv_seq_lengths": config.has_kv_seq_lengths,
+               "q_start": config.has_q_start}
+    sinks = [fake_tensor(f32, (q_heads,)) if config.has_sinks else None for _ in range(2)]
+    return [
+        fake_tensor(element, query_shape), fake_tensor(element, key_shape), fake_tensor(element, key_shape),
+        fake_tensor(element, query_shape), fake_tensor(f32, (batch, q_heads, backward_padded_rows(q_len, tile_m))),
+        fake_tensor(element, query_shape), fake_tensor(element, key_shape), fake_tensor(element, key_shape),
+        *sinks,
+        *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in TANGENT_OPTIONAL[2:]),
+        fake_tensor(element, query_shape), fake_tensor(f32, (batch, q_heads, q_len)),
+    ]
+
+
 def launch_backward(kernel, options, inputs, key, value, dtype, dkv_accumulators: bool = False):
     """Run a backward kernel through `cutlass_call`: (fp32 dQ accumulator, dK, dV).
 
@@ -261,10 +316,17 @@ def backward_preprocess(out, lse, d_out, d_lse, tile_m):
     dpsum = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         dpsum = dpsum - d_lse.astype(jnp.float32)
-    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2_E).astype(jnp.float32)
     dpsum = jnp.pad(dpsum, [(0, 0), (0, 0), (0, pad)])
-    lse_log2 = jnp.pad(lse_log2, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
-    return dpsum, lse_log2
+    return dpsum, padded_lse_log2(lse, tile_m)
+
+
+def padded_lse_log2(lse, tile_m):
+    """The LSE in the exp2 domain [B, Hq, S_pad], +inf where no key is visible (so that P = 0 there)
+    and on the padding rows up to whole query blocks of `tile_m`: what kernels recomputing P read."""
+    q_len = lse.shape[-1]
+    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2_E).astype(jnp.float32)
+    pad = backward_padded_rows(q_len, tile_m) - q_len
+    return jnp.pad(lse_log2, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
 
 
 def sinks_gradient(sinks, lse, dpsum_unpadded):

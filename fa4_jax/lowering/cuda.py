@@ -26,13 +26,13 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.lowering import head_padding, reference
 from fa4_jax.primitive import (attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_inner_p,
-                               split_backward_operands)
+                               split_backward_operands, split_tangent_operands)
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """One row of the routing table: the kernel module that runs `pass_` ("forward" / "backward") for
-    head dims `head_dims` on GPUs of compute capability `capability`.x. The module answers the rest
+    """One row of the routing table: the kernel module that runs `pass_` ("forward", "backward",
+    "tangent", "decode") for head dims `head_dims` on GPUs of compute capability `capability`.x. The module answers the rest
     (dtypes, features, grid limits) through its `unsupported_reason(config, problem)`. Its kernels
     take the value head dim equal to the head dim; other calls reach them zero-padded."""
 
@@ -51,6 +51,8 @@ ROUTES = (
     Route(9, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm90.forward"),
     Route(9, "backward", (64, 96, 128), "fa4_jax.kernels.sm90.backward"),
     Route(9, "backward", (192, 256), "fa4_jax.kernels.sm90.backward_large_heads"),
+    # Forward-mode AD's tangent (jax.jvp / linearize / jacfwd), from the forward's saved O and LSE.
+    Route(9, "tangent", (64, 128), "fa4_jax.kernels.sm90.tangent"),
     Route(10, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm100.forward"),
     Route(10, "backward", (64, 96, 128), "fa4_jax.kernels.sm100.backward"),
     # Paged / short-query decode: mma.sync + cp.async only, the same code on sm_90 and sm_100.
@@ -205,20 +207,21 @@ mlir.register_lowering(attention_fwd_inner_p, _forward_rule, platform="cuda")
 mlir.register_lowering(attention_bwd_inner_p, _backward_rule, platform="cuda")
 
 
-_NO_TANGENT_KERNEL = ("there is no CuTe kernel for the forward-mode tangent (jax.jvp / linearize / jacfwd) yet; "
-                      "the reference computes it blockwise (memory linear in the sequence length)")
-
-
 def _tangent_rule(ctx, *operands, config: AttentionConfig):
-    """The forward-mode tangent: the reference, after the usual warning (or refusal under "cute")."""
-    if config.implementation == "cute":
-        raise NotImplementedError(f"implementation='cute' cannot run this attention tangent pass: {_NO_TANGENT_KERNEL}. "
-                                  "Use implementation=None to run it on the reference path.")
-    if config.implementation is None and _NO_TANGENT_KERNEL not in _warned:
-        _warned.add(_NO_TANGENT_KERNEL)
-        warnings.warn(f"fa4_jax: attention tangent runs on the XLA reference path because {_NO_TANGENT_KERNEL}.",
-                      stacklevel=2)
-    return mlir.lower_fun(reference.tangent, multiple_results=True)(ctx, *operands, config=config)
+    """The forward-mode tangent: the sm90 tangent kernel where it takes the call, else the blocked
+    reference (after the usual warning, or the refusal under "cute")."""
+    query, key, value, *_ = ctx.avals_in
+    problem = host.Problem.of(query, key, value)
+    chosen = choose_kernel("tangent", config, problem)
+    if chosen is None:
+        return mlir.lower_fun(reference.tangent, multiple_results=True)(ctx, *operands, config=config)
+    module, _ = chosen
+    kernel_options = module.options(config, problem)
+
+    def kernel(*arrays, config):
+        (q, k, v, out, lse), (t_q, t_k, t_v, t_sinks), optional = split_tangent_operands(config, arrays)
+        return module.run(kernel_options, q, k, v, out, lse, t_q, t_k, t_v, t_sinks, optional)
+    return mlir.lower_fun(kernel, multiple_results=True)(ctx, *operands, config=config)
 
 
 mlir.register_lowering(attention_tangent_inner_p, _tangent_rule, platform="cuda")

@@ -1,6 +1,6 @@
 """Lowering of the inner primitives to the pure-JAX reference: the rule for every platform without a
-kernel (CPU, TPU, ...), and the path the CUDA rule falls back to. The forward-mode tangent has no
-kernel on any platform yet: its inner primitive lowers to `reference_tangent` everywhere."""
+kernel (CPU, TPU, ...), and the path the CUDA rule falls back to (the forward-mode tangent's kernel
+is sm90 only: elsewhere its inner primitive lowers to `reference_tangent`)."""
 
 from __future__ import annotations
 
