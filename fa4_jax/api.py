@@ -60,6 +60,33 @@ def _window(window, q_len: int, kv_len: int) -> tuple[Optional[int], Optional[in
     return tuple(sides)
 
 
+def scale_and_softcap(scale, softcap, head_dim: int) -> tuple[float, Optional[float]]:
+    """The checked static scale (default 1/sqrt(head_dim)) and softcap (or None)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, (jax.core.Tracer, jax.Array, np.ndarray)):
+        scale = static_number("scale", scale)
+    if isinstance(softcap, (jax.core.Tracer, jax.Array, np.ndarray)):
+        softcap = static_number("softcap", softcap)
+    # A number that float32 rounds to inf (or a softcap it rounds to 0) would give NaN logits.
+    if not isinstance(scale, numbers.Real) or not abs(scale) <= _FLOAT32_MAX:
+        raise ValueError(f"scale must be a finite Python number within float32's range (|scale| <= "
+                         f"{_FLOAT32_MAX:.4g}); got {scale!r}.")
+    if softcap is not None and (not isinstance(softcap, numbers.Real)
+                                or not _FLOAT32_SMALLEST_NORMAL <= softcap <= _FLOAT32_MAX):
+        raise ValueError(f"softcap must be a positive number within float32's range ({_FLOAT32_SMALLEST_NORMAL:.4g} "
+                         f"to {_FLOAT32_MAX:.4g}) or None (no capping); got {softcap!r}.")
+    return scale, softcap
+
+
+def sinks_operand(sinks) -> Array:
+    """Sinks as float32, or TypeError for a non-float array."""
+    sinks = jnp.asarray(sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must be a float array [q_heads] (float32); got {sinks.dtype}.")
+    return sinks.astype(jnp.float32)
+
+
 def _integer_operand(name: str, value, clip_to: Optional[int] = None) -> Array:
     """`value` as int32; lengths (`clip_to` = the axis) are clipped to [0, axis] before narrowing, so
     that a wide length past int32 still means the whole axis rather than wrapping."""
@@ -171,21 +198,7 @@ def attention(
                          "and head dims select the compiled kernel and the mask, so export one function per "
                          "value of each; pad sequences to a few fixed lengths and pass q_seq_lengths / "
                          "kv_seq_lengths.")
-    head_dim = query.shape[-1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, (jax.core.Tracer, jax.Array, np.ndarray)):
-        scale = static_number("scale", scale)
-    if isinstance(softcap, (jax.core.Tracer, jax.Array, np.ndarray)):
-        softcap = static_number("softcap", softcap)
-    # A number that float32 rounds to inf (or a softcap it rounds to 0) would give NaN logits.
-    if not isinstance(scale, numbers.Real) or not abs(scale) <= _FLOAT32_MAX:
-        raise ValueError(f"scale must be a finite Python number within float32's range (|scale| <= "
-                         f"{_FLOAT32_MAX:.4g}); got {scale!r}.")
-    if softcap is not None and (not isinstance(softcap, numbers.Real)
-                                or not _FLOAT32_SMALLEST_NORMAL <= softcap <= _FLOAT32_MAX):
-        raise ValueError(f"softcap must be a positive number within float32's range ({_FLOAT32_SMALLEST_NORMAL:.4g} "
-                         f"to {_FLOAT32_MAX:.4g}) or None (no capping); got {softcap!r}.")
+    scale, softcap = scale_and_softcap(scale, softcap, query.shape[-1])
     if context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
         raise ValueError(f"context_parallel must be one of {CONTEXT_PARALLEL_STRATEGIES}; got {context_parallel!r}.")
     if isinstance(context_parallel_axis, str):
@@ -209,10 +222,7 @@ def attention(
 
     optional = {}
     if sinks is not None:
-        sinks = jnp.asarray(sinks)
-        if not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise TypeError(f"sinks must be a float array [q_heads] (float32); got {sinks.dtype}.")
-        optional["sinks"] = sinks.astype(jnp.float32)
+        optional["sinks"] = sinks_operand(sinks)
     if segment_ids is not None:
         optional["q_segment_ids"], optional["kv_segment_ids"] = _segment_operands(
             segment_ids, query.shape[1], key.shape[1])

@@ -19,6 +19,8 @@ OPTIONAL_OPERANDS = (
     "kv_seq_lengths",   # int32 [B]                          has_kv_seq_lengths
     "q_start",          # int32 [1], global row of local row 0 (Q sharded on sequence)   has_q_start
     "kv_start",         # int32 [1], global key of local key 0 (a ring step's K/V chunk)  has_kv_start
+    "cu_seqlens_q",     # int32 [N+1], packed query offsets (batch 1 holds N sequences)   has_cu_seqlens
+    "cu_seqlens_k",     # int32 [N+1], packed key offsets                                has_cu_seqlens
 )
 
 SUPPORTED_HEAD_DIM_MAX = 256
@@ -55,6 +57,9 @@ class AttentionConfig:
     # Context parallelism (the sequence split over devices): the strategy (None: by the cost model),
     # the dual-chunk order of the sequence axis (zigzag_shards), and inside shard_map the mesh axes that
     # split the sequence. The per-shard calls that reach a kernel never carry these.
+    # Packed variable-length sequences (`fa4_jax.attention_varlen`): the batch axis is 1 and the
+    # operands cu_seqlens_q / cu_seqlens_k cut its tokens into N sequences, each aligned on its own.
+    has_cu_seqlens: bool = False
     context_parallel: Optional[str] = None
     zigzag_shards: Optional[int] = None
     context_parallel_axis: Optional[tuple[str, ...]] = None
@@ -68,7 +73,8 @@ class AttentionConfig:
     @property
     def needs_positions(self) -> bool:
         """Whether the mask depends on absolute row positions (matters when Q is split on sequence)."""
-        return (self.causal or self.has_window or self.has_q_seq_lengths or self.has_kv_seq_lengths)
+        return (self.causal or self.has_window or self.has_q_seq_lengths or self.has_kv_seq_lengths
+                or self.has_cu_seqlens)
 
     def present_operands(self) -> tuple[str, ...]:
         flags = {
@@ -79,6 +85,8 @@ class AttentionConfig:
             "kv_seq_lengths": self.has_kv_seq_lengths,
             "q_start": self.has_q_start,
             "kv_start": self.has_kv_start,
+            "cu_seqlens_q": self.has_cu_seqlens,
+            "cu_seqlens_k": self.has_cu_seqlens,
         }
         return tuple(name for name in OPTIONAL_OPERANDS if flags[name])
 

@@ -272,6 +272,11 @@ def _batcher(primitive, batch_rule, split_function):
     there, under a vmap of that name and size, so that its collectives move data between the vmapped
     shards (each piece's outer primitive then batches by `batch_rule`)."""
     def rule(axis_data, operands, batch_dims, **params):
+        if params["config"].has_cu_seqlens and any(d is not _NOT_MAPPED for d in batch_dims):
+            raise ValueError(
+                "fa4_jax.attention_varlen cannot be vmapped (nor used under jax.jacrev / jax.jacobian, which "
+                "vmap it): its batch is already the packing. Concatenate the batches' tokens into one packing "
+                "and offset their cu_seqlens instead, or call fa4_jax.attention with batched arrays.")
         axes = params["config"].context_parallel_axis
         if axes and axis_data.name in axes:
             results = jax.vmap(functools.partial(split_function, **params), in_axes=(list(batch_dims),),

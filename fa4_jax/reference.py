@@ -86,9 +86,35 @@ def _scan_blocks(step, init, blocks):
     return carry, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
 
 
+def _sequence_of(cu_seqlens, positions, outside: int):
+    """The packed sequence index of each token position; `outside` for a position before cu_seqlens[0]
+    or at / past cu_seqlens[-1] (only malformed offsets leave such tokens: they see nothing and are
+    seen by no row, since the query and key sentinels differ). An empty sequence b has
+    cu[b] == cu[b + 1] and owns no position, which searchsorted's right side gives for free."""
+    index = jnp.searchsorted(cu_seqlens, positions, side="right").astype(jnp.int32) - 1
+    inside = (positions >= cu_seqlens[0]) & (positions < cu_seqlens[-1])
+    return jnp.where(inside, index, outside)
+
+
+def _packed_visibility(layout: _Layout, optional, rows, keys):
+    """(visible, diagonal) [1, Sq, blk] / [1, Sq, 1] for packed sequences: a row sees only its own
+    sequence's keys, and row t of sequence b sits at key position t + (cu_k[b+1] - cu_q[b+1]), which is
+    its local row plus that sequence's len_k - len_q (bottom-right alignment per sequence)."""
+    cu_q, cu_k = optional["cu_seqlens_q"], optional["cu_seqlens_k"]
+    q_sequence = _sequence_of(cu_q, rows, outside=-1)
+    k_sequence = _sequence_of(cu_k, keys, outside=-2)
+    shift = (cu_k[1:] - cu_q[1:])[jnp.clip(q_sequence, 0, cu_q.shape[0] - 2)]
+    visible = (q_sequence == k_sequence) & (keys < layout.kv_len)
+    return visible, rows + shift
+
+
 def _block_mask(layout: _Layout, config: AttentionConfig, optional, block_index, kv_segment_block):
     """Boolean [B, 1, 1, Sq, blk]: may query row i attend to key j of this key block?"""
     local_keys = (block_index * layout.block + jnp.arange(layout.block, dtype=jnp.int32))[None, None, :]
+    if "cu_seqlens_q" in optional:
+        rows = jnp.arange(layout.q_len, dtype=jnp.int32)[None, :, None]
+        visible, diagonal = _packed_visibility(layout, optional, rows, local_keys)
+        return _positional_mask(config, visible, local_keys, diagonal)[:, None, None, :, :]
     keys = local_keys
     if "kv_start" in optional:
         keys = keys + optional["kv_start"].reshape(()).astype(jnp.int32)
@@ -105,15 +131,21 @@ def _block_mask(layout: _Layout, config: AttentionConfig, optional, block_index,
     if "q_seq_lengths" in optional:
         visible &= rows < q_valid
     diagonal = rows + (kv_valid - q_valid)  # the key position each query row is aligned with
+    visible = _positional_mask(config, visible, keys, diagonal)
+    if kv_segment_block is not None:
+        visible &= optional["q_segment_ids"][:, :, None] == kv_segment_block[:, None, :]
+    return visible[:, None, None, :, :]
+
+
+def _positional_mask(config: AttentionConfig, visible, keys, diagonal):
+    """`visible` narrowed by causal and the window around each row's diagonal key position."""
     if config.causal:
         visible &= keys <= diagonal
     if config.window_left is not None:
         visible &= keys >= diagonal - config.window_left
     if config.window_right is not None:
         visible &= keys <= diagonal + config.window_right
-    if kv_segment_block is not None:
-        visible &= optional["q_segment_ids"][:, :, None] == kv_segment_block[:, None, :]
-    return visible[:, None, None, :, :]
+    return visible
 
 
 def reference_forward(query, key, value, optional, config: AttentionConfig):

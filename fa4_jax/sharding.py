@@ -62,6 +62,10 @@ class _Plan:
         # quietly computing every row on every shard.
         if batch % self.size(self.batch):
             self.batch = ()
+        # Packed sequences: one batch element, and rows of a sequence split across shards would need
+        # their sequence's offsets on every shard; the packed axis stays whole (heads still split).
+        if config.has_cu_seqlens:
+            self.batch = self.seq = ()
         if self.q_len % self.size(self.seq):
             if config.context_parallel is not None:
                 context_parallel.pieces(self.q_len, self.size(self.seq), None, "query")  # raises
@@ -98,7 +102,7 @@ class _Plan:
             "lse": (b, h, s), "d_lse": (b, h, s),
             "key": (b, t, g, None), "value": (b, t, g, None),
             "sinks": (h,), "q_segment_ids": (b, s), "kv_segment_ids": (b, t),
-            "q_seq_lengths": (b,), "kv_seq_lengths": (b,),
+            "q_seq_lengths": (b,), "kv_seq_lengths": (b,), "cu_seqlens_q": (None,), "cu_seqlens_k": (None,),
             "t_query": (b, s, h, None), "t_key": (b, t, g, None), "t_value": (b, t, g, None), "t_sinks": (h,),
         }
         return NamedSharding(self.mesh, PartitionSpec(*specs[name]))
@@ -148,7 +152,8 @@ def _forward_partition(config, mesh, arg_infos, result_infos):
 
 _FACTORS = {"query": "b s h d", "out": "b s h e", "d_out": "b s h e", "lse": "b h s", "d_lse": "b h s",
             "key": "b t g d", "value": "b t g e", "sinks": "h", "q_segment_ids": "b s",
-            "kv_segment_ids": "b t", "q_seq_lengths": "b", "kv_seq_lengths": "b",
+            "kv_segment_ids": "b t", "q_seq_lengths": "b", "kv_seq_lengths": "b", "cu_seqlens_q": "n",
+            "cu_seqlens_k": "n",
             "t_query": "b s h d", "t_key": "b t g d", "t_value": "b t g e", "t_sinks": "h"}
 
 

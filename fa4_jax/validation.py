@@ -67,6 +67,14 @@ def validate_operands(config: AttentionConfig, query, key, value, optional: dict
         "q_start": ((1,), "int32", "the global row of the first local query row"),
         "kv_start": ((1,), "int32", "the global key of the first local key"),
     }
+    if config.has_cu_seqlens:
+        num_offsets = optional["cu_seqlens_q"].shape[0] if optional["cu_seqlens_q"].ndim == 1 else -1
+        expected["cu_seqlens_q"] = ((num_offsets,), "int32", "the packed query offsets [N+1]")
+        expected["cu_seqlens_k"] = ((num_offsets,), "int32", "the packed key offsets [N+1], as many as cu_seqlens_q")
+        if batch != 1 or num_offsets < 2:
+            raise ValueError(f"packed variable-length attention takes one packed batch (batch 1) and at least one "
+                             f"sequence (cu_seqlens of length N+1 >= 2); got batch {batch} and cu_seqlens_q "
+                             f"{tuple(optional['cu_seqlens_q'].shape)}.")
     for name, array in optional.items():
         shape, dtype_name, meaning = expected[name]
         if tuple(array.shape) != shape:

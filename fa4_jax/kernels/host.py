@@ -104,11 +104,23 @@ def grid_unsupported_reason(kernel_name: str, problem: Problem) -> Optional[str]
     return None
 
 
-def kernel_unsupported_reason(kernel_name: str, config, problem: Problem, head_dims) -> Optional[str]:
-    """The checks every kernel's `unsupported_reason` starts with: dtypes and shapes, then the scale."""
+def kernel_unsupported_reason(kernel_name: str, config, problem: Problem, head_dims,
+                              takes_packed: bool = False) -> Optional[str]:
+    """The checks every kernel's `unsupported_reason` starts with: dtypes and shapes, then the scale;
+    `takes_packed`: the kernel schedules packed variable-length sequences (cu_seqlens)."""
     return (shape_unsupported_reason(kernel_name, problem, head_dims)
             or scale_unsupported_reason(kernel_name, config)
-            or key_offset_unsupported_reason(kernel_name, config))
+            or key_offset_unsupported_reason(kernel_name, config)
+            or (None if takes_packed else packed_unsupported_reason(kernel_name, config)))
+
+
+def packed_unsupported_reason(kernel_name: str, config) -> Optional[str]:
+    """A kernel without a scheduler over (sequence, block) pairs would read the packed batch as one
+    sequence: every row would see every key."""
+    if config.has_cu_seqlens:
+        return (f"{kernel_name} has no scheduler for packed variable-length sequences (attention_varlen's "
+                "cu_seqlens)")
+    return None
 
 
 def q_start_unsupported_reason(kernel_name: str, config) -> Optional[str]:
