@@ -117,38 +117,10 @@ class _Plan:
         return bool(self.seq) or config.zigzag_shards is not None
 
 
-def _forward_names(config):
-    return ("query", "key", "value") + config.present_operands()
-
-
-# ---------------------------------------------------------------------------------------------- forward
-
+# Shared by the three passes below: the one-shard split a zigzag order runs on (its rows must be
+# reordered, so the context-parallel code runs even unsharded), and each operand's Shardy factors.
 _UNSPLIT = dict(axes=(), num_shards=1, strategy="all_gather", kv_whole=True,
                 forward_p=attention_fwd_inner_p, backward_p=attention_bwd_inner_p, tangent_p=attention_tangent_inner_p)
-
-
-def _forward_shard(config, *operands):
-    if config.zigzag_shards is not None:
-        return tuple(context_parallel.forward(config, operands, context_parallel.SequenceSplit(**_UNSPLIT)))
-    return tuple(attention_fwd_inner_p.bind(*operands, config=config))
-
-
-def _forward_infer(config, mesh, arg_infos, result_infos):
-    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
-    return plan.spec("out"), plan.spec("lse")
-
-
-def _forward_partition(config, mesh, arg_infos, result_infos):
-    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
-
-    def lower(*operands):
-        if plan.splits_sequence(config):
-            return tuple(context_parallel.forward(config, operands, plan.split()))
-        return tuple(attention_fwd_inner_p.bind(*operands, config=config))
-
-    arg_shardings = tuple(plan.spec(n) for n in _forward_names(config))
-    return mesh, lower, (plan.spec("out"), plan.spec("lse")), arg_shardings
-
 
 _FACTORS = {"query": "b s h d", "out": "b s h e", "d_out": "b s h e", "lse": "b h s", "d_lse": "b h s",
             "key": "b t g d", "value": "b t g e", "sinks": "h", "q_segment_ids": "b s",
@@ -157,14 +129,58 @@ _FACTORS = {"query": "b s h d", "out": "b s h e", "d_out": "b s h e", "lse": "b 
             "t_query": "b s h d", "t_key": "b t g d", "t_value": "b t g e", "t_sinks": "h"}
 
 
-def _forward_rule(config, mesh, operand_types, result_types):
-    inputs = ", ".join(_FACTORS[n] for n in _forward_names(config))
-    return f"{inputs} -> {_FACTORS['out']}, {_FACTORS['lse']}"
+def _forward_names(config):
+    return ("query", "key", "value") + config.present_operands()
 
 
-forward_sharded = custom_partitioning(_forward_shard, static_argnums=(0,))
-forward_sharded.def_partition(partition=_forward_partition, infer_sharding_from_operands=_forward_infer,
-                              sharding_rule=_forward_rule)
+# ---------------------------------------------------------------------------------- forward and tangent
+
+def _row_sharded(inner_p, sequence_split, operand_names):
+    """The custom_partitioning of a pass whose results are (out, lse)-shaped rows sharded like the query:
+    the forward, and the forward-mode tangent (the tangent of out and lse). Every row is its own
+    shard's, so, unlike the backward, nothing sums over shards.
+
+    inner_p: the single-device primitive; sequence_split(config, operands, split): the
+    context-parallel (or zigzag) computation; operand_names(config): the operands, in order."""
+
+    def run(config, operands, split):
+        if split is None:
+            return tuple(inner_p.bind(*operands, config=config))
+        return tuple(sequence_split(config, operands, split))
+
+    def shard(config, *operands):
+        unsplit = context_parallel.SequenceSplit(**_UNSPLIT) if config.zigzag_shards is not None else None
+        return run(config, operands, unsplit)
+
+    def infer(config, mesh, arg_infos, result_infos):
+        plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
+        return plan.spec("out"), plan.spec("lse")
+
+    def partition(config, mesh, arg_infos, result_infos):
+        plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
+        split = plan.split() if plan.splits_sequence(config) else None
+
+        def lower(*operands):
+            return run(config, operands, split)
+
+        arg_shardings = tuple(plan.spec(n) for n in operand_names(config))
+        return mesh, lower, (plan.spec("out"), plan.spec("lse")), arg_shardings
+
+    def rule(config, mesh, operand_types, result_types):
+        inputs = ", ".join(_FACTORS[n] for n in operand_names(config))
+        return f"{inputs} -> {_FACTORS['out']}, {_FACTORS['lse']}"
+
+    sharded = custom_partitioning(shard, static_argnums=(0,))
+    sharded.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+    return sharded
+
+
+def _tangent_split(config, operands, split):
+    return context_parallel.tangent(config, operands, split, split_tangent_operands)
+
+
+forward_sharded = _row_sharded(attention_fwd_inner_p, context_parallel.forward, _forward_names)
+tangent_sharded = _row_sharded(attention_tangent_inner_p, _tangent_split, tangent_operand_names)
 
 
 # --------------------------------------------------------------------------------------------- backward
@@ -219,43 +235,6 @@ def _backward_rule(config, has_d_lse, mesh, operand_types, result_types):
 backward_sharded = custom_partitioning(_backward_shard, static_argnums=(0, 1))
 backward_sharded.def_partition(partition=_backward_partition, infer_sharding_from_operands=_backward_infer,
                                sharding_rule=_backward_rule)
-
-
-# ---------------------------------------------------------------------------------------------- tangent
-
-def _tangent_shard(config, *operands):
-    if config.zigzag_shards is not None:
-        return tuple(context_parallel.tangent(config, operands, context_parallel.SequenceSplit(**_UNSPLIT),
-                                              split_tangent_operands))
-    return tuple(attention_tangent_inner_p.bind(*operands, config=config))
-
-
-def _tangent_infer(config, mesh, arg_infos, result_infos):
-    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
-    return plan.spec("out"), plan.spec("lse")
-
-
-def _tangent_partition(config, mesh, arg_infos, result_infos):
-    plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
-
-    def lower(*operands):
-        # Every row's tangent is its own shard's: no sum over shards, unlike the backward.
-        if plan.splits_sequence(config):
-            return tuple(context_parallel.tangent(config, operands, plan.split(), split_tangent_operands))
-        return tuple(attention_tangent_inner_p.bind(*operands, config=config))
-
-    arg_shardings = tuple(plan.spec(n) for n in tangent_operand_names(config))
-    return mesh, lower, (plan.spec("out"), plan.spec("lse")), arg_shardings
-
-
-def _tangent_rule(config, mesh, operand_types, result_types):
-    inputs = ", ".join(_FACTORS[n] for n in tangent_operand_names(config))
-    return f"{inputs} -> {_FACTORS['out']}, {_FACTORS['lse']}"
-
-
-tangent_sharded = custom_partitioning(_tangent_shard, static_argnums=(0,))
-tangent_sharded.def_partition(partition=_tangent_partition, infer_sharding_from_operands=_tangent_infer,
-                              sharding_rule=_tangent_rule)
 
 
 # ------------------------------------------------------------------------------------------- lowering
