@@ -125,10 +125,11 @@ def _jitted_bind(primitive, params: tuple):
     return jax.jit(functools.partial(primitive.bind, **dict(params)))
 
 
-def _eager(primitive):
-    """Eager calls run the primitive under jit (there is no op-by-op implementation), one jitted
-    function per parameter set so that repeated calls reuse the compiled computation. That holds under
-    jax.disable_jit() too, where the jitted function would otherwise call this again, forever."""
+def eager_impl(primitive):
+    """The impl rule of a primitive without an op-by-op implementation (ours, and fa4_jax.paged's):
+    eager calls run it under jit, one jitted function per parameter set so that repeated calls reuse
+    the compiled computation. That holds under jax.disable_jit() too, where the jitted function would
+    otherwise call this again, forever."""
     def impl(*operands, **params):
         with jax.disable_jit(False):
             return _jitted_bind(primitive, tuple(sorted(params.items())))(*operands)
@@ -136,7 +137,7 @@ def _eager(primitive):
 
 
 for _p in _ALL:
-    _p.def_impl(_eager(_p))
+    _p.def_impl(eager_impl(_p))
 
 
 # ---------------------------------------------------------------------------------------------- batching
