@@ -27,6 +27,7 @@ from fa4_jax.api import _FLOAT32_MAX, _FLOAT32_SMALLEST_NORMAL, _window
 from fa4_jax.config import IMPLEMENTATIONS, SUPPORTED_HEAD_DIM_MAX, AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.lowering import cuda as cuda_lowering
+from fa4_jax.primitive import eager_impl
 from fa4_jax.reference import reference_forward
 
 Array = jax.Array
@@ -181,12 +182,7 @@ def _abstract_eval(*operands, config: AttentionConfig):
 paged_attention_p.def_abstract_eval(_abstract_eval)
 
 
-def _eager(*operands, config):
-    with jax.disable_jit(False):
-        return jax.jit(lambda *xs: paged_attention_p.bind(*xs, config=config))(*operands)
-
-
-paged_attention_p.def_impl(_eager)
+paged_attention_p.def_impl(eager_impl(paged_attention_p))
 
 
 def _no_derivative(primals, tangents, *, config):

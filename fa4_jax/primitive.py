@@ -46,6 +46,18 @@ for _p in _ALL:
 RESIDUAL_NAMES = ("fa4_query", "fa4_key", "fa4_value", "fa4_out", "fa4_lse")
 
 
+# Each primitive's operands (and the backward's results) by name, in order: the one place the batching
+# and sharding rules read them from.
+
+def forward_operand_names(config: AttentionConfig) -> tuple[str, ...]:
+    return ("query", "key", "value") + config.present_operands()
+
+
+def gradient_names(config: AttentionConfig) -> tuple[str, ...]:
+    """The backward's results, each named by the operand it is the gradient of."""
+    return ("query", "key", "value") + (("sinks",) if config.has_sinks else ())
+
+
 def backward_operand_names(config: AttentionConfig, has_d_lse: bool) -> tuple[str, ...]:
     base = ("query", "key", "value", "out", "lse", "d_out") + (("d_lse",) if has_d_lse else ())
     return base + config.present_operands()
@@ -125,10 +137,11 @@ def _jitted_bind(primitive, params: tuple):
     return jax.jit(functools.partial(primitive.bind, **dict(params)))
 
 
-def _eager(primitive):
-    """Eager calls run the primitive under jit (there is no op-by-op implementation), one jitted
-    function per parameter set so that repeated calls reuse the compiled computation. That holds under
-    jax.disable_jit() too, where the jitted function would otherwise call this again, forever."""
+def eager_impl(primitive):
+    """The impl rule of a primitive without an op-by-op implementation (ours, and fa4_jax.paged's):
+    eager calls run it under jit, one jitted function per parameter set so that repeated calls reuse
+    the compiled computation. That holds under jax.disable_jit() too, where the jitted function would
+    otherwise call this again, forever."""
     def impl(*operands, **params):
         with jax.disable_jit(False):
             return _jitted_bind(primitive, tuple(sorted(params.items())))(*operands)
@@ -136,7 +149,7 @@ def _eager(primitive):
 
 
 for _p in _ALL:
-    _p.def_impl(_eager(_p))
+    _p.def_impl(eager_impl(_p))
 
 
 # ---------------------------------------------------------------------------------------------- batching
@@ -225,16 +238,13 @@ def _batch_rule(primitive, operand_names, result_names, operands, batch_dims, **
 
 
 def _forward_batch_rule(operands, batch_dims, *, config):
-    names = ("query", "key", "value") + config.present_operands()
-    results = ("out", "lse")
-    return _batch_rule(attention_fwd_p, names, results, operands, batch_dims, config=config)
+    return _batch_rule(attention_fwd_p, forward_operand_names(config), ("out", "lse"), operands, batch_dims,
+                       config=config)
 
 
 def _backward_batch_rule(operands, batch_dims, *, config, has_d_lse):
-    names = backward_operand_names(config, has_d_lse)
-    results = ("query", "key", "value") + (("sinks",) if config.has_sinks else ())
-    return _batch_rule(attention_bwd_p, names, results, operands, batch_dims,
-                       config=config, has_d_lse=has_d_lse)
+    return _batch_rule(attention_bwd_p, backward_operand_names(config, has_d_lse), gradient_names(config),
+                       operands, batch_dims, config=config, has_d_lse=has_d_lse)
 
 
 def _tangent_batch_rule(operands, batch_dims, *, config):

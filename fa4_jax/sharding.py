@@ -33,8 +33,8 @@ from fa4_jax import context_parallel
 from fa4_jax.config import AttentionConfig
 from fa4_jax.primitive import (attention_bwd_inner_p, attention_bwd_p, attention_fwd_inner_p, attention_fwd_p,
                                attention_tangent_inner_p, attention_tangent_p, backward_operand_names,
-                               split_backward, split_backward_operands, split_forward, split_tangent,
-                               split_tangent_operands, tangent_operand_names)
+                               forward_operand_names, gradient_names, split_backward, split_backward_operands,
+                               split_forward, split_tangent, split_tangent_operands, tangent_operand_names)
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
@@ -129,10 +129,6 @@ _FACTORS = {"query": "b s h d", "out": "b s h e", "d_out": "b s h e", "lse": "b 
             "t_query": "b s h d", "t_key": "b t g d", "t_value": "b t g e", "t_sinks": "h"}
 
 
-def _forward_names(config):
-    return ("query", "key", "value") + config.present_operands()
-
-
 # ---------------------------------------------------------------------------------- forward and tangent
 
 def _row_sharded(inner_p, sequence_split, operand_names):
@@ -179,7 +175,7 @@ def _tangent_split(config, operands, split):
     return context_parallel.tangent(config, operands, split, split_tangent_operands)
 
 
-forward_sharded = _row_sharded(attention_fwd_inner_p, context_parallel.forward, _forward_names)
+forward_sharded = _row_sharded(attention_fwd_inner_p, context_parallel.forward, forward_operand_names)
 tangent_sharded = _row_sharded(attention_tangent_inner_p, _tangent_split, tangent_operand_names)
 
 
@@ -192,13 +188,9 @@ def _backward_shard(config, has_d_lse, *operands):
     return tuple(attention_bwd_inner_p.bind(*operands, config=config, has_d_lse=has_d_lse))
 
 
-def _gradient_names(config):
-    return ("query", "key", "value") + (("sinks",) if config.has_sinks else ())
-
-
 def _backward_infer(config, has_d_lse, mesh, arg_infos, result_infos):
     plan = _Plan(config, mesh, arg_infos[0], arg_infos[1])
-    return tuple(plan.spec(n) for n in _gradient_names(config))
+    return tuple(plan.spec(n) for n in gradient_names(config))
 
 
 def _backward_partition(config, has_d_lse, mesh, arg_infos, result_infos):
@@ -222,13 +214,13 @@ def _backward_partition(config, has_d_lse, mesh, arg_infos, result_infos):
         return tuple(grads)
 
     arg_shardings = tuple(plan.spec(n) for n in backward_operand_names(config, has_d_lse))
-    result_shardings = tuple(plan.spec(n) for n in _gradient_names(config))
+    result_shardings = tuple(plan.spec(n) for n in gradient_names(config))
     return mesh, lower, result_shardings, arg_shardings
 
 
 def _backward_rule(config, has_d_lse, mesh, operand_types, result_types):
     inputs = ", ".join(_FACTORS[n] for n in backward_operand_names(config, has_d_lse))
-    outputs = ", ".join(_FACTORS[n] for n in _gradient_names(config))
+    outputs = ", ".join(_FACTORS[n] for n in gradient_names(config))
     return f"{inputs} -> {outputs}"
 
 

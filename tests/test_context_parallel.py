@@ -54,8 +54,8 @@ def _problem(inputs, features, batch=2, q_heads=4, kv_heads=2):
     return operands, options
 
 
-def _results(operands, options):
-    """(out, lse, dq, dk, dv, dsinks) with the operands' cotangents d_out, d_lse."""
+def _attention(operands, options):
+    """(query, key, value, sinks) -> (out, lse), the other operands (segments, lengths) closed over."""
     segment_ids = None
     if "q_segment_ids" in operands:
         segment_ids = (operands["q_segment_ids"], operands["kv_segment_ids"])
@@ -64,9 +64,13 @@ def _results(operands, options):
         return fa4_jax.attention(query, key, value, sinks=sinks, segment_ids=segment_ids,
                                  q_seq_lengths=operands.get("q_seq_lengths"),
                                  kv_seq_lengths=operands.get("kv_seq_lengths"), return_lse=True, **options)
+    return function
 
-    (out, lse), pullback = jax.vjp(function, operands["query"], operands["key"], operands["value"],
-                                   operands.get("sinks"))
+
+def _results(operands, options):
+    """(out, lse, dq, dk, dv, dsinks) with the operands' cotangents d_out, d_lse."""
+    (out, lse), pullback = jax.vjp(_attention(operands, options), operands["query"], operands["key"],
+                                   operands["value"], operands.get("sinks"))
     return (out, lse) + tuple(pullback((operands["d_out"], operands["d_lse"])))
 
 
@@ -331,17 +335,8 @@ def _with_tangents(inputs, operands):
 
 def _jvp_results(operands, options):
     """(out, lse, t_out, t_lse) with the operands' tangents t_query, t_key, t_value (, t_sinks)."""
-    segment_ids = None
-    if "q_segment_ids" in operands:
-        segment_ids = (operands["q_segment_ids"], operands["kv_segment_ids"])
-
-    def function(query, key, value, sinks):
-        return fa4_jax.attention(query, key, value, sinks=sinks, segment_ids=segment_ids,
-                                 q_seq_lengths=operands.get("q_seq_lengths"),
-                                 kv_seq_lengths=operands.get("kv_seq_lengths"), return_lse=True, **options)
-
     names = ("query", "key", "value", "sinks")
-    (out, lse), (t_out, t_lse) = jax.jvp(function, tuple(operands.get(n) for n in names),
+    (out, lse), (t_out, t_lse) = jax.jvp(_attention(operands, options), tuple(operands.get(n) for n in names),
                                          tuple(operands.get("t_" + n) for n in names))
     return out, lse, t_out, t_lse
 

@@ -100,6 +100,36 @@ def test_jit_and_vmap(rng):
                                np.asarray(fa4_jax.paged_attention(query * 0.5, *arguments[1:])), rtol=1e-6)
 
 
+
+def test_eager_calls_reuse_the_compiled_computation(rng):
+    """A second eager call with the same shapes and options must not compile again (one jitted
+    function per parameter set, as for `attention`). The first call, after the caches are cleared,
+    must be seen compiling: else a renamed event would pass vacuously."""
+    drawn = paged_cases.build(PagedCase(q_len=3, sinks=True), rng)
+    arguments = paged_cases.arguments(drawn)
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    def call():
+        return jax.block_until_ready(fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], softcap=2.0,
+                                                             return_lse=True))
+    jax.clear_caches()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        first = call()
+        assert compiled, "no compile event seen for the first call"
+        compiled.clear()
+        second = call()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiled, f"the second eager call compiled {len(compiled)} time(s)"
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_no_gradient(rng):
     drawn = paged_cases.build(PagedCase(), rng)
     arguments = paged_cases.arguments(drawn)
