@@ -119,9 +119,8 @@ def test_tangent_matches_oracle(case: Case, inputs):
     _check(case, t_out, t_lse, expected_t_out, expected_t_lse, np.asarray(lse))
 
 
-# softcap at D = 128 takes the pure-JAX tangent (tangent.unsupported_reason: it did not compile on the H200).
 @pytest.mark.parametrize("case", [case for case in CASES if case.name in
-                                  ("causal-cross", "gqa", "sinks-causal-empty-rows", "lengths-causal",
+                                  ("causal-cross", "gqa", "sinks-causal-empty-rows", "softcap", "lengths-causal",
                                    "segments", "window-causal-left")], ids=lambda case: case.name)
 def test_jvp_through_the_api_matches_oracle(case: Case, inputs):
     """jax.jvp of fa4_jax.attention (out and lse) runs the forward kernel and then the tangent kernel

@@ -59,6 +59,7 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import masking, online_softmax, tile_scheduler
+from fa4_jax.kernels.common.dsl_idioms import advanced, select_modes
 from fa4_jax.kernels.common.softcap import apply_softcap
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, wgmma
 
@@ -173,10 +174,6 @@ TUNING_CANDIDATES: dict = {
 }
 
 
-def _select_modes(tensor: cute.Tensor, modes) -> cute.Tensor:
-    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=modes))
-
-
 def _shared_storage_struct(dtype, q_stages: int, kv_stages: int, q_elements: int, k_elements: int,
                            v_elements: int, o_elements: Optional[int]):
     """The CTA's shared storage: a full/empty mbarrier pair per pipeline stage, then the Q, K, V (and,
@@ -192,12 +189,6 @@ def _shared_storage_struct(dtype, q_stages: int, kv_stages: int, q_elements: int
     if o_elements is not None:
         fields["s_o"] = cute.struct.Align[cute.struct.MemRange[dtype, o_elements], 1024]
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-
-
-def _advanced(state):
-    """state.advance(), rebound by the caller: the DSL threads only rebound names out of a dynamic if."""
-    state.advance()
-    return state
 
 
 class Sm90ForwardKernel:
@@ -245,10 +236,10 @@ class Sm90ForwardKernel:
                  mKVSeqLengths: Optional[cute.Tensor], mQStart: Optional[cute.Tensor],
                  mO: cute.Tensor, mLSE: cute.Tensor):
         # [B, S, H, D] -> (S, D, H, B): the tile modes first, as TMA and wgmma partitioning expect.
-        mQ, mK, mV, mO = [_select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
-        mLSE = _select_modes(mLSE, [2, 1, 0])  # (Sq, Hq, B)
-        mQSegmentIds = None if cutlass.const_expr(mQSegmentIds is None) else _select_modes(mQSegmentIds, [1, 0])
-        mKVSegmentIds = None if cutlass.const_expr(mKVSegmentIds is None) else _select_modes(mKVSegmentIds, [1, 0])
+        mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = select_modes(mLSE, [2, 1, 0])  # (Sq, Hq, B)
+        mQSegmentIds = None if cutlass.const_expr(mQSegmentIds is None) else select_modes(mQSegmentIds, [1, 0])
+        mKVSegmentIds = None if cutlass.const_expr(mKVSegmentIds is None) else select_modes(mKVSegmentIds, [1, 0])
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -417,14 +408,14 @@ class Sm90ForwardKernel:
 
             pipeline_q.producer_acquire(q_state)
             cute.copy(tma_q, t_q_gmem, t_q_smem, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            q_state = _advanced(q_state)
+            q_state = advanced(q_state)
             # Order of use by the overlapped consumers: K_last, then (K_j, V_{j+1}) pairs, then V_first.
             num_blocks = end - first
             if num_blocks > 0:
                 pipeline_k.producer_acquire(kv_state)
                 cute.copy(tma_k, t_k_gmem[None, end - 1], t_k_smem[None, kv_state.index],
                           tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-                kv_state = _advanced(kv_state)
+                kv_state = advanced(kv_state)
                 for i in cutlass.range(1, num_blocks, unroll=1):
                     pipeline_k.producer_acquire(kv_state)
                     cute.copy(tma_k, t_k_gmem[None, end - 1 - i], t_k_smem[None, kv_state.index],
@@ -432,12 +423,12 @@ class Sm90ForwardKernel:
                     pipeline_v.producer_acquire(v_state)
                     cute.copy(tma_v, t_v_gmem[None, end - i], t_v_smem[None, v_state.index],
                               tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
-                    v_state = _advanced(v_state)
-                    kv_state = _advanced(kv_state)
+                    v_state = advanced(v_state)
+                    kv_state = advanced(kv_state)
                 pipeline_v.producer_acquire(v_state)
                 cute.copy(tma_v, t_v_gmem[None, first], t_v_smem[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
-                v_state = _advanced(v_state)
+                v_state = advanced(v_state)
             wave += 1
             tile = self.next_tile(tile, wave)
 
@@ -529,7 +520,7 @@ class Sm90ForwardKernel:
                 self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1, row_start, kv_len,
                                              q_len, offset, m_block * self.tile_m, q_segments, kv_segments)
                 frag_p.store(wgmma.accumulator_as_operand_a(acc_s).load().to(self.dtype))
-                kv_state = _advanced(kv_state)
+                kv_state = advanced(kv_state)
                 # Steady state: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are in flight together; the
                 # softmax of S_j runs while P V still computes (intra-warpgroup overlap), and the
                 # scheduler barrier hands the tensor cores to the other warpgroup meanwhile.
@@ -563,13 +554,13 @@ class Sm90ForwardKernel:
                 wgmma.gemm_group(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
                 warpgroup.wait_group(0)
                 pipeline_v.consumer_release(v_state)
-                v_state = _advanced(v_state)
+                v_state = advanced(v_state)
             if cutlass.const_expr(self.options.early_q_release):
                 if num_blocks == 0:
                     pipeline_q.consumer_release(q_state)
             else:
                 pipeline_q.consumer_release(q_state)
-            q_state = _advanced(q_state)
+            q_state = advanced(q_state)
 
             sink_logit = None
             if cutlass.const_expr(mSinks is not None):
@@ -605,10 +596,10 @@ class Sm90ForwardKernel:
         for _ in cutlass.range(end - own_end, unroll=1):
             pipeline_k.consumer_wait(kv_state)
             pipeline_k.consumer_release(kv_state)
-            kv_state = _advanced(kv_state)
+            kv_state = advanced(kv_state)
             pipeline_v.consumer_wait(v_state)
             pipeline_v.consumer_release(v_state)
-            v_state = _advanced(v_state)
+            v_state = advanced(v_state)
         turns_skipped = end - own_end
         if cutlass.const_expr(not self.options.schedule_first_block):
             # Without a turn for the first block a warpgroup takes one turn per block after its first.
@@ -649,8 +640,8 @@ class Sm90ForwardKernel:
         pipeline_v.consumer_release(v_state)
         online_softmax.rescale_rows(acc_o_mn, row_scale, self.options.rescale_threshold > 0)
         frag_p.store(wgmma.accumulator_as_operand_a(acc_s).load().to(self.dtype))
-        v_state = _advanced(v_state)
-        kv_state = _advanced(kv_state)
+        v_state = advanced(v_state)
+        kv_state = advanced(kv_state)
         return v_state, kv_state
 
     @cute.jit

@@ -44,6 +44,7 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import masking, tile_scheduler
 from fa4_jax.kernels.common.backward_numerics import BackwardNumerics
+from fa4_jax.kernels.common.dsl_idioms import advanced, select_modes
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, wgmma
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -108,10 +109,6 @@ class TangentOptions:
                              f"{SHARED_MEMORY_LIMIT} available")
 
 
-def _select_modes(tensor: cute.Tensor, modes) -> cute.Tensor:
-    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=modes))
-
-
 def _shared_storage_struct(dtype, kv_stages: int, q_elements: int, k_elements: int, v_elements: int):
     """The CTA's shared storage: full/empty mbarrier pairs (one Q stage, `kv_stages` key and value
     stages), then Q, t_Q, K, t_K, V, t_V, each 1024-byte aligned for the 128-byte swizzle."""
@@ -127,12 +124,6 @@ def _shared_storage_struct(dtype, kv_stages: int, q_elements: int, k_elements: i
         "s_tv": cute.struct.Align[cute.struct.MemRange[dtype, v_elements], 1024],
     }
     return cute.struct(type("TangentSharedStorage", (), {"__annotations__": fields}))
-
-
-def _advanced(state):
-    """state.advance(), rebound by the caller: the DSL threads only rebound names out of a dynamic if."""
-    state.advance()
-    return state
 
 
 class Sm90TangentKernel:
@@ -168,8 +159,8 @@ class Sm90TangentKernel:
                  mQStart: Optional[cute.Tensor], mTO: cute.Tensor, mTLSE: cute.Tensor):
         # [B, S, H, D] -> (S, D, H, B): the tile modes first, as TMA and wgmma partitioning expect.
         mQ, mK, mV, mO, mTQ, mTK, mTV, mTO = [
-            _select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO, mTQ, mTK, mTV, mTO)]
-        mLSE, mTLSE = [_select_modes(t, [2, 1, 0]) for t in (mLSE, mTLSE)]  # (S, Hq, B)
+            select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO, mTQ, mTK, mTV, mTO)]
+        mLSE, mTLSE = [select_modes(t, [2, 1, 0]) for t in (mLSE, mTLSE)]  # (S, Hq, B)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -315,18 +306,18 @@ class Sm90TangentKernel:
             q_barrier = pipeline_q.producer_get_barrier(q_state)
             cute.copy(tma_q, t_q_gmem, t_q_smem, tma_bar_ptr=q_barrier)
             cute.copy(tma_tq, t_tq_gmem, t_tq_smem, tma_bar_ptr=q_barrier)
-            q_state = _advanced(q_state)
+            q_state = advanced(q_state)
             for n_block in cutlass.range(first, end, unroll=1):
                 pipeline_k.producer_acquire(k_state)
                 k_barrier = pipeline_k.producer_get_barrier(k_state)
                 cute.copy(tma_k, t_k_gmem[None, n_block], t_k_smem[None, k_state.index], tma_bar_ptr=k_barrier)
                 cute.copy(tma_tk, t_tk_gmem[None, n_block], t_tk_smem[None, k_state.index], tma_bar_ptr=k_barrier)
-                k_state = _advanced(k_state)
+                k_state = advanced(k_state)
                 pipeline_v.producer_acquire(v_state)
                 v_barrier = pipeline_v.producer_get_barrier(v_state)
                 cute.copy(tma_v, t_v_gmem[None, n_block], t_v_smem[None, v_state.index], tma_bar_ptr=v_barrier)
                 cute.copy(tma_tv, t_tv_gmem[None, n_block], t_tv_smem[None, v_state.index], tma_bar_ptr=v_barrier)
-                v_state = _advanced(v_state)
+                v_state = advanced(v_state)
             tile += cute.arch.grid_dim()[0]
 
     @cute.jit
@@ -391,7 +382,7 @@ class Sm90TangentKernel:
                     v_state, row_start, local_row_start, kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds,
                     batch_index)
             pipeline_q.consumer_release(q_state)
-            q_state = _advanced(q_state)
+            q_state = advanced(q_state)
             self.epilogue(acc_o_mn, coords_o, lse_rows, t_lse_rows, mO, mTO, mTLSE, mSinks, mTSinks,
                           thread_mma_pv, m_block, head, batch_index)
             tile += cute.arch.grid_dim()[0]
@@ -442,7 +433,7 @@ class Sm90TangentKernel:
         warpgroup.commit_group()
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
-        return _advanced(k_state), _advanced(v_state)
+        return advanced(k_state), advanced(v_state)
 
     @cute.jit
     def epilogue(self, acc_o_mn: cute.Tensor, coords_o: cute.Tensor, lse_rows: cute.Tensor,
@@ -484,10 +475,6 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
     reason = host.kernel_unsupported_reason("sm90 tangent", config, problem, SUPPORTED_HEAD_DIMS)
     if reason is not None:
         return reason
-    # Its H200 run (rev 5125f04) failed to compile softcap at D = 128 (the softcap loop's bound is not a
-    # compile-time constant in that tile shape): that case takes the pure-JAX tangent until it does.
-    if config.softcap is not None and problem.head_dim != 64:
-        return "the sm90 tangent kernel takes softcap only at head dim 64 (D = 128 does not compile yet)"
     return host.q_start_unsupported_reason("sm90 tangent", config)
 
 
