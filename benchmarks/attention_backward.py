@@ -132,18 +132,12 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, flat_dq=False), deterministic,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "tiled_dq"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
-        # dS^T staged with stmatrix (docs/sm90_backward_tuning.md, "SASS budget"), default and deterministic.
-        **{f"{prefix}ds_stmatrix": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_stmatrix=True), deterministic,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_stmatrix"))
+        # dS^T staged with plain 32-bit stores (the default: stmatrix, docs/sm90_backward_tuning.md,
+        # "SASS budget"), default and deterministic.
+        **{f"{prefix}ds_plain_store": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_stmatrix=False), deterministic,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_plain_store"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
-        # The staged LSE / dPsum copied into registers early (docs/sm90_backward_tuning.md, "The stall
-        # profile"), alone and with stmatrix, default and deterministic.
-        **{f"{prefix}row_stats_prefetch{suffix}": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, row_stats_prefetch=True,
-                                             ds_stmatrix=bool(suffix)), deterministic,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", f"row_stats_prefetch{suffix}"))
-           for prefix, deterministic in (("", False), ("deterministic_", True)) for suffix in ("", "_ds_stmatrix")},
         # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
         **{f"{prefix}query_rows_64": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),

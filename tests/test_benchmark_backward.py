@@ -95,7 +95,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         # MHA: no split divides a group of 1; 64 query rows forced at D = 64 only.
         wide = ["query_rows_64", "deterministic_query_rows_64"] if head_dim == 64 else []
         assert runs == [*SHIPPED, "per_thread_release", *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq",
-                        "ds_stmatrix", "deterministic_ds_stmatrix", *wide,
+                        "ds_plain_store", "deterministic_ds_plain_store", *wide,
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
         assert runs == [*SHIPPED, "no_stagger", "deterministic_diagonal_first"]

@@ -122,26 +122,17 @@ CASES = {
     "d128-segments-lengths-head-splits-4": dict(
         config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 8, 2, 128], head_splits=4),
-    # dS^T staged with stmatrix (`Tuning(ds_stmatrix=True)`, the candidate of docs/sm90_backward_tuning.md,
-    # "SASS budget"): D 128, D 64 at 128 rows, and a configuration short of registers, fp16.
-    "d128-ds-stmatrix": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128],
-                             tuning=dict(ds_stmatrix=True)),
-    "d64-causal-gqa-deterministic-ds-stmatrix": dict(
+    # dS^T staged with plain 32-bit stores (`Tuning(ds_stmatrix=False)`; the default uses stmatrix,
+    # docs/sm90_backward_tuning.md, "SASS budget"): D 128, D 64 at 128 rows, and a configuration short
+    # of registers, fp16.
+    "d128-ds-plain-store": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128],
+                                tuning=dict(ds_stmatrix=False)),
+    "d64-causal-gqa-deterministic-ds-plain-store": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
-        tuning=dict(ds_stmatrix=True)),
-    # The staged LSE / dPsum copied into registers early (`Tuning(row_stats_prefetch=True)`), alone and
-    # with stmatrix: D 128, D 64 at 128 rows, causal GQA deterministic.
-    "d128-row-stats-prefetch": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128],
-                                    tuning=dict(row_stats_prefetch=True)),
-    "d64-causal-gqa-deterministic-row-stats-prefetch-ds-stmatrix": dict(
-        config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
-        tuning=dict(row_stats_prefetch=True, ds_stmatrix=True)),
-    "d128-causal-row-stats-prefetch-ds-stmatrix": dict(config=dict(scale=128 ** -0.5, causal=True),
-                                                       shape=[2, 300, 333, 4, 4, 128],
-                                                       tuning=dict(row_stats_prefetch=True, ds_stmatrix=True)),
-    "d96-segments-ds-stmatrix-fp16": dict(config=dict(scale=96 ** -0.5, has_segment_ids=True),
-                                          shape=[1, 300, 300, 4, 4, 96], dtype="float16",
-                                          tuning=dict(ds_stmatrix=True)),
+        tuning=dict(ds_stmatrix=False)),
+    "d96-segments-ds-plain-store-fp16": dict(config=dict(scale=96 ** -0.5, has_segment_ids=True),
+                                             shape=[1, 300, 300, 4, 4, 96], dtype="float16",
+                                             tuning=dict(ds_stmatrix=False)),
 }
 
 

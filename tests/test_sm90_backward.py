@@ -56,20 +56,16 @@ CASES = [
 # The default, and the candidates under measurement: every consumer thread releases a query stage
 # (docs/sm90_backward_tuning.md, "racecheck"); the grid launched key block slowest (longest walks
 # first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
-# accumulator's register order); dS^T staged with stmatrix (docs/sm90_backward_tuning.md, "SASS budget"); the
-# staged LSE / dPsum copied into registers early (`row_stats_prefetch`, "The stall profile"), alone and with
-# stmatrix. Select their tests with `-k per_thread_release`, `-k key_blocks_outer`, `-k tiled_dq`,
-# `-k ds_stmatrix` or `-k row_stats_prefetch`.
+# accumulator's register order); dS^T staged with plain 32-bit stores (the default uses stmatrix,
+# docs/sm90_backward_tuning.md, "SASS budget"). Select their tests with `-k per_thread_release`,
+# `-k key_blocks_outer`, `-k tiled_dq` or `-k ds_plain_store`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
                                               per_thread_query_release=True),
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
     "tiled_dq": dataclasses.replace(sm90_backward.DEFAULT_TUNING, flat_dq=False),
-    "ds_stmatrix": dataclasses.replace(sm90_backward.DEFAULT_TUNING, ds_stmatrix=True),
-    "row_stats_prefetch": dataclasses.replace(sm90_backward.DEFAULT_TUNING, row_stats_prefetch=True),
-    "row_stats_prefetch_ds_stmatrix": dataclasses.replace(sm90_backward.DEFAULT_TUNING, row_stats_prefetch=True,
-                                                          ds_stmatrix=True),
+    "ds_plain_store": dataclasses.replace(sm90_backward.DEFAULT_TUNING, ds_stmatrix=False),
 }
 
 # Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.

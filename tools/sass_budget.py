@@ -10,7 +10,7 @@ out-of-line mbarrier spin loops), names each by what it issues (HGMMA: the consu
 UTMALDG: the producer warp, a bulk reduce: the dQ writer warp) and counts its body by class.
 
     python tools/sass_budget.py build --out DIR [--tree TREE] [--configs d128 d128-causal d64] [--jobs 2]
-                                      [--tuning '{"ds_stmatrix": true}']
+                                      [--tuning '{"ds_stmatrix": false}']
     python tools/sass_budget.py report DIR [--json out.json]
     python tools/sass_budget.py compare BEFORE_DIR AFTER_DIR
 

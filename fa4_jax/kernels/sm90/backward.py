@@ -110,13 +110,8 @@ class Tuning:
       STS and the 48 instructions of their swizzled addresses were, which ptxas recomputes every
       block for want of registers (SASS per block 472 -> 421; D = 64 at 128 rows 767 -> 648). Same
       values at the same places (`_ds_store_copy`, checked on the CPU by
-      tests/test_kernel_compile_sm90_backward.py); off until its GPU tests and timing have run.
-    row_stats_prefetch: with staged row statistics, copy the block's LSE into registers right after
-      its stage is ready (before S^T / dP^T are issued) and its dPsum right after P (before dP^T is
-      waited for), instead of reading the shared-memory views where they are used. Read lazily the
-      loads landed after each `wait_group`, behind the GEMMs' operand reads: the H200 profile (rev
-      0e18adf, D = 128) has the exp's first FFMAs waiting ~500 cycles a block on them (short
-      scoreboard, 13 % of the consumer warps' samples), the tensor cores idle meanwhile.
+      tests/test_kernel_compile_sm90_backward.py). Measured 1.008-1.017x at D = 128 and 1.024-1.043x
+      at D = 64 (H200, rev 4bfbbaa, docs/sm90_backward_tuning.md); False keeps the plain stores.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -132,8 +127,7 @@ class Tuning:
     key_blocks_outer: bool = False
     query_rows: Optional[int] = None
     flat_dq: bool = True
-    ds_stmatrix: bool = False
-    row_stats_prefetch: bool = False
+    ds_stmatrix: bool = True
 
 
 DEFAULT_TUNING = Tuning()
@@ -178,10 +172,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.stage_dq_under_dk = not register_bound and (options.head_splits == 1 or masked)
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
-        # At 128 query rows a thread holds 32 of each statistic: even the LSE alone early spills (16
-        # bytes, D = 64), so the prefetch is for 64 rows.
-        self.prefetch_row_stats = (self.staged_row_stats and tuning.row_stats_prefetch
-                                   and self.tile_m == backward_common.TILE_M)
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
         self.head_splits = options.head_splits
         self.tile_n = TILE_N
@@ -516,10 +506,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             # S^T = K Q^T, dP^T = V dO^T (two commit groups).
             acc_s = cute.make_rmem_tensor(thr_sdp.partition_shape_C(shape_st), Float32)
             acc_dp = cute.make_rmem_tensor(thr_sdp.partition_shape_C(shape_st), Float32)
-            if const_expr(self.prefetch_row_stats):
-                # Before the GEMMs, so that the shared loads do not queue behind their operand reads.
-                lse_view = query_major_view(tLSE[None, None, None, stage])
-                lse_early = self._row_stats_to_registers(lse_view, cute.size(lse_view, mode=[0]))
             warpgroup.fence()
             gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], True)
             warpgroup.commit_group()
@@ -529,9 +515,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             # LSE of this thread's query rows (the view's rows), loaded while the GEMMs run.
             scores = query_major_view(acc_s)
             rows = cute.size(scores, mode=[0])
-            if const_expr(self.prefetch_row_stats):
-                lse = lse_early
-            elif const_expr(self.staged_row_stats):
+            if const_expr(self.staged_row_stats):
                 lse = query_major_view(tLSE[None, None, None, stage])
             else:
                 lse = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
@@ -542,9 +526,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             self.numerics.probabilities(acc_s, scores, coords_qk, lse, n_block, q_start + row_base, row_base,
                                 key_base, kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
 
-            if const_expr(self.prefetch_row_stats):
-                dpsum_early = self._row_stats_to_registers(query_major_view(tdPsum[None, None, None, stage]),
-                                                           rows)
             # early_dv: dV += P^T dO runs on the tensor cores while dS is computed.
             if const_expr(self.early_dv):
                 frag_p = self._as_operand(acc_s, thr_dkv)
@@ -553,9 +534,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.commit_group()
             # dPsum only now: keeping it and the LSE live together would spill (dK, dV, S, dP
             # already hold 192 registers at D = 128).
-            if const_expr(self.prefetch_row_stats):
-                dpsum = dpsum_early
-            elif const_expr(self.staged_row_stats):
+            if const_expr(self.staged_row_stats):
                 dpsum = query_major_view(tdPsum[None, None, None, stage])
             else:
                 dpsum = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
@@ -636,14 +615,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
         cute.arch.fence_proxy("async.shared", space="cta")
         dq_pipe.producer_commit(dq_state)
-
-    @cute.jit
-    def _row_stats_to_registers(self, view, rows: cutlass.Constexpr):
-        """A staged row statistic's view (row r's value at [r]) copied into registers now."""
-        values = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
-        for r in cutlass.range_constexpr(rows):
-            values[r] = view[r]
-        return values
 
     def _ds_store_copy(self, mma_sdp):
         """`Tuning.ds_stmatrix`'s store of dS^T: stmatrix tiled over the S^T / dP^T accumulator of
