@@ -11,7 +11,12 @@ memory, and everything computed from them, are stand-ins:
   floats, so a branch on a float (a lazy rescale) goes one way or the other, never both;
 - shfl.sync returns the thread's own value: right for the warp-uniform values kernels broadcast (the
   shared base, the warp index), a stand-in for butterfly reductions of floats;
-- barriers and cp.async groups are no-ops (one thread runs at a time).
+- barriers, fences and cp.async groups are no-ops (one thread runs at a time);
+- shared memory holds what earlier stores (of this thread, or of earlier threads of the CTA when the
+  caller passes one `shared_memory` dict to each) left there, 0 elsewhere: so a flag one thread
+  stores before a barrier reaches the threads run after it;
+- a global atomic returns the value the caller supplies at its address (0 by default) and changes
+  nothing, so the caller chooses which branch of a counter test a CTA takes.
 
 So it answers "which addresses does thread t of CTA c touch", for kernels whose addresses depend on
 indices, shapes, strides and global integer loads, not on computed floats. It knows the instructions
@@ -96,11 +101,12 @@ def _bits_float(bits: int) -> float:
 
 class _Thread:
     def __init__(self, program: Program, thread: int, block: tuple, params: dict, global_memory: dict,
-                 shared_base: int):
+                 shared_base: int, shared_memory: dict):
         self.program = program
         self.registers = {"%tid.x": thread, "%tid.y": 0, "%tid.z": 0, "%ctaid.x": block[0],
                           "%ctaid.y": block[1], "%ctaid.z": block[2]}
         self.params, self.global_memory, self.shared_base = params, global_memory, shared_base
+        self.shared_memory = shared_memory
         self.accesses = []
 
     def value(self, operand: str, width: int = 64) -> int:
@@ -150,7 +156,14 @@ class _Thread:
     def execute(self, opcode: str, operands: list):
         parts = opcode.split(".")
         name, type_name = parts[0], parts[-1]
-        if name == "bar" or opcode.startswith(("cp.async.commit_group", "cp.async.wait_group")):
+        if name in ("bar", "fence", "membar") or opcode.startswith(("cp.async.commit_group",
+                                                                      "cp.async.wait_group")):
+            return
+        if name == "atom" and parts[1] == "global":
+            base, offset = self.address(operands[1])
+            address = self.value(base) + offset
+            self.accesses.append(Access("atom.global", "global", address, _width(type_name) // 8))
+            self.registers[operands[0]] = self.global_memory.get(address, 0)
             return
         if opcode.startswith("cp.async.cg.shared.global") or opcode.startswith("cp.async.ca.shared.global"):
             size = int(operands[2])
@@ -200,8 +213,12 @@ class _Thread:
     def load_store(self, name, space, type_name, operands):
         width = _width(type_name)
         if name == "st":
-            count = len(operands[1].strip("{}").split(","))
-            self.record("st." + space, space, self.address(operands[0]), width // 8 * count)
+            sources = [r.strip() for r in operands[1].strip("{}").split(",")]
+            self.record("st." + space, space, self.address(operands[0]), width // 8 * len(sources))
+            if space == "shared":
+                address = self.accesses[-1].address
+                for i, source in enumerate(sources):
+                    self.shared_memory[address + i * width // 8] = self.value(source, width) & _MASKS[width]
             return
         registers = [r.strip() for r in operands[0].strip("{}").split(",")]
         base, offset = self.address(operands[1])
@@ -213,8 +230,9 @@ class _Thread:
             return
         address = self.value(base) + offset
         self.accesses.append(Access("ld." + space, space, address, width // 8 * len(registers)))
+        memory = self.shared_memory if space == "shared" else self.global_memory
         for i, register in enumerate(registers):
-            loaded = self.global_memory.get(address + i * width // 8, 0)
+            loaded = memory.get(address + i * width // 8, 0)
             self.registers[register] = (_signed(loaded, width) & _MASKS[64]) if type_name.startswith("s") \
                 else loaded
         return
@@ -312,12 +330,15 @@ class _Thread:
 
 
 def thread_accesses(program: Program, thread: int, block: tuple, params: dict, global_memory: dict,
-                    shared_base: int = 1024, max_steps: int = 2_000_000) -> list:
+                    shared_base: int = 1024, max_steps: int = 2_000_000, shared_memory: dict = None) -> list:
     """The memory accesses of thread `thread` of CTA `block` (ctaid x, y, z), in program order.
 
     params: {parameter name: its bytes}; global_memory: {byte address: the 32-bit value there}, read by
     global loads (every other address reads 0); shared_base: where dynamic shared memory starts in the
-    shared window (after the 1 KB a CTA reserves on sm_90, the first 1024-aligned address)."""
-    state = _Thread(program, thread, block, params, global_memory, shared_base)
+    shared window (after the 1 KB a CTA reserves on sm_90, the first 1024-aligned address);
+    shared_memory: {byte address: value} of the CTA's shared memory, updated by this thread's stores
+    (pass one dict to every thread of a CTA, in thread order; a fresh one when None)."""
+    state = _Thread(program, thread, block, params, global_memory, shared_base,
+                    {} if shared_memory is None else shared_memory)
     state.run(max_steps)
     return state.accesses

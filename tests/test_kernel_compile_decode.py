@@ -6,6 +6,7 @@ it refuses, and the combine pass (plain JAX) against a float64 softmax over all 
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
@@ -40,6 +41,9 @@ CONFIGS = {
     # Tuning alternatives: 32 keys per warp with two stages, and a four-stage ring of 64-key blocks.
     "d128-tile128-stages2": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"tile_n": 128, "num_stages": 2}),
     "d128-stages4": ({}, [2, 4, 32, 8, 128, 64], "bfloat16", 64, "sm_90a", {"num_stages": 4}),
+    # One split: the CTA writes the final O (sinks folded in) itself; and the XLA combine's variant.
+    "d128-one-split-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 8], "bfloat16", 16, "sm_90a", {"num_splits": 1}),
+    "d128-xla-combine": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"fused_combine": False}),
     "sm100-d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a"),
     "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),
 }
@@ -63,7 +67,7 @@ for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
     assert decode.unsupported_reason(config, problem) is None
     options = decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
     cute.compile(decode.Sm90DecodeKernel(options), make_fake_stream(),
-                 *decode.fake_arguments(options, B, Hkv, 50, max_blocks))
+                 *decode.fake_arguments(options, B, Hkv, 50, max_blocks, fields.get("has_sinks", False)))
     (new,) = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
     path = os.path.join(dump, name + ".ptx")
     os.replace(new, path)
@@ -109,8 +113,10 @@ def test_no_register_spills(compiled, name):
     assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
 
 
-# Where the address check puts each buffer (256-byte aligned, as XLA's are, and far apart).
-_BASES = {name: (index + 1) << 36 for index, name in enumerate(("q", "k", "v", "tables", "lengths", "o", "lse"))}
+# Where the address check puts each buffer (256-byte aligned, as XLA's are, and far apart), in the
+# kernel's parameter order (sinks only where the config has them).
+_BUFFERS = ("q", "k", "v", "tables", "lengths", "sinks", "semaphore", "partial_o", "partial_lse", "out", "lse")
+_BASES = {name: (index + 1) << 36 for index, name in enumerate(_BUFFERS)}
 _FAKE_BLOCKS = 50   # cache blocks of the compile's fake tensors (decode.fake_arguments)
 
 
@@ -122,29 +128,42 @@ def _compiled_options(name):
     return decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
 
 
-def _buffer_bytes(options, name):
+def _shapes(options, name):
     _, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
     o_shape, lse_shape = decode.partial_shapes(options, B, Hkv)
-    cache = _FAKE_BLOCKS * options.page_size * Hkv * D * 2
-    return {"q": B * Sq * Hq * D * 2, "k": cache, "v": cache, "tables": B * max_blocks * 4, "lengths": B * 4,
-            "o": int(np.prod(o_shape)) * 4, "lse": int(np.prod(lse_shape)) * 4}
+    cache = (_FAKE_BLOCKS, options.page_size, Hkv, D)
+    return {"q": (B, Sq, Hq, D), "k": cache, "v": cache, "tables": (B, max_blocks), "lengths": (B,),
+            "sinks": (Hq,), "semaphore": decode.semaphore_shape(options, B, Hkv), "partial_o": o_shape,
+            "partial_lse": lse_shape, "out": (B, Sq, Hq, D), "lse": (B, Hq, Sq)}
+
+
+def _element_bytes(name, buffer):
+    two_bytes = ("q", "k", "v", "out")
+    return 2 if buffer in two_bytes else 4
 
 
 @pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d64-softcap-window-fp16-page7", "d256-64-rows",
-                                  "d128-tile128-stages2"])
+                                  "d128-tile128-stages2", "d128-one-split-sinks"])
 def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
     """Two CTAs of the compiled PTX, run thread by thread on the CPU (tests/ptx_addresses.py) over a
     paged cache (random block ids, garbage past each sequence's last page): every 16-byte cp.async has
     16-byte aligned source and destination, every ldmatrix row address is 16-byte aligned, every load
     and store is aligned to its width and inside its buffer (shared: the CTA's allocation), no table
-    entry past a sequence's last page is read, and each CTA writes its (split, warp) partials, O and
-    LSE, every element once. The first H200 run failed on the ldmatrix / cp.async alignment."""
+    entry past a sequence's last page is read. The first CTA is not the last of its (batch, head tile)
+    to arrive (its counter reads 0): it writes its split's partial rows, O and LSE, every element once,
+    and nothing else. The second is the last (its counter reads splits - 1): it also reads every split's
+    partial rows of its head tile, writes the final O and LSE of the tile's rows, every element once, and
+    zeroes its counter. With one split a CTA writes the final O and LSE directly and no partial. The
+    first H200 run failed on the ldmatrix / cp.async alignment."""
     options = _compiled_options(name)
-    _, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
+    fields, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
+    buffers = [b for b in _BUFFERS if b != "sinks" or fields.get("has_sinks")]
     with open(compiled[name]["ptx"]) as handle:
         program = ptx_addresses.parse(handle.read())
-    assert [size for _, size in program.params] == [8] * 7, "expected 7 static tensor pointers"
-    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, _BASES)}
+    assert [size for _, size in program.params] == [8] * len(buffers), f"expected {len(buffers)} tensor pointers"
+    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
+    shapes = _shapes(options, name)
+    sizes = {b: int(np.prod(shapes[b])) * _element_bytes(name, b) for b in buffers}
     max_len = max_blocks * options.page_size
     lengths = [max_len] + [int(rng.integers(1, max_len + 1)) for _ in range(B - 1)]
     pages = [-(-length // options.page_size) for length in lengths]
@@ -154,32 +173,55 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
             block = int(rng.integers(0, _FAKE_BLOCKS)) if j < pages[b] else int(rng.choice([-7, _FAKE_BLOCKS,
                                                                                              2 ** 31 - 1]))
             memory[_BASES["tables"] + 4 * (b * max_blocks + j)] = block & 0xFFFFFFFF
-    sizes = _buffer_bytes(options, name)
-    o_shape, lse_shape = decode.partial_shapes(options, B, Hkv)
     head_tiles = Hkv * options.row_tiles
+    splits = options.num_splits
     shared_end = 1024 + options.shared_memory_bytes()
-    for block in [(0, head_tiles - 1, 0), (options.num_splits - 1, 0, B - 1)]:
+    for block, last in [((0, head_tiles - 1, 0), splits == 1), ((splits - 1, 0, B - 1), True)]:
         split, head_tile, batch = block
-        written = {"o": [], "lse": []}
+        counter = _BASES["semaphore"] + 4 * (batch * head_tiles + head_tile)
+        cta_memory = {**memory, counter: splits - 1 if last else 0}
+        shared = {}
+        touched = {b: collections.defaultdict(list) for b in buffers}
         for thread in range(decode.THREADS):
-            for access in ptx_addresses.thread_accesses(program, thread, block, params, memory):
+            for access in ptx_addresses.thread_accesses(program, thread, block, params, cta_memory,
+                                                        shared_memory=shared):
                 where = f"{name} CTA {block} thread {thread}: {access}"
                 assert access.address % min(access.size, 16) == 0, f"misaligned {where}"
                 if access.space == "shared":
                     assert 1024 <= access.address and access.address + access.size <= shared_end, where
                     continue
-                buffer = max((b for b in _BASES if _BASES[b] <= access.address), key=_BASES.get)
+                buffer = max((b for b in buffers if _BASES[b] <= access.address), key=_BASES.get)
                 offset = access.address - _BASES[buffer]
                 assert offset + access.size <= sizes[buffer], f"past the end of {buffer}: {where}"
                 if buffer == "tables":
                     assert offset // 4 % max_blocks < pages[offset // 4 // max_blocks], f"table past length: {where}"
-                if buffer in written:
-                    assert access.kind == "st.global", where
-                    written[buffer].extend(range(offset // 4, (offset + access.size) // 4))
-        parts = slice(split * decode.WARPS, (split + 1) * decode.WARPS)
-        for buffer, shape in (("o", o_shape), ("lse", lse_shape)):
-            expected = np.arange(int(np.prod(shape))).reshape(shape)[batch, head_tile, parts].ravel()
-            assert sorted(written[buffer]) == sorted(expected.tolist()), f"{name} CTA {block}: {buffer} elements"
+                unit = _element_bytes(name, buffer)
+                touched[buffer][access.kind].extend(range(offset // unit, (offset + access.size) // unit))
+
+        def elements(buffer, index):
+            return sorted(np.arange(int(np.prod(shapes[buffer]))).reshape(shapes[buffer])[index].ravel().tolist())
+
+        rows = options.rows - head_tile % options.row_tiles * decode.TILE_M
+        rows = min(rows, decode.TILE_M)
+        expected_writes = {"semaphore": [], "partial_o": [], "partial_lse": [], "out": [], "lse": []}
+        if splits > 1:
+            expected_writes["partial_o"] = elements("partial_o", (batch, head_tile, split, slice(0, rows)))
+            expected_writes["partial_lse"] = elements("partial_lse", (batch, head_tile, split, slice(0, rows)))
+        if last:
+            head_kv, first = head_tile // options.row_tiles, head_tile % options.row_tiles * decode.TILE_M
+            packed = np.arange(first, first + rows)
+            positions, heads = packed // options.group, head_kv * options.group + packed % options.group
+            expected_writes["out"] = elements("out", (batch, positions, heads))
+            expected_writes["lse"] = elements("lse", (batch, heads, positions))
+            if splits > 1:
+                expected_writes["semaphore"] = [batch * head_tiles + head_tile]
+                for buffer in ("partial_o", "partial_lse"):
+                    read = elements(buffer, (batch, head_tile, slice(None), slice(0, rows)))
+                    assert sorted(set(touched[buffer]["ld.global"])) == read, f"{name} CTA {block}: {buffer} reads"
+        for buffer, expected in expected_writes.items():
+            assert sorted(touched[buffer]["st.global"]) == expected, f"{name} CTA {block}: {buffer} elements"
+        arrivals = touched["semaphore"]["atom.global"]
+        assert arrivals == ([batch * head_tiles + head_tile] if splits > 1 else []), f"{name} CTA {block}: counter"
 
 
 def test_options_are_checked():

@@ -75,6 +75,7 @@ class DecodeOptions:
     num_splits: int
     tile_n: int               # keys per block (each warp takes tile_n / 4)
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
+    fused_combine: bool = True  # the last split's CTA merges the splits (False: combine_partials in XLA)
     rescale_threshold: float = 8.0
 
     @property
@@ -191,8 +192,9 @@ class Sm90DecodeKernel:
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                 mBlockTables: cute.Tensor, mKVSeqLengths: cute.Tensor, mPartialO: cute.Tensor,
-                 mPartialLSE: cute.Tensor):
+                 mBlockTables: cute.Tensor, mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor],
+                 mSemaphore: Optional[cute.Tensor], mPartialO: cute.Tensor, mPartialLSE: cute.Tensor,
+                 mO: Optional[cute.Tensor] = None, mLSE: Optional[cute.Tensor] = None):
         q_layout, kv_layout = shared_layouts(self.dtype, self.head_dim, self.tile_n, self.num_stages)
 
         @cute.struct
@@ -211,14 +213,15 @@ class Sm90DecodeKernel:
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
                                         permutation_mnk=(16, 16, 16))
         grid = (self.options.num_splits, mK.shape[2] * self.options.row_tiles, mQ.shape[0])
-        self.kernel(mQ, mK, mV, mBlockTables, mKVSeqLengths, mPartialO, mPartialLSE, q_layout, kv_layout,
-                    tiled_load, load_atom, tiled_mma, SharedStorage).launch(
+        self.kernel(mQ, mK, mV, mBlockTables, mKVSeqLengths, mSinks, mSemaphore, mPartialO, mPartialLSE, mO, mLSE,
+                    q_layout, kv_layout, tiled_load, load_atom, tiled_mma, SharedStorage).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mBlockTables: cute.Tensor,
-               mKVSeqLengths: cute.Tensor, mPartialO: cute.Tensor, mPartialLSE: cute.Tensor,
-               q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout, tiled_load: cute.TiledCopy,
+               mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
+               mPartialO: cute.Tensor, mPartialLSE: cute.Tensor, mO: Optional[cute.Tensor],
+               mLSE: Optional[cute.Tensor], q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout, tiled_load: cute.TiledCopy,
                load_atom: cute.CopyAtom, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         tidx = cute.arch.thread_idx()[0]
         warp_index = cute.arch.make_warp_uniform(tidx // 32)
@@ -344,20 +347,124 @@ class Sm90DecodeKernel:
                 cute.gemm(tiled_mma, acc_o, frag_p[None, None, k], frag_vt[None, None, k], acc_o)
         cute.arch.cp_async_wait_group(0)
 
-        # This warp's normalised partial O and its LSE (the combine pass weighs the partials).
+        # Merge the 4 warps' (O, LSE) into this split's, through shared memory that the K/V ring and Q
+        # no longer need: scratch O [warp, 16, D] fp32 over the K ring, LSE [warp, 16] over Q.
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         output_scale = cute.make_rmem_tensor(num_rows, Float32)
         self.softmax.finalize(row_max, row_sum, None, lse_rows, output_scale)
         online_softmax.rescale_rows(acc_o_mn, output_scale, False)
-        partial = split * WARPS + warp_index
-        g_o = mPartialO[batch_index, head_tile, partial, None, None]
-        t_g_o = accumulator_mn(thread_mma.partition_C(g_o))
-        for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
+        cute.arch.sync_threads()   # every warp is done reading the ring
+        warp_o = storage.s_k.get_tensor(cute.make_ordered_layout((WARPS, TILE_M, self.head_dim), order=(2, 1, 0)),
+                                        dtype=Float32)
+        warp_lse = storage.s_q.get_tensor(cute.make_ordered_layout((WARPS, TILE_M), order=(1, 0)), dtype=Float32)
+        t_warp_o = accumulator_mn(thread_mma.partition_C(warp_o[warp_index, None, None]))
+        for r in cutlass.range_constexpr(num_rows):
             for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
-                t_g_o[r, c] = acc_o_mn[r, c]
+                t_warp_o[r, c] = acc_o_mn[r, c]
         if coords_o[0, 0][1] == 0:
             for r in cutlass.range_constexpr(num_rows):
-                mPartialLSE[batch_index, head_tile, partial, coords_o[r, 0][0]] = lse_rows[r]
+                warp_lse[warp_index, coords_o[r, 0][0]] = lse_rows[r]
+        cute.arch.sync_threads()
+
+        # Each thread then owns 8 columns of one row per pass; rows past the tile's last are skipped.
+        chunks = self.head_dim // CHUNK
+        rows_per_pass = THREADS // chunks
+        chunk = tidx % chunks
+        values = cute.make_rmem_tensor(CHUNK, Float32)
+        fused, splits = self.options.fused_combine, self.options.num_splits
+        for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
+            row = p * rows_per_pass + tidx // chunks
+            if row < rows_here:
+                if cutlass.const_expr(fused and splits == 1):
+                    lse = self.merge(warp_o, warp_lse, WARPS, row, chunk,
+                                     self.sink(mSinks, head_kv, packed_start + row), values)
+                    self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
+                else:
+                    lse = self.merge(warp_o, warp_lse, WARPS, row, chunk, None, values)
+                    g_o = cute.local_tile(mPartialO[batch_index, head_tile, split, row, None], (CHUNK,), (chunk,))
+                    for e in cutlass.range_constexpr(CHUNK):
+                        g_o[e] = values[e]
+                    if chunk == 0:
+                        mPartialLSE[batch_index, head_tile, split, row] = lse
+
+        if cutlass.const_expr(fused and splits > 1):
+            # The last CTA of this (batch, head tile) to arrive merges every split's partial (written
+            # just before, so in L2). Release: each thread's partial stores are ordered before thread
+            # 0's atomic by its own fence and the barrier; acquire: the atomic's and the fence after it.
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            arrived = storage.s_v.get_tensor(cute.make_layout(1), dtype=Int32)
+            if tidx == 0:
+                counter = cute.make_ptr(Int32, _element_address(mSemaphore, (batch_index, head_tile)),
+                                        cute.AddressSpace.gmem, assumed_align=4)
+                arrived[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+            cute.arch.sync_threads()
+            if arrived[0] == splits - 1:
+                cute.arch.fence_acq_rel_gpu()
+                if tidx == 0:
+                    # Every split has arrived: zero the counter for the next call on this buffer.
+                    mSemaphore[batch_index, head_tile] = Int32(0)
+                split_o = mPartialO[batch_index, head_tile, None, None, None]
+                split_lse = mPartialLSE[batch_index, head_tile, None, None]
+                for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
+                    row = p * rows_per_pass + tidx // chunks
+                    if row < rows_here:
+                        lse = self.merge(split_o, split_lse, splits, row, chunk,
+                                         self.sink(mSinks, head_kv, packed_start + row), values)
+                        self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
+
+    def sink(self, mSinks, head_kv, packed):
+        """The sink logit of packed row `packed`'s query head, or None without sinks."""
+        if mSinks is None:
+            return None
+        return mSinks[head_kv * self.group + packed % self.group]
+
+    @cute.jit
+    def merge(self, parts_o: cute.Tensor, parts_lse: cute.Tensor, num_parts: cutlass.Constexpr, row: Int32,
+              chunk: Int32, sink, values: cute.Tensor):
+        """values = columns [8 chunk, 8 chunk + 8) of row `row` of the softmax over every part's keys
+        (and the sink): sum_p exp(lse_p - lse) O_p with lse = log(sum_p exp(lse_p) + exp(sink)).
+        Returns lse; a row no part saw (and no sink) gets O 0 and lse -inf. parts_o [P, 16, D] holds
+        normalised partial O, parts_lse [P, 16] their LSE (natural log)."""
+        top = -Float32.inf
+        if cutlass.const_expr(sink is not None):
+            top = sink
+        for p in cutlass.range(num_parts, unroll=8):
+            top = cute.arch.fmax(top, parts_lse[p, row])
+        shift = top * online_softmax.LOG2_E
+        if top == -Float32.inf:
+            shift = Float32(0.0)
+        total = Float32(0.0)
+        if cutlass.const_expr(sink is not None):
+            total = cute.math.exp2(sink * online_softmax.LOG2_E - shift, fastmath=True)
+        values.fill(0.0)
+        for p in cutlass.range(num_parts, unroll=4):
+            weight = cute.math.exp2(parts_lse[p, row] * online_softmax.LOG2_E - shift, fastmath=True)
+            total = total + weight
+            part = cute.local_tile(parts_o[p, row, None], (CHUNK,), (chunk,))
+            for e in cutlass.range_constexpr(CHUNK):
+                values[e] = values[e] + weight * part[e]
+        lse = -Float32.inf
+        scale = Float32(0.0)
+        if total > 0.0:
+            lse = (shift + cute.math.log2(total, fastmath=True)) * online_softmax.LN_2
+            scale = cute.arch.rcp_approx(total)
+        for e in cutlass.range_constexpr(CHUNK):
+            values[e] = values[e] * scale
+        return lse
+
+    @cute.jit
+    def store_output(self, mO: cute.Tensor, mLSE: cute.Tensor, values: cute.Tensor, lse: Float32,
+                     batch_index: Int32, head_kv: Int32, packed: Int32, chunk: Int32):
+        """Packed row `packed` (position * G + head in group) of the final O (columns of `chunk`, in the
+        output dtype) and its LSE."""
+        position = packed // self.group
+        head = head_kv * self.group + packed % self.group
+        g_o = cute.local_tile(mO[batch_index, position, head, None], (CHUNK,), (chunk,))
+        for e in cutlass.range_constexpr(CHUNK):
+            g_o[e] = values[e].to(self.dtype)
+        if chunk == 0:
+            mLSE[batch_index, head, position] = lse
 
     @cute.jit
     def load_block(self, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
@@ -441,19 +548,26 @@ def _kernel(options: DecodeOptions) -> Sm90DecodeKernel:
 
 
 def partial_shapes(options: DecodeOptions, batch: int, kv_heads: int):
-    """Shapes of the kernel's outputs: partial O [B, Hkv * row tiles, splits * warps, 16, D] and LSE."""
-    leading = (batch, kv_heads * options.row_tiles, options.num_splits * WARPS, TILE_M)
+    """Shapes of the per-split partials: O [B, Hkv * row tiles, splits, 16, D] and LSE [B, Hkv * row tiles,
+    splits, 16] (float32; rows past the tile's last are not written)."""
+    leading = (batch, kv_heads * options.row_tiles, options.num_splits, TILE_M)
     return leading + (options.head_dim,), leading
 
 
+def semaphore_shape(options: DecodeOptions, batch: int, kv_heads: int):
+    """The fused combine's arrival counters: one int32 per (batch, head tile), zero between calls."""
+    return (batch, kv_heads * options.row_tiles)
+
+
 def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batch: int, kv_heads: int):
-    """Merge the (split, warp) partials: out [B, Sq, Hq, D] float32, lse [B, Hq, Sq].
+    """Merge the split partials in XLA (the path with fused_combine=False): out [B, Sq, Hq, D] float32,
+    lse [B, Hq, Sq].
 
     lse = log(sum_p exp(lse_p) + exp(sink)); out = sum_p exp(lse_p - lse) O_p, a row whose every
     partial is -inf (and sink too) gets out 0, lse -inf. Runs as one fused XLA pass over the partials.
     """
     group, q_len, rows = options.group, options.q_len, options.rows
-    parts = options.num_splits * WARPS
+    parts = options.num_splits
 
     def by_row(x):   # [B, Hkv * T, P, 16, ...] -> [B, Hkv, P, rows, ...]
         x = x.reshape((batch, kv_heads, options.row_tiles, parts, TILE_M) + x.shape[4:])
@@ -487,26 +601,48 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
 
     from fa4_jax.kernels import compile_cache
 
-    batch, kv_heads = query.shape[0], key_cache.shape[2]
+    batch, q_len, q_heads, _ = query.shape
+    kv_heads = key_cache.shape[2]
     o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
-    outputs = (jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
-    arguments = (query, key_cache, value_cache, block_tables, kv_seq_lengths)
+    outputs = [jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
+    arguments = [query, key_cache, value_cache, block_tables, kv_seq_lengths, None, None]
+    aliases = None
+    if options.fused_combine:
+        # The counters are zeroed here and left zero by the kernel; aliased to an output so that
+        # XLA hands the kernel a buffer of its own to count in.
+        semaphore = jnp.zeros(semaphore_shape(options, batch, kv_heads), jnp.int32)
+        arguments[5:] = [sinks, semaphore]
+        aliases = {6: 0}
+        outputs = [jax.ShapeDtypeStruct(semaphore.shape, jnp.int32), *outputs,
+                   jax.ShapeDtypeStruct((batch, q_len, q_heads, options.head_dim), query.dtype),
+                   jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32)]
     kernel = _kernel(options)
     compile_key = (str(kernel), options)
-    compile_cache.prepare(kernel, arguments, outputs, compile_key)
-    partial_o, partial_lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
-    out, lse = combine_partials(options, partial_o, partial_lse, sinks, batch, kv_heads)
+    compile_cache.prepare(kernel, tuple(arguments), tuple(outputs), compile_key, aliases)
+    results = cutlass_call(kernel, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
+                           compile_key=compile_key)(*arguments)
+    if options.fused_combine:
+        return results[-2], results[-1]
+    out, lse = combine_partials(options, results[0], results[1], sinks, batch, kv_heads)
     return out.astype(query.dtype), lse
 
 
-def fake_arguments(options: DecodeOptions, batch: int, kv_heads: int, num_blocks: int, max_blocks: int) -> list:
-    """Fake tensors in the kernel's argument order, for compiling without a GPU."""
+def fake_arguments(options: DecodeOptions, batch: int, kv_heads: int, num_blocks: int, max_blocks: int,
+                   has_sinks: bool = False) -> list:
+    """Fake tensors in the kernel's argument order, for compiling without a GPU: (query, key and value
+    caches, block tables, lengths, sinks or None, semaphore or None, partial O, partial LSE[, out, lse])."""
     element = host.cutlass_dtype(options.dtype_name)
     q_heads = kv_heads * options.group
     o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
     cache = (num_blocks, options.page_size, kv_heads, options.head_dim)
-    return [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
-            host.fake_tensor(element, cache), host.fake_tensor(element, cache),
-            host.fake_tensor(cutlass.Int32, (batch, max_blocks)), host.fake_tensor(cutlass.Int32, (batch,)),
-            host.fake_tensor(Float32, o_shape), host.fake_tensor(Float32, lse_shape)]
-
+    fused = options.fused_combine
+    arguments = [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
+                 host.fake_tensor(element, cache), host.fake_tensor(element, cache),
+                 host.fake_tensor(cutlass.Int32, (batch, max_blocks)), host.fake_tensor(cutlass.Int32, (batch,)),
+                 host.fake_tensor(Float32, (q_heads,)) if fused and has_sinks else None,
+                 host.fake_tensor(cutlass.Int32, semaphore_shape(options, batch, kv_heads)) if fused else None,
+                 host.fake_tensor(Float32, o_shape), host.fake_tensor(Float32, lse_shape)]
+    if fused:
+        arguments += [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
+                      host.fake_tensor(Float32, (batch, q_heads, options.q_len))]
+    return arguments
