@@ -105,6 +105,20 @@ def test_ptx_has_the_design(compiled, name):
     assert re.search(rf"cp\.async\.wait_group\s+{wait};", ptx), f"no multistage wait (wait_group {wait})"
     assert not re.search(r"\.local\b|ld\.local|st\.local", ptx), "local memory in the PTX"
     assert "wgmma" not in ptx and "cp.async.bulk" not in ptx  # arch-neutral by design
+    options = _compiled_options(name)
+    arrivals = re.findall(r"atom\.global(?:\.acq_rel)?(?:\.gpu)?\.add\.[us]32", ptx)
+    if options.fused_combine and options.num_splits > 1:
+        # The fused combine: partial stores, a device-scope fence, then one acq_rel arrival per CTA, and
+        # a fence again before the last CTA reads the partials.
+        assert re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add\.[us]32", ptx) == arrivals and len(arrivals) == 1, \
+            f"expected one acq_rel device-scope atomic add, found {arrivals}"
+        fences = [m.start() for m in re.finditer(r"fence\.acq_rel\.gpu;", ptx)]
+        atomic = ptx.index(arrivals[0])
+        last_partial_store = ptx.rindex("st.global", 0, atomic)
+        assert any(last_partial_store < f < atomic for f in fences), "no fence between the partials and the arrival"
+        assert any(f > atomic for f in fences), "no fence between the arrival and the last CTA's reads"
+    else:
+        assert not arrivals, "an arrival counter where no split waits for another"
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="ptxas not installed")
@@ -269,8 +283,8 @@ def test_combine_partials_is_the_softmax_over_all_keys(rng):
     problem = host.Problem((batch, q_len, kv_heads * group, dim), (batch, 100, kv_heads, dim),
                            (batch, 100, kv_heads, dim), "bfloat16", page_size=10)
     options = decode.options(AttentionConfig(scale=0.3, causal=True, has_kv_seq_lengths=True), problem,
-                             sm_count=132, num_splits=2)
-    parts, rows = options.num_splits * decode.WARPS, options.rows
+                             sm_count=132, num_splits=7)
+    parts, rows = options.num_splits, options.rows
     logits = rng.standard_normal((batch, kv_heads, rows, keys)) * 3
     values = rng.standard_normal((batch, kv_heads, keys, dim))
     sinks = rng.standard_normal(kv_heads * group).astype(np.float32)
