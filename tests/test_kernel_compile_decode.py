@@ -249,15 +249,49 @@ def test_options_are_checked():
         decode.options(config, _problem(head_dim=head_dim)).check()
 
 
+# The split counts of the decode benchmark's rows (benchmarks/decode.py: Hq / Hkv 32 / 8, D 128, bf16;
+# the same for pages of 16 and 64 and for q_len 1 and 4, both one 16-row tile), on 132 SMs with 2 CTAs
+# of 64-key blocks per SM (264 slots):
+#   batch  context  CTAs without splits  key blocks  splits  blocks per split  CTAs
+#   1      1k       8                    16          16      1                 128
+#   1      8k       8                    128         32      4                 256
+#   1      32k      8                    512         32      16                256
+#   1      128k     8                    2048        33      63 (last: 32)     264
+#   8      1k       64                   16          4       4                 256
+#   8      8k+      64                   >= 128      4       >= 32             256
+#   64     any      512 (>= 264)         -           1       all               512
+BENCHMARK_SPLITS = {(1, 1024): 16, (1, 8192): 32, (1, 32768): 32, (1, 131072): 33,
+                    (8, 1024): 4, (8, 8192): 4, (8, 32768): 4, (8, 131072): 4,
+                    (64, 1024): 1, (64, 8192): 1, (64, 32768): 1, (64, 131072): 1}
+
+
+@pytest.mark.parametrize("q_len, page", [(1, 16), (4, 64)])
+def test_split_heuristic_on_the_benchmark_shapes(q_len, page):
+    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
+    for (batch, context), splits in BENCHMARK_SPLITS.items():
+        logical = (batch, context, 8, 128)
+        problem = host.Problem((batch, q_len, 32, 128), logical, logical, "bfloat16", page_size=page)
+        options = decode.options(config, problem, sm_count=132)
+        assert (options.num_splits, options.tile_n) == (splits, 64), (batch, context)
+        blocks = context // options.tile_n
+        per_split = -(-blocks // splits)
+        assert (splits - 1) * per_split < blocks, f"an idle split at {(batch, context)}"
+        assert splits == 1 or batch * 8 * splits <= 264, f"splits past one wave at {(batch, context)}"
+
+
 def test_split_heuristic():
-    """One split when the CTAs fill the GPU; more for small batches, bounded by the key blocks."""
+    """One split when the CTAs fill the GPU; more for small batches, bounded by the key blocks, and as
+    few as give each split the same number of blocks."""
     fill = lambda batch, context: decode.choose_num_splits(batch, 8, 1, context, 64, 132, 2)
     assert fill(64, 8192) == 1                       # 512 CTAs >= 264 slots
+    assert fill(33, 8192) == 1                       # 264 CTAs: exactly one wave
     assert fill(8, 8192) == 4                        # 64 CTAs: 264 // 64, one wave of 256
-    assert fill(1, 131072) == 33                     # 8 CTAs: 264 // 8
-    assert fill(1, 1024) == 8                        # 16 blocks / MIN_BLOCKS_PER_SPLIT
+    assert fill(1, 8192) == 32                       # 264 // 8 = 33 splits of 4 blocks leave one idle
+    assert fill(1, 1024) == 16                       # one block each
     assert fill(1, 64) == 1
+    assert fill(1, 100) == 2                         # a partial second block is a block
     assert decode.choose_num_splits(1, 1, 1, 10 ** 8, 64, 132, 2) == decode.MAX_SPLITS
+    assert decode.choose_num_splits(1, 8, 4, 8192, 64, 132, 2) == 8     # 32 CTAs: 264 // 32
 
 
 def _problem(q_len=1, q_heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", page=16, batch=2):

@@ -52,7 +52,7 @@ THREADS = 128
 WARPS = THREADS // 32
 TILE_M = 16              # packed query rows per CTA: one mma.sync M
 MAX_SPLITS = 128
-MIN_BLOCKS_PER_SPLIT = 2  # a split should amortise its prologue (Q load, pipeline fill) over a few blocks
+MIN_BLOCKS_PER_SPLIT = 1  # key blocks a split reads at least (choose_num_splits says why one is enough)
 SHARED_MEMORY_LIMIT = 227 * 1024
 # (key block, stages) per head dim: 96 KB of K/V stages at D = 64 / 128, so two CTAs share an SM
 # (8 warps, 2 x 64 KB of cp.async in flight per SM); one at D = 256.
@@ -129,17 +129,26 @@ def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int
     One split when batch · kv_heads · row_tiles CTAs already fill every SM's CTA slots; otherwise as
     many splits as fit in one wave of the slots (floor: one more would start a second, mostly empty
     wave, e.g. 5 x 64 CTAs on 264 slots), but no more than leaves MIN_BLOCKS_PER_SPLIT key blocks of
-    the longest sequence per split (a split's fixed cost, loading Q and filling the pipeline, must
-    stay small next to its reads) and no more than MAX_SPLITS. Each split writes a 16-row partial O per warp,
-    so more splits also mean more combine traffic: B · Hkv · splits · 4 · 16 · Dv floats.
+    the longest sequence per split and no more than MAX_SPLITS; then as few splits as give each the
+    same number of blocks (128 blocks on 33 splits is 4 a split: 32 splits, no idle CTA).
+
+    Why one block per split is enough: a split's fixed costs (block table, Q and its first blocks in
+    flight together, then its partial and the arrival) run in parallel with every other split's while
+    the CTAs fit in one wave, and the fused combine reads one row-sized partial per split (B = 1, one
+    token, 8 kv heads: 2 KB per split per head), so more splits cost the last CTA little next to what
+    they spread: at B = 1 and 1k keys 16 blocks per head become 16 CTAs of one block (128 CTAs on 132
+    SMs) instead of 8 of two (64 SMs idle). The table for the decode benchmark's shapes (Hkv 8, D 128,
+    tile_n 64, 2 CTAs per SM on 132 SMs; q_len 1 and 4 are both one row tile) is in
+    tests/test_kernel_compile_decode.py::test_split_heuristic.
     """
     ctas = batch * kv_heads * row_tiles
     slots = sm_count * ctas_per_sm
     if ctas >= slots:
         return 1
     blocks = -(-max_kv_len // tile_n)
-    wanted = slots // max(ctas, 1)
-    return max(1, min(wanted, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    wanted = max(1, min(slots // max(ctas, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    per_split = -(-blocks // wanted)
+    return max(1, -(-blocks // per_split))
 
 
 def accumulator_mn(acc: cute.Tensor) -> cute.Tensor:
