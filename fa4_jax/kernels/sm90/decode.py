@@ -10,8 +10,26 @@ kernel is built to keep that read at the memory-bandwidth limit:
 - Split-KV: when batch · Hkv · row tiles CTAs cannot fill the GPU, each sequence's key blocks are
   split across `num_splits` CTAs (`choose_num_splits`, below). Within a CTA each of the 4 warps owns a
   quarter of every key block and keeps its own online softmax, so no warp waits on another in the
-  key loop. Every (split, warp) writes a normalised partial O (fp32) and its LSE; `combine_partials`
-  (a fused XLA pass) merges them, adds the sinks, and lays out [B, Sq, Hq, Dv] and [B, Hq, Sq].
+  key loop; at the end the 4 warps merge their (O, LSE) through shared memory (the K/V ring is free
+  by then) into the split's one.
+- Fused combine (the default): each split writes its normalised partial O (fp32, only the tile's real
+  rows) and LSE, fences (device scope), and one thread adds 1 to the (batch, head tile)'s int32
+  counter with an acq_rel atomic; the CTA that sees splits - 1 is the last, zeroes the counter again,
+  and merges every split's partial (just written, so read from L2) with the sinks into the final O
+  (output dtype, [B, Sq, Hq, Dv]) and LSE [B, Hq, Sq]. One split writes them directly. The counters
+  come zeroed from XLA (aliased in and out, so the kernel owns the buffer). `fused_combine=False`
+  leaves the merge to `combine_partials`, one fused XLA pass (kept to measure against and fall back to).
+
+  Why (B = 1, Hq / Hkv = 32 / 8, D = 128, bf16; benchmarks/results/decode_h200.json, rev d309c5e): K/V
+  is 4 KiB per token (8 heads x 2 x 128 x 2 bytes): 4 MiB at 1k, 32 MiB at 8k, 128 MiB at 32k, i.e.
+  1.2 / 9.9 / 39 us at 3.4 TB/s. Measured with the XLA combine: 17.9 / 26.1 / 55.8 us, so ~16-17 us
+  that no read explains. The old layout wrote a partial per (split, warp) over all 16 rows: at 8k
+  8 heads x 33 splits x 4 warps x 16 x 128 x 4 bytes = 8.7 MB out and back in (a quarter of the K/V
+  read), then the XLA pass's kernels. Now a split's partial is its real rows only (4 at one token:
+  2 KB a head), 0.5 MB at 8k, and there is one kernel. Predicted (to be measured; benchmarks/decode.py):
+  B = 1: 1k 5-6.5 us (Pallas 9.2; 1.5x needs <= 6.1), 8k 12-14 us (2.4-2.8 TB/s, 72-83 % of copy),
+  32k 36-43 us (3.1-3.7 TB/s), 128k 125-140 us; B = 8: 1k 12-15 us (was 23.6), 8k and up a few us
+  under the old times.
 - Pages through cp.async with per-row addresses: a token's page comes from the block table, its
   address is computed per 16-byte chunk, so any page size works (1 .. the whole sequence; the
   contiguous-cache form of `fa4_jax.attention` is one page per sequence). Rows past the sequence's
@@ -391,8 +409,7 @@ class Sm90DecodeKernel:
                 else:
                     lse = self.merge(warp_o, warp_lse, WARPS, row, chunk, None, values)
                     g_o = cute.local_tile(mPartialO[batch_index, head_tile, split, row, None], (CHUNK,), (chunk,))
-                    for e in cutlass.range_constexpr(CHUNK):
-                        g_o[e] = values[e]
+                    g_o.store(values.load())
                     if chunk == 0:
                         mPartialLSE[batch_index, head_tile, split, row] = lse
 
@@ -451,15 +468,13 @@ class Sm90DecodeKernel:
             weight = cute.math.exp2(parts_lse[p, row] * online_softmax.LOG2_E - shift, fastmath=True)
             total = total + weight
             part = cute.local_tile(parts_o[p, row, None], (CHUNK,), (chunk,))
-            for e in cutlass.range_constexpr(CHUNK):
-                values[e] = values[e] + weight * part[e]
+            values.store(values.load() + weight * part.load())
         lse = -Float32.inf
         scale = Float32(0.0)
         if total > 0.0:
             lse = (shift + cute.math.log2(total, fastmath=True)) * online_softmax.LN_2
             scale = cute.arch.rcp_approx(total)
-        for e in cutlass.range_constexpr(CHUNK):
-            values[e] = values[e] * scale
+        values.store(values.load() * scale)
         return lse
 
     @cute.jit
@@ -470,8 +485,7 @@ class Sm90DecodeKernel:
         position = packed // self.group
         head = head_kv * self.group + packed % self.group
         g_o = cute.local_tile(mO[batch_index, position, head, None], (CHUNK,), (chunk,))
-        for e in cutlass.range_constexpr(CHUNK):
-            g_o[e] = values[e].to(self.dtype)
+        g_o.store(values.load().to(self.dtype))
         if chunk == 0:
             mLSE[batch_index, head, position] = lse
 
