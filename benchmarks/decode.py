@@ -166,11 +166,12 @@ def _pallas_functions(row, arguments):
     return functions
 
 
-def measure(row, key, iterations, sm_count: int, xla_combine: bool = False) -> dict:
+def measure(row, key, iterations, sm_count: int = None, xla_combine: bool = False) -> dict:
     import jax
     import fa4_jax
-    from fa4_jax.kernels.sm90 import decode
+    from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode
 
+    sm_count = sm_count or DEFAULT_SM_COUNT
     arguments = _inputs(row, key)
     record = dict(row, kv_bytes=kv_bytes(row), num_splits=_options(row, sm_count).num_splits)
     ours = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute"))
