@@ -107,7 +107,8 @@ def test_forced_options(overrides, rng):
                                      has_kv_seq_lengths=True)
     problem = paged.paged_problem(*arguments[:4])
     options = decode.options(config, problem, **overrides)
-    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference")
+    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
+                                               return_lse=True)
     poison_device_memory(64 * 2 ** 20)
     out, lse = jax.jit(lambda *a: decode.run(options, *a))(*arguments, drawn["sinks"])
     _check(case, out, lse, drawn, reference_out)
@@ -179,7 +180,8 @@ def test_fused_combine_calls_in_a_row(num_splits, rng):
     options = decode.options(config, paged.paged_problem(*arguments[:4]), num_splits=num_splits)
     assert options.fused_combine
     call = jax.jit(lambda *a: decode.run(options, *a))
-    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference")
+    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
+                                               return_lse=True)
     poison_device_memory(64 * 2 ** 20)
     first = call(*arguments, drawn["sinks"])
     second = call(*arguments, drawn["sinks"])
@@ -197,5 +199,6 @@ def test_fused_combine_calls_in_a_row(num_splits, rng):
     for index, one in enumerate(lengths):
         drawn_here = dict(drawn, kv_seq_lengths=jnp.asarray(one))
         reference_here, _ = fa4_jax.paged_attention(query, key_cache, value_cache, tables, jnp.asarray(one),
-                                                    sinks=drawn["sinks"], implementation="reference")
+                                                    sinks=drawn["sinks"], implementation="reference",
+                                                    return_lse=True)
         _check(case, outs[index], lses[index], drawn_here, reference_here)
