@@ -2,10 +2,10 @@
 
 Rows: batch in {1, 8, 64}, context in {1k, 8k, 32k, 128k} (every sequence full), Hq / Hkv = 32 / 8,
 D = 128, page size 16 and 64, Sq in {1, 4}, bf16, block tables a random permutation of the cache.
-Per row: our kernel (`fa4_jax.paged_attention(implementation="cute")`: one kernel, the splits merged
-by its last CTA; `num_splits` records how many; with --xla-combine also the same splits merged by
-the XLA pass, `fa4_jax_xla_combine_ms`), Pallas `decode_attention.gqa` on the same cache viewed contiguously (its API takes
-[B, L, Hkv, D] and transposes K and V to [B, Hkv, L, D] inside the call, which its time includes) and
+Per row: our kernel (`fa4_jax.paged_attention(implementation="cute")`: one kernel, the splits
+merged by its last CTA; `num_splits` records how many; with --xla-combine also the same splits
+merged by the XLA pass, `fa4_jax_xla_combine_ms`), Pallas `decode_attention.gqa` on the same cache
+viewed contiguously (its API takes [B, L, Hkv, D] and transposes K and V to [B, Hkv, L, D] inside the call, which its time includes) and
 Pallas `paged_attention` (its own [Hkv, pages, page, D] layout, copied untimed; its default
 block_h = 16, the smallest it takes) where they run (Sq = 1 only: both take one query token), and the
 reference where its gathered float32 copy stays small (K/V <= 1 GiB). Pallas' outputs are not compared (their

@@ -156,8 +156,8 @@ def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int
     token, 8 kv heads: 2 KB per split per head), so more splits cost the last CTA little next to what
     they spread: at B = 1 and 1k keys 16 blocks per head become 16 CTAs of one block (128 CTAs on 132
     SMs) instead of 8 of two (64 SMs idle). The table for the decode benchmark's shapes (Hkv 8, D 128,
-    tile_n 64, 2 CTAs per SM on 132 SMs; q_len 1 and 4 are both one row tile) is in
-    tests/test_kernel_compile_decode.py::test_split_heuristic.
+    tile_n 64, 2 CTAs per SM on 132 SMs; q_len 1 and 4 are both one row tile) is BENCHMARK_SPLITS in
+    tests/test_kernel_compile_decode.py.
     """
     ctas = batch * kv_heads * row_tiles
     slots = sm_count * ctas_per_sm
@@ -248,8 +248,8 @@ class Sm90DecodeKernel:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mBlockTables: cute.Tensor,
                mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
                mPartialO: cute.Tensor, mPartialLSE: cute.Tensor, mO: Optional[cute.Tensor],
-               mLSE: Optional[cute.Tensor], q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout, tiled_load: cute.TiledCopy,
-               load_atom: cute.CopyAtom, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               mLSE: Optional[cute.Tensor], q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
+               tiled_load: cute.TiledCopy, load_atom: cute.CopyAtom, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         tidx = cute.arch.thread_idx()[0]
         warp_index = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
