@@ -8,7 +8,9 @@ what the caller supplies for global loads (block tables, lengths), so the values
 memory, and everything computed from them, are stand-ins:
 
 - ldmatrix results are 0 and mma.sync results a fixed 0.5; float instructions are evaluated in Python
-  floats, so a branch on a float (a lazy rescale) goes one way or the other, never both;
+  floats, so a branch on a float (a lazy rescale) goes one way or the other, never both; of the float
+  conversions only the packing of two f32 into bf16x2 / f16x2 (round to nearest even) is computed,
+  the others give 0 (they feed MMA operands);
 - shfl.sync returns the thread's own value: right for the warp-uniform values kernels broadcast (the
   shared base, the warp index), a stand-in for butterfly reductions of floats;
 - barriers, fences and cp.async groups are no-ops (one thread runs at a time);
@@ -44,6 +46,7 @@ class Access:
     space: str      # shared or global
     address: int
     size: int       # bytes
+    values: tuple = ()   # a store's source values (their bits, one per register)
 
 
 @dataclasses.dataclass
@@ -97,6 +100,26 @@ def _float_bits(value: float) -> int:
 
 def _bits_float(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+
+def _half_bits(value: float, kind: str) -> int:
+    """The 16 bits of `value` rounded to nearest even as bf16 (kind bf16x2) or fp16 (f16x2)."""
+    if kind == "f16x2":
+        try:
+            return struct.unpack("<H", struct.pack("<e", value))[0]
+        except OverflowError:
+            return 0x7C00 if value > 0 else 0xFC00
+    bits = _float_bits(value)
+    if bits & 0x7FFFFFFF > 0x7F800000:
+        return 0x7FC0
+    return ((bits + 0x7FFF + (bits >> 16 & 1)) >> 16) & 0xFFFF
+
+
+def half_float(bits: int, kind: str) -> float:
+    """The float of 16 bits of bf16 (kind bf16x2) or fp16 (f16x2)."""
+    if kind == "f16x2":
+        return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
+    return _bits_float((bits & 0xFFFF) << 16)
 
 
 class _Thread:
@@ -214,7 +237,9 @@ class _Thread:
         width = _width(type_name)
         if name == "st":
             sources = [r.strip() for r in operands[1].strip("{}").split(",")]
-            self.record("st." + space, space, self.address(operands[0]), width // 8 * len(sources))
+            base, offset = self.address(operands[0])
+            self.accesses.append(Access("st." + space, space, self.value(base) + offset, width // 8 * len(sources),
+                                        tuple(self.value(source, width) & _MASKS[width] for source in sources)))
             if space == "shared":
                 address = self.accesses[-1].address
                 for i, source in enumerate(sources):
@@ -254,8 +279,13 @@ class _Thread:
     def convert(self, parts, operands):
         types = [p for p in parts[1:] if re.match(r"^(bf|[subf])\d+(x2)?$", p)]
         target, source = types[0], types[1]
+        if target in ("bf16x2", "f16x2") and source == "f32":
+            # d = {a: high half, b: low half}
+            high, low = (_half_bits(_bits_float(self.value(o)), target) for o in operands[1:3])
+            self.write(operands[0], high << 16 | low, 32)
+            return
         if target.startswith(("f", "bf")) or source.startswith(("f", "bf")):
-            self.write(operands[0], 0, 32)   # float conversions only feed MMA operands here
+            self.write(operands[0], 0, 32)   # the other float conversions only feed MMA operands here
             return
         source_width, target_width = _width(source), _width(target)
         value = self.value(operands[1])

@@ -402,3 +402,74 @@ def test_both_entry_points_lower_to_the_decode_kernel(monkeypatch):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert "fa4_jax_sm90_decode" in text
         assert "fa4_jax_sm90_forward" not in text
+
+
+@pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d128-q4-page64-sinks", "d128-gqa4-page16"])
+def test_last_cta_merges_the_splits(compiled, name, rng):
+    """The last CTA of a (batch, head tile), run thread by thread on the CPU from its PTX with every
+    split's partial (O, LSE) and the sinks in memory, writes the softmax over all splits and the sink:
+    lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s, rounded to the output dtype.
+    Among the rows: one that no split saw (lse -inf everywhere: O 0, LSE the sink or -inf) and one that
+    only some splits saw."""
+    options = _compiled_options(name)
+    fields, (B, Sq, Hq, Hkv, D, max_blocks), dtype, *_ = CONFIGS[name]
+    has_sinks = fields.get("has_sinks", False)
+    buffers = [b for b in _BUFFERS if b != "sinks" or has_sinks]
+    splits, head_tiles, group = options.num_splits, Hkv * options.row_tiles, options.group
+    assert splits > 1
+    with open(compiled[name]["ptx"]) as handle:
+        program = ptx_addresses.parse(handle.read())
+    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
+    shapes = _shapes(options, name)
+    batch, head_tile = B - 1, head_tiles - 1
+    head_kv, first = head_tile // options.row_tiles, head_tile % options.row_tiles * decode.TILE_M
+    rows = min(decode.TILE_M, options.rows - first)
+    max_len = max_blocks * options.page_size
+    memory = {_BASES["lengths"] + 4 * b: max_len for b in range(B)}
+    memory.update({_BASES["tables"] + 4 * i: i % _FAKE_BLOCKS for i in range(B * max_blocks)})
+    memory[_BASES["semaphore"] + 4 * (batch * head_tiles + head_tile)] = splits - 1
+    partial_lse = rng.standard_normal((splits, rows)).astype(np.float32) * 3
+    partial_lse[:, 0] = -np.inf                      # a row no split saw
+    partial_lse[: splits // 2, rows - 1] = -np.inf   # a row only the later splits saw
+    partial_o = rng.standard_normal((splits, rows, D)).astype(np.float32)
+    partial_o[:, 0] = 0.0                            # what an empty split writes
+    sinks = rng.standard_normal(Hq).astype(np.float32) if has_sinks else None
+    bits = lambda x: int(np.float32(x).view(np.uint32))
+    for s in range(splits):
+        for r in range(rows):
+            index = (((batch * shapes["partial_lse"][1] + head_tile) * splits + s) * decode.TILE_M + r)
+            memory[_BASES["partial_lse"] + 4 * index] = bits(partial_lse[s, r])
+            for d in range(D):
+                memory[_BASES["partial_o"] + 4 * (index * D + d)] = bits(partial_o[s, r, d])
+    if has_sinks:
+        memory.update({_BASES["sinks"] + 4 * h: bits(sinks[h]) for h in range(Hq)})
+
+    stored = {}
+    shared = {}
+    for thread in range(decode.THREADS):
+        for access in ptx_addresses.thread_accesses(program, thread, (splits - 1, head_tile, batch), params, memory,
+                                                    shared_memory=shared):
+            if access.kind == "st.global" and _BASES["out"] <= access.address:
+                stored[access.address] = access
+    kind = "bf16x2" if dtype == "bfloat16" else "f16x2"
+    packed = np.arange(first, first + rows)
+    heads, positions = head_kv * group + packed % group, packed // group
+    top = partial_lse.max(axis=0)
+    if has_sinks:
+        top = np.maximum(top, sinks[heads])
+    shift = np.where(np.isfinite(top), top, 0.0)
+    total = np.exp(partial_lse - shift).sum(axis=0) + (np.exp(sinks[heads] - shift) if has_sinks else 0.0)
+    expected_lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    weights = np.exp(partial_lse - np.where(np.isfinite(expected_lse), expected_lse, 0.0))
+    expected_o = np.einsum("sr,srd->rd", weights, partial_o)
+    for r in range(rows):
+        lse_address = _BASES["lse"] + 4 * ((batch * Hq + heads[r]) * Sq + positions[r])
+        (lse_bits,) = stored[lse_address].values
+        np.testing.assert_allclose(ptx_addresses._bits_float(lse_bits), expected_lse[r], rtol=1e-5, atol=1e-5)
+        out = []
+        for d in range(0, D, 8):
+            address = _BASES["out"] + 2 * (((batch * Sq + positions[r]) * Hq + heads[r]) * D + d)
+            for word in stored[address].values:
+                out += [ptx_addresses.half_float(word, kind), ptx_addresses.half_float(word >> 16, kind)]
+        np.testing.assert_allclose(out, expected_o[r], rtol=1e-2, atol=1e-2, err_msg=f"{name} row {r}")
+    assert np.isinf(expected_lse[0]) != has_sinks
