@@ -455,7 +455,9 @@ class Sm90DecodeKernel:
         top = -Float32.inf
         if cutlass.const_expr(sink is not None):
             top = sink
-        for p in cutlass.range(num_parts, unroll=8):
+        # Unrolled wide so that many parts' loads are in flight at once: the last CTA's merge is a
+        # chain of L2 round trips, one per unrolled group (32 splits: 1 + 4 of them).
+        for p in cutlass.range(num_parts, unroll=32):
             top = cute.arch.fmax(top, parts_lse[p, row])
         shift = top * online_softmax.LOG2_E
         if top == -Float32.inf:
@@ -464,7 +466,7 @@ class Sm90DecodeKernel:
         if cutlass.const_expr(sink is not None):
             total = cute.math.exp2(sink * online_softmax.LOG2_E - shift, fastmath=True)
         values.fill(0.0)
-        for p in cutlass.range(num_parts, unroll=4):
+        for p in cutlass.range(num_parts, unroll=8):
             weight = cute.math.exp2(parts_lse[p, row] * online_softmax.LOG2_E - shift, fastmath=True)
             total = total + weight
             part = cute.local_tile(parts_o[p, row, None], (CHUNK,), (chunk,))
