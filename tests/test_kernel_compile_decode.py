@@ -151,9 +151,8 @@ def _shapes(options, name):
             "partial_lse": lse_shape, "out": (B, Sq, Hq, D), "lse": (B, Hq, Sq)}
 
 
-def _element_bytes(name, buffer):
-    two_bytes = ("q", "k", "v", "out")
-    return 2 if buffer in two_bytes else 4
+def _element_bytes(buffer):
+    return 2 if buffer in ("q", "k", "v", "out") else 4
 
 
 @pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d64-softcap-window-fp16-page7", "d256-64-rows",
@@ -177,7 +176,7 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
     assert [size for _, size in program.params] == [8] * len(buffers), f"expected {len(buffers)} tensor pointers"
     params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
     shapes = _shapes(options, name)
-    sizes = {b: int(np.prod(shapes[b])) * _element_bytes(name, b) for b in buffers}
+    sizes = {b: int(np.prod(shapes[b])) * _element_bytes(b) for b in buffers}
     max_len = max_blocks * options.page_size
     lengths = [max_len] + [int(rng.integers(1, max_len + 1)) for _ in range(B - 1)]
     pages = [-(-length // options.page_size) for length in lengths]
@@ -209,7 +208,7 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
                 assert offset + access.size <= sizes[buffer], f"past the end of {buffer}: {where}"
                 if buffer == "tables":
                     assert offset // 4 % max_blocks < pages[offset // 4 // max_blocks], f"table past length: {where}"
-                unit = _element_bytes(name, buffer)
+                unit = _element_bytes(buffer)
                 touched[buffer][access.kind].extend(range(offset // unit, (offset + access.size) // unit))
 
         def elements(buffer, index):
