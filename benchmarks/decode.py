@@ -2,9 +2,10 @@
 
 Rows: batch in {1, 8, 64}, context in {1k, 8k, 32k, 128k} (every sequence full), Hq / Hkv = 32 / 8,
 D = 128, page size 16 and 64, Sq in {1, 4}, bf16, block tables a random permutation of the cache.
-Per row: our kernel (`fa4_jax.paged_attention(implementation="cute")`: the decode kernel and its
-combine pass), Pallas `decode_attention.gqa` on the same cache viewed contiguously (its API takes
-[B, L, Hkv, D] and transposes K and V to [B, Hkv, L, D] inside the call, which its time includes) and
+Per row: our kernel (`fa4_jax.paged_attention(implementation="cute")`: one kernel, the splits
+merged by its last CTA; `num_splits` records how many; with --xla-combine also the same splits
+merged by the XLA pass, `fa4_jax_xla_combine_ms`), Pallas `decode_attention.gqa` on the same cache
+viewed contiguously (its API takes [B, L, Hkv, D] and transposes K and V to [B, Hkv, L, D] inside the call, which its time includes) and
 Pallas `paged_attention` (its own [Hkv, pages, page, D] layout, copied untimed; its default
 block_h = 16, the smallest it takes) where they run (Sq = 1 only: both take one query token), and the
 reference where its gathered float32 copy stays small (K/V <= 1 GiB). Pallas' outputs are not compared (their
@@ -18,7 +19,7 @@ Our kernels compile first in parallel CPU-only processes into the on-disk kernel
 distinct DecodeOptions), so the timed process loads them.
 
 Usage:
-    python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick]
+    python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick] [--xla-combine]
     python benchmarks/decode.py --plot benchmarks/results/decode_h200.json --png decode_h200.png
     python benchmarks/decode.py --merge b1.json b8.json b64.json --out decode_h200.json   (no GPU needed)
 
@@ -85,6 +86,11 @@ def _specs(row):
             jax.ShapeDtypeStruct((row["batch"], pages), jnp.int32), jax.ShapeDtypeStruct((row["batch"],), jnp.int32))
 
 
+def _options(row, sm_count, **overrides):
+    from fa4_jax.kernels.sm90 import decode
+    return decode.options(_config(), _problem(row), sm_count=sm_count, **overrides)
+
+
 def _compile_row(row):
     """Pool worker: lower our decode kernel for one row for CUDA on the CPU (fills the disk cache)."""
     import jax
@@ -93,19 +99,18 @@ def _compile_row(row):
 
     started = time.perf_counter()
     try:
-        options = decode.options(_config(), _problem(row), sm_count=row["sm_count"] or DEFAULT_SM_COUNT)
+        options = _options(row, row["sm_count"] or DEFAULT_SM_COUNT, **row["overrides"])
         jax.jit(lambda *a: decode.run(options, *a)).trace(*_specs(row)).lower(lowering_platforms=("cuda",))
     except Exception as error:  # the timing process compiles it again and reports the error
         return time.perf_counter() - started, f"{type(error).__name__}: {str(error)[:200]}"
     return time.perf_counter() - started, None
 
 
-def precompile(row_list, workers: int, sm_count: int):
-    from fa4_jax.kernels.sm90 import decode
-
+def precompile(row_list, workers: int, sm_count: int, variants=({},)):
     distinct = {}
     for row in row_list:
-        distinct.setdefault(decode.options(_config(), _problem(row), sm_count=sm_count), dict(row, sm_count=sm_count))
+        for overrides in variants:
+            distinct.setdefault(_options(row, sm_count, **overrides), dict(row, sm_count=sm_count, overrides=overrides))
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers, initializer=attention.cpu_only_worker) as pool:
         errors = [error for _, error in pool.imap_unordered(_compile_row, list(distinct.values())) if error]
@@ -161,12 +166,14 @@ def _pallas_functions(row, arguments):
     return functions
 
 
-def measure(row, key, iterations) -> dict:
+def measure(row, key, iterations, sm_count: int = None, xla_combine: bool = False) -> dict:
     import jax
     import fa4_jax
+    from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode
 
+    sm_count = sm_count or DEFAULT_SM_COUNT
     arguments = _inputs(row, key)
-    record = dict(row, kv_bytes=kv_bytes(row))
+    record = dict(row, kv_bytes=kv_bytes(row), num_splits=_options(row, sm_count).num_splits)
     ours = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute"))
     try:
         our_out, ms = attention._median_ms(ours, arguments, iterations)
@@ -175,6 +182,13 @@ def measure(row, key, iterations) -> dict:
     except Exception as error:
         our_out = None
         record["fa4_jax_error"] = attention_error(error)
+    if xla_combine:   # the same splits merged by combine_partials (XLA) instead of the kernel's last CTA
+        options = _options(row, sm_count, fused_combine=False)
+        try:
+            _, record["fa4_jax_xla_combine_ms"] = attention._median_ms(
+                jax.jit(lambda *a: decode.run(options, *a)), arguments, iterations)
+        except Exception as error:
+            record["fa4_jax_xla_combine_error"] = attention_error(error)
     pallas_times = {}
     for name, (function, pallas_arguments) in _pallas_functions(row, arguments).items():
         try:
@@ -207,7 +221,8 @@ def _format(record) -> str:
         value = record.get(name)
         return fmt.format(value) if isinstance(value, (int, float)) else "    -   "
     return (f"B={record['batch']:3d} ctx={record['context']:6d} q={record['q_len']} page={record['page_size']:2d}  "
-            f"ours {number('fa4_jax_ms')} ms {number('fa4_jax_tbps', '{:5.2f}')} TB/s  "
+            f"ours {number('fa4_jax_ms')} ms {number('fa4_jax_tbps', '{:5.2f}')} TB/s "
+            f"({record.get('num_splits')} splits; XLA combine {number('fa4_jax_xla_combine_ms')} ms)  "
             f"pallas best {number('pallas_best_ms')} ms  ref {number('reference_ms')} ms"
             + "".join(f"  [{name}: {record[name][:80]}]" for name in record if name.endswith("_error")))
 
@@ -224,13 +239,15 @@ def run(args):
                   versions=attention._versions(), git_revision=attention.git_revision(),
                   shape=dict(q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16"),
                   timing="CUPTI kernel time per call (all kernels), median", rows=[])
+    sm_count = host.sm_count(DEFAULT_SM_COUNT)
+    variants = ({}, {"fused_combine": False}) if args.xla_combine else ({},)
     if args.compile_workers > 0:
-        report["precompile"] = precompile(row_list, args.compile_workers, host.sm_count(DEFAULT_SM_COUNT))
+        report["precompile"] = precompile(row_list, args.compile_workers, sm_count, variants)
     report["copy_tbps"] = copy_bandwidth(args.iterations)
     print(f"device-to-device copy: {report['copy_tbps']:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     for row in row_list:
-        record = measure(row, key, args.iterations)
+        record = measure(row, key, args.iterations, sm_count, args.xla_combine)
         record["copy_tbps"] = report["copy_tbps"]
         if "fa4_jax_tbps" in record:
             record["fraction_of_copy"] = record["fa4_jax_tbps"] / report["copy_tbps"]
@@ -296,6 +313,8 @@ def main(argv=None):
     parser.add_argument("--batches", help="comma-separated subset of 1,8,64")
     parser.add_argument("--quick", action="store_true", help="B in {1, 64}, contexts 8k and 32k")
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--xla-combine", action="store_true",
+                        help="also time the same splits merged by the XLA pass (fa4_jax_xla_combine_ms)")
     parser.add_argument("--compile-workers", type=int, default=12)
     parser.add_argument("--plot", help="a report to plot (no GPU needed)")
     parser.add_argument("--png")

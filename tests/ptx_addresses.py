@@ -8,10 +8,17 @@ what the caller supplies for global loads (block tables, lengths), so the values
 memory, and everything computed from them, are stand-ins:
 
 - ldmatrix results are 0 and mma.sync results a fixed 0.5; float instructions are evaluated in Python
-  floats, so a branch on a float (a lazy rescale) goes one way or the other, never both;
+  floats, so a branch on a float (a lazy rescale) goes one way or the other, never both; of the float
+  conversions only the packing of two f32 into bf16x2 / f16x2 (round to nearest even) is computed,
+  the others give 0 (they feed MMA operands);
 - shfl.sync returns the thread's own value: right for the warp-uniform values kernels broadcast (the
   shared base, the warp index), a stand-in for butterfly reductions of floats;
-- barriers and cp.async groups are no-ops (one thread runs at a time).
+- barriers, fences and cp.async groups are no-ops (one thread runs at a time);
+- shared memory holds what earlier stores (of this thread, or of earlier threads of the CTA when the
+  caller passes one `shared_memory` dict to each) left there, 0 elsewhere: so a flag one thread
+  stores before a barrier reaches the threads run after it;
+- a global atomic returns the value the caller supplies at its address (0 by default) and changes
+  nothing, so the caller chooses which branch of a counter test a CTA takes.
 
 So it answers "which addresses does thread t of CTA c touch", for kernels whose addresses depend on
 indices, shapes, strides and global integer loads, not on computed floats. It knows the instructions
@@ -39,6 +46,7 @@ class Access:
     space: str      # shared or global
     address: int
     size: int       # bytes
+    values: tuple = ()   # a store's source values (their bits, one per register)
 
 
 @dataclasses.dataclass
@@ -94,13 +102,34 @@ def _bits_float(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
 
 
+def _half_bits(value: float, kind: str) -> int:
+    """The 16 bits of `value` rounded to nearest even as bf16 (kind bf16x2) or fp16 (f16x2)."""
+    if kind == "f16x2":
+        try:
+            return struct.unpack("<H", struct.pack("<e", value))[0]
+        except OverflowError:
+            return 0x7C00 if value > 0 else 0xFC00
+    bits = _float_bits(value)
+    if bits & 0x7FFFFFFF > 0x7F800000:
+        return 0x7FC0
+    return ((bits + 0x7FFF + (bits >> 16 & 1)) >> 16) & 0xFFFF
+
+
+def half_float(bits: int, kind: str) -> float:
+    """The float of 16 bits of bf16 (kind bf16x2) or fp16 (f16x2)."""
+    if kind == "f16x2":
+        return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
+    return _bits_float((bits & 0xFFFF) << 16)
+
+
 class _Thread:
     def __init__(self, program: Program, thread: int, block: tuple, params: dict, global_memory: dict,
-                 shared_base: int):
+                 shared_base: int, shared_memory: dict):
         self.program = program
         self.registers = {"%tid.x": thread, "%tid.y": 0, "%tid.z": 0, "%ctaid.x": block[0],
                           "%ctaid.y": block[1], "%ctaid.z": block[2]}
         self.params, self.global_memory, self.shared_base = params, global_memory, shared_base
+        self.shared_memory = shared_memory
         self.accesses = []
 
     def value(self, operand: str, width: int = 64) -> int:
@@ -150,7 +179,14 @@ class _Thread:
     def execute(self, opcode: str, operands: list):
         parts = opcode.split(".")
         name, type_name = parts[0], parts[-1]
-        if name == "bar" or opcode.startswith(("cp.async.commit_group", "cp.async.wait_group")):
+        if name in ("bar", "fence", "membar") or opcode.startswith(("cp.async.commit_group",
+                                                                      "cp.async.wait_group")):
+            return
+        if name == "atom" and parts[1] == "global":
+            base, offset = self.address(operands[1])
+            address = self.value(base) + offset
+            self.accesses.append(Access("atom.global", "global", address, _width(type_name) // 8))
+            self.registers[operands[0]] = self.global_memory.get(address, 0)
             return
         if opcode.startswith("cp.async.cg.shared.global") or opcode.startswith("cp.async.ca.shared.global"):
             size = int(operands[2])
@@ -200,8 +236,14 @@ class _Thread:
     def load_store(self, name, space, type_name, operands):
         width = _width(type_name)
         if name == "st":
-            count = len(operands[1].strip("{}").split(","))
-            self.record("st." + space, space, self.address(operands[0]), width // 8 * count)
+            sources = [r.strip() for r in operands[1].strip("{}").split(",")]
+            base, offset = self.address(operands[0])
+            self.accesses.append(Access("st." + space, space, self.value(base) + offset, width // 8 * len(sources),
+                                        tuple(self.value(source, width) & _MASKS[width] for source in sources)))
+            if space == "shared":
+                address = self.accesses[-1].address
+                for i, source in enumerate(sources):
+                    self.shared_memory[address + i * width // 8] = self.value(source, width) & _MASKS[width]
             return
         registers = [r.strip() for r in operands[0].strip("{}").split(",")]
         base, offset = self.address(operands[1])
@@ -213,8 +255,9 @@ class _Thread:
             return
         address = self.value(base) + offset
         self.accesses.append(Access("ld." + space, space, address, width // 8 * len(registers)))
+        memory = self.shared_memory if space == "shared" else self.global_memory
         for i, register in enumerate(registers):
-            loaded = self.global_memory.get(address + i * width // 8, 0)
+            loaded = memory.get(address + i * width // 8, 0)
             self.registers[register] = (_signed(loaded, width) & _MASKS[64]) if type_name.startswith("s") \
                 else loaded
         return
@@ -236,8 +279,13 @@ class _Thread:
     def convert(self, parts, operands):
         types = [p for p in parts[1:] if re.match(r"^(bf|[subf])\d+(x2)?$", p)]
         target, source = types[0], types[1]
+        if target in ("bf16x2", "f16x2") and source == "f32":
+            # d = {a: high half, b: low half}
+            high, low = (_half_bits(_bits_float(self.value(o)), target) for o in operands[1:3])
+            self.write(operands[0], high << 16 | low, 32)
+            return
         if target.startswith(("f", "bf")) or source.startswith(("f", "bf")):
-            self.write(operands[0], 0, 32)   # float conversions only feed MMA operands here
+            self.write(operands[0], 0, 32)   # the other float conversions only feed MMA operands here
             return
         source_width, target_width = _width(source), _width(target)
         value = self.value(operands[1])
@@ -312,12 +360,15 @@ class _Thread:
 
 
 def thread_accesses(program: Program, thread: int, block: tuple, params: dict, global_memory: dict,
-                    shared_base: int = 1024, max_steps: int = 2_000_000) -> list:
+                    shared_base: int = 1024, max_steps: int = 2_000_000, shared_memory: dict = None) -> list:
     """The memory accesses of thread `thread` of CTA `block` (ctaid x, y, z), in program order.
 
     params: {parameter name: its bytes}; global_memory: {byte address: the 32-bit value there}, read by
     global loads (every other address reads 0); shared_base: where dynamic shared memory starts in the
-    shared window (after the 1 KB a CTA reserves on sm_90, the first 1024-aligned address)."""
-    state = _Thread(program, thread, block, params, global_memory, shared_base)
+    shared window (after the 1 KB a CTA reserves on sm_90, the first 1024-aligned address);
+    shared_memory: {byte address: value} of the CTA's shared memory, updated by this thread's stores
+    (pass one dict to every thread of a CTA, in thread order; a fresh one when None)."""
+    state = _Thread(program, thread, block, params, global_memory, shared_base,
+                    {} if shared_memory is None else shared_memory)
     state.run(max_steps)
     return state.accesses

@@ -6,6 +6,7 @@ it refuses, and the combine pass (plain JAX) against a float64 softmax over all 
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
@@ -40,6 +41,9 @@ CONFIGS = {
     # Tuning alternatives: 32 keys per warp with two stages, and a four-stage ring of 64-key blocks.
     "d128-tile128-stages2": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"tile_n": 128, "num_stages": 2}),
     "d128-stages4": ({}, [2, 4, 32, 8, 128, 64], "bfloat16", 64, "sm_90a", {"num_stages": 4}),
+    # One split: the CTA writes the final O (sinks folded in) itself; and the XLA combine's variant.
+    "d128-one-split-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 8], "bfloat16", 16, "sm_90a", {"num_splits": 1}),
+    "d128-xla-combine": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"fused_combine": False}),
     "sm100-d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a"),
     "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),
 }
@@ -63,7 +67,7 @@ for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
     assert decode.unsupported_reason(config, problem) is None
     options = decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
     cute.compile(decode.Sm90DecodeKernel(options), make_fake_stream(),
-                 *decode.fake_arguments(options, B, Hkv, 50, max_blocks))
+                 *decode.fake_arguments(options, B, Hkv, 50, max_blocks, fields.get("has_sinks", False)))
     (new,) = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
     path = os.path.join(dump, name + ".ptx")
     os.replace(new, path)
@@ -101,6 +105,20 @@ def test_ptx_has_the_design(compiled, name):
     assert re.search(rf"cp\.async\.wait_group\s+{wait};", ptx), f"no multistage wait (wait_group {wait})"
     assert not re.search(r"\.local\b|ld\.local|st\.local", ptx), "local memory in the PTX"
     assert "wgmma" not in ptx and "cp.async.bulk" not in ptx  # arch-neutral by design
+    options = _compiled_options(name)
+    arrivals = re.findall(r"atom\.global(?:\.acq_rel)?(?:\.gpu)?\.add\.[us]32", ptx)
+    if options.fused_combine and options.num_splits > 1:
+        # The fused combine: partial stores, a device-scope fence, then one acq_rel arrival per CTA, and
+        # a fence again before the last CTA reads the partials.
+        assert re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add\.[us]32", ptx) == arrivals and len(arrivals) == 1, \
+            f"expected one acq_rel device-scope atomic add, found {arrivals}"
+        fences = [m.start() for m in re.finditer(r"fence\.acq_rel\.gpu;", ptx)]
+        atomic = ptx.index(arrivals[0])
+        last_partial_store = ptx.rindex("st.global", 0, atomic)
+        assert any(last_partial_store < f < atomic for f in fences), "no fence between the partials and the arrival"
+        assert any(f > atomic for f in fences), "no fence between the arrival and the last CTA's reads"
+    else:
+        assert not arrivals, "an arrival counter where no split waits for another"
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="ptxas not installed")
@@ -109,8 +127,10 @@ def test_no_register_spills(compiled, name):
     assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
 
 
-# Where the address check puts each buffer (256-byte aligned, as XLA's are, and far apart).
-_BASES = {name: (index + 1) << 36 for index, name in enumerate(("q", "k", "v", "tables", "lengths", "o", "lse"))}
+# Where the address check puts each buffer (256-byte aligned, as XLA's are, and far apart), in the
+# kernel's parameter order (sinks only where the config has them).
+_BUFFERS = ("q", "k", "v", "tables", "lengths", "sinks", "semaphore", "partial_o", "partial_lse", "out", "lse")
+_BASES = {name: (index + 1) << 36 for index, name in enumerate(_BUFFERS)}
 _FAKE_BLOCKS = 50   # cache blocks of the compile's fake tensors (decode.fake_arguments)
 
 
@@ -122,29 +142,41 @@ def _compiled_options(name):
     return decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
 
 
-def _buffer_bytes(options, name):
+def _shapes(options, name):
     _, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
     o_shape, lse_shape = decode.partial_shapes(options, B, Hkv)
-    cache = _FAKE_BLOCKS * options.page_size * Hkv * D * 2
-    return {"q": B * Sq * Hq * D * 2, "k": cache, "v": cache, "tables": B * max_blocks * 4, "lengths": B * 4,
-            "o": int(np.prod(o_shape)) * 4, "lse": int(np.prod(lse_shape)) * 4}
+    cache = (_FAKE_BLOCKS, options.page_size, Hkv, D)
+    return {"q": (B, Sq, Hq, D), "k": cache, "v": cache, "tables": (B, max_blocks), "lengths": (B,),
+            "sinks": (Hq,), "semaphore": decode.semaphore_shape(options, B, Hkv), "partial_o": o_shape,
+            "partial_lse": lse_shape, "out": (B, Sq, Hq, D), "lse": (B, Hq, Sq)}
+
+
+def _element_bytes(buffer):
+    return 2 if buffer in ("q", "k", "v", "out") else 4
 
 
 @pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d64-softcap-window-fp16-page7", "d256-64-rows",
-                                  "d128-tile128-stages2"])
+                                  "d128-tile128-stages2", "d128-one-split-sinks"])
 def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
     """Two CTAs of the compiled PTX, run thread by thread on the CPU (tests/ptx_addresses.py) over a
     paged cache (random block ids, garbage past each sequence's last page): every 16-byte cp.async has
     16-byte aligned source and destination, every ldmatrix row address is 16-byte aligned, every load
     and store is aligned to its width and inside its buffer (shared: the CTA's allocation), no table
-    entry past a sequence's last page is read, and each CTA writes its (split, warp) partials, O and
-    LSE, every element once. The first H200 run failed on the ldmatrix / cp.async alignment."""
+    entry past a sequence's last page is read. The first CTA is not the last of its (batch, head tile)
+    to arrive (its counter reads 0): it writes its split's partial rows, O and LSE, every element once,
+    and nothing else. The second is the last (its counter reads splits - 1): it also reads every split's
+    partial rows of its head tile, writes the final O and LSE of the tile's rows, every element once, and
+    zeroes its counter. With one split a CTA writes the final O and LSE directly and no partial. The
+    first H200 run failed on the ldmatrix / cp.async alignment."""
     options = _compiled_options(name)
-    _, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
+    fields, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
+    buffers = [b for b in _BUFFERS if b != "sinks" or fields.get("has_sinks")]
     with open(compiled[name]["ptx"]) as handle:
         program = ptx_addresses.parse(handle.read())
-    assert [size for _, size in program.params] == [8] * 7, "expected 7 static tensor pointers"
-    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, _BASES)}
+    assert [size for _, size in program.params] == [8] * len(buffers), f"expected {len(buffers)} tensor pointers"
+    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
+    shapes = _shapes(options, name)
+    sizes = {b: int(np.prod(shapes[b])) * _element_bytes(b) for b in buffers}
     max_len = max_blocks * options.page_size
     lengths = [max_len] + [int(rng.integers(1, max_len + 1)) for _ in range(B - 1)]
     pages = [-(-length // options.page_size) for length in lengths]
@@ -154,32 +186,55 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
             block = int(rng.integers(0, _FAKE_BLOCKS)) if j < pages[b] else int(rng.choice([-7, _FAKE_BLOCKS,
                                                                                              2 ** 31 - 1]))
             memory[_BASES["tables"] + 4 * (b * max_blocks + j)] = block & 0xFFFFFFFF
-    sizes = _buffer_bytes(options, name)
-    o_shape, lse_shape = decode.partial_shapes(options, B, Hkv)
     head_tiles = Hkv * options.row_tiles
+    splits = options.num_splits
     shared_end = 1024 + options.shared_memory_bytes()
-    for block in [(0, head_tiles - 1, 0), (options.num_splits - 1, 0, B - 1)]:
+    for block, last in [((0, head_tiles - 1, 0), splits == 1), ((splits - 1, 0, B - 1), True)]:
         split, head_tile, batch = block
-        written = {"o": [], "lse": []}
+        counter = _BASES["semaphore"] + 4 * (batch * head_tiles + head_tile)
+        cta_memory = {**memory, counter: splits - 1 if last else 0}
+        shared = {}
+        touched = {b: collections.defaultdict(list) for b in buffers}
         for thread in range(decode.THREADS):
-            for access in ptx_addresses.thread_accesses(program, thread, block, params, memory):
+            for access in ptx_addresses.thread_accesses(program, thread, block, params, cta_memory,
+                                                        shared_memory=shared):
                 where = f"{name} CTA {block} thread {thread}: {access}"
                 assert access.address % min(access.size, 16) == 0, f"misaligned {where}"
                 if access.space == "shared":
                     assert 1024 <= access.address and access.address + access.size <= shared_end, where
                     continue
-                buffer = max((b for b in _BASES if _BASES[b] <= access.address), key=_BASES.get)
+                buffer = max((b for b in buffers if _BASES[b] <= access.address), key=_BASES.get)
                 offset = access.address - _BASES[buffer]
                 assert offset + access.size <= sizes[buffer], f"past the end of {buffer}: {where}"
                 if buffer == "tables":
                     assert offset // 4 % max_blocks < pages[offset // 4 // max_blocks], f"table past length: {where}"
-                if buffer in written:
-                    assert access.kind == "st.global", where
-                    written[buffer].extend(range(offset // 4, (offset + access.size) // 4))
-        parts = slice(split * decode.WARPS, (split + 1) * decode.WARPS)
-        for buffer, shape in (("o", o_shape), ("lse", lse_shape)):
-            expected = np.arange(int(np.prod(shape))).reshape(shape)[batch, head_tile, parts].ravel()
-            assert sorted(written[buffer]) == sorted(expected.tolist()), f"{name} CTA {block}: {buffer} elements"
+                unit = _element_bytes(buffer)
+                touched[buffer][access.kind].extend(range(offset // unit, (offset + access.size) // unit))
+
+        def elements(buffer, index):
+            return sorted(np.arange(int(np.prod(shapes[buffer]))).reshape(shapes[buffer])[index].ravel().tolist())
+
+        rows = options.rows - head_tile % options.row_tiles * decode.TILE_M
+        rows = min(rows, decode.TILE_M)
+        expected_writes = {"semaphore": [], "partial_o": [], "partial_lse": [], "out": [], "lse": []}
+        if splits > 1:
+            expected_writes["partial_o"] = elements("partial_o", (batch, head_tile, split, slice(0, rows)))
+            expected_writes["partial_lse"] = elements("partial_lse", (batch, head_tile, split, slice(0, rows)))
+        if last:
+            head_kv, first = head_tile // options.row_tiles, head_tile % options.row_tiles * decode.TILE_M
+            packed = np.arange(first, first + rows)
+            positions, heads = packed // options.group, head_kv * options.group + packed % options.group
+            expected_writes["out"] = elements("out", (batch, positions, heads))
+            expected_writes["lse"] = elements("lse", (batch, heads, positions))
+            if splits > 1:
+                expected_writes["semaphore"] = [batch * head_tiles + head_tile]
+                for buffer in ("partial_o", "partial_lse"):
+                    read = elements(buffer, (batch, head_tile, slice(None), slice(0, rows)))
+                    assert sorted(set(touched[buffer]["ld.global"])) == read, f"{name} CTA {block}: {buffer} reads"
+        for buffer, expected in expected_writes.items():
+            assert sorted(touched[buffer]["st.global"]) == expected, f"{name} CTA {block}: {buffer} elements"
+        arrivals = touched["semaphore"]["atom.global"]
+        assert arrivals == ([batch * head_tiles + head_tile] if splits > 1 else []), f"{name} CTA {block}: counter"
 
 
 def test_options_are_checked():
@@ -193,15 +248,49 @@ def test_options_are_checked():
         decode.options(config, _problem(head_dim=head_dim)).check()
 
 
+# The split counts of the decode benchmark's rows (benchmarks/decode.py: Hq / Hkv 32 / 8, D 128, bf16;
+# the same for pages of 16 and 64 and for q_len 1 and 4, both one 16-row tile), on 132 SMs with 2 CTAs
+# of 64-key blocks per SM (264 slots):
+#   batch  context  CTAs without splits  key blocks  splits  blocks per split  CTAs
+#   1      1k       8                    16          16      1                 128
+#   1      8k       8                    128         32      4                 256
+#   1      32k      8                    512         32      16                256
+#   1      128k     8                    2048        33      63 (last: 32)     264
+#   8      1k       64                   16          4       4                 256
+#   8      8k+      64                   >= 128      4       >= 32             256
+#   64     any      512 (>= 264)         -           1       all               512
+BENCHMARK_SPLITS = {(1, 1024): 16, (1, 8192): 32, (1, 32768): 32, (1, 131072): 33,
+                    (8, 1024): 4, (8, 8192): 4, (8, 32768): 4, (8, 131072): 4,
+                    (64, 1024): 1, (64, 8192): 1, (64, 32768): 1, (64, 131072): 1}
+
+
+@pytest.mark.parametrize("q_len, page", [(1, 16), (4, 64)])
+def test_split_heuristic_on_the_benchmark_shapes(q_len, page):
+    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
+    for (batch, context), splits in BENCHMARK_SPLITS.items():
+        logical = (batch, context, 8, 128)
+        problem = host.Problem((batch, q_len, 32, 128), logical, logical, "bfloat16", page_size=page)
+        options = decode.options(config, problem, sm_count=132)
+        assert (options.num_splits, options.tile_n) == (splits, 64), (batch, context)
+        blocks = context // options.tile_n
+        per_split = -(-blocks // splits)
+        assert (splits - 1) * per_split < blocks, f"an idle split at {(batch, context)}"
+        assert splits == 1 or batch * 8 * splits <= 264, f"splits past one wave at {(batch, context)}"
+
+
 def test_split_heuristic():
-    """One split when the CTAs fill the GPU; more for small batches, bounded by the key blocks."""
+    """One split when the CTAs fill the GPU; more for small batches, bounded by the key blocks, and as
+    few as give each split the same number of blocks."""
     fill = lambda batch, context: decode.choose_num_splits(batch, 8, 1, context, 64, 132, 2)
     assert fill(64, 8192) == 1                       # 512 CTAs >= 264 slots
+    assert fill(33, 8192) == 1                       # 264 CTAs: exactly one wave
     assert fill(8, 8192) == 4                        # 64 CTAs: 264 // 64, one wave of 256
-    assert fill(1, 131072) == 33                     # 8 CTAs: 264 // 8
-    assert fill(1, 1024) == 8                        # 16 blocks / MIN_BLOCKS_PER_SPLIT
+    assert fill(1, 8192) == 32                       # 264 // 8 = 33 splits of 4 blocks leave one idle
+    assert fill(1, 1024) == 16                       # one block each
     assert fill(1, 64) == 1
+    assert fill(1, 100) == 2                         # a partial second block is a block
     assert decode.choose_num_splits(1, 1, 1, 10 ** 8, 64, 132, 2) == decode.MAX_SPLITS
+    assert decode.choose_num_splits(1, 8, 4, 8192, 64, 132, 2) == 8     # 32 CTAs: 264 // 32
 
 
 def _problem(q_len=1, q_heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", page=16, batch=2):
@@ -227,8 +316,8 @@ def test_combine_partials_is_the_softmax_over_all_keys(rng):
     problem = host.Problem((batch, q_len, kv_heads * group, dim), (batch, 100, kv_heads, dim),
                            (batch, 100, kv_heads, dim), "bfloat16", page_size=10)
     options = decode.options(AttentionConfig(scale=0.3, causal=True, has_kv_seq_lengths=True), problem,
-                             sm_count=132, num_splits=2)
-    parts, rows = options.num_splits * decode.WARPS, options.rows
+                             sm_count=132, num_splits=7)
+    parts, rows = options.num_splits, options.rows
     logits = rng.standard_normal((batch, kv_heads, rows, keys)) * 3
     values = rng.standard_normal((batch, kv_heads, keys, dim))
     sinks = rng.standard_normal(kv_heads * group).astype(np.float32)
@@ -312,3 +401,74 @@ def test_both_entry_points_lower_to_the_decode_kernel(monkeypatch):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert "fa4_jax_sm90_decode" in text
         assert "fa4_jax_sm90_forward" not in text
+
+
+@pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d128-q4-page64-sinks", "d128-gqa4-page16"])
+def test_last_cta_merges_the_splits(compiled, name, rng):
+    """The last CTA of a (batch, head tile), run thread by thread on the CPU from its PTX with every
+    split's partial (O, LSE) and the sinks in memory, writes the softmax over all splits and the sink:
+    lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s, rounded to the output dtype.
+    Among the rows: one that no split saw (lse -inf everywhere: O 0, LSE the sink or -inf) and one that
+    only some splits saw."""
+    options = _compiled_options(name)
+    fields, (B, Sq, Hq, Hkv, D, max_blocks), dtype, *_ = CONFIGS[name]
+    has_sinks = fields.get("has_sinks", False)
+    buffers = [b for b in _BUFFERS if b != "sinks" or has_sinks]
+    splits, head_tiles, group = options.num_splits, Hkv * options.row_tiles, options.group
+    assert splits > 1
+    with open(compiled[name]["ptx"]) as handle:
+        program = ptx_addresses.parse(handle.read())
+    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
+    shapes = _shapes(options, name)
+    batch, head_tile = B - 1, head_tiles - 1
+    head_kv, first = head_tile // options.row_tiles, head_tile % options.row_tiles * decode.TILE_M
+    rows = min(decode.TILE_M, options.rows - first)
+    max_len = max_blocks * options.page_size
+    memory = {_BASES["lengths"] + 4 * b: max_len for b in range(B)}
+    memory.update({_BASES["tables"] + 4 * i: i % _FAKE_BLOCKS for i in range(B * max_blocks)})
+    memory[_BASES["semaphore"] + 4 * (batch * head_tiles + head_tile)] = splits - 1
+    partial_lse = rng.standard_normal((splits, rows)).astype(np.float32) * 3
+    partial_lse[:, 0] = -np.inf                      # a row no split saw
+    partial_lse[: splits // 2, rows - 1] = -np.inf   # a row only the later splits saw
+    partial_o = rng.standard_normal((splits, rows, D)).astype(np.float32)
+    partial_o[:, 0] = 0.0                            # what an empty split writes
+    sinks = rng.standard_normal(Hq).astype(np.float32) if has_sinks else None
+    bits = lambda x: int(np.float32(x).view(np.uint32))
+    for s in range(splits):
+        for r in range(rows):
+            index = (((batch * shapes["partial_lse"][1] + head_tile) * splits + s) * decode.TILE_M + r)
+            memory[_BASES["partial_lse"] + 4 * index] = bits(partial_lse[s, r])
+            for d in range(D):
+                memory[_BASES["partial_o"] + 4 * (index * D + d)] = bits(partial_o[s, r, d])
+    if has_sinks:
+        memory.update({_BASES["sinks"] + 4 * h: bits(sinks[h]) for h in range(Hq)})
+
+    stored = {}
+    shared = {}
+    for thread in range(decode.THREADS):
+        for access in ptx_addresses.thread_accesses(program, thread, (splits - 1, head_tile, batch), params, memory,
+                                                    shared_memory=shared):
+            if access.kind == "st.global" and _BASES["out"] <= access.address:
+                stored[access.address] = access
+    kind = "bf16x2" if dtype == "bfloat16" else "f16x2"
+    packed = np.arange(first, first + rows)
+    heads, positions = head_kv * group + packed % group, packed // group
+    top = partial_lse.max(axis=0)
+    if has_sinks:
+        top = np.maximum(top, sinks[heads])
+    shift = np.where(np.isfinite(top), top, 0.0)
+    total = np.exp(partial_lse - shift).sum(axis=0) + (np.exp(sinks[heads] - shift) if has_sinks else 0.0)
+    expected_lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    weights = np.exp(partial_lse - np.where(np.isfinite(expected_lse), expected_lse, 0.0))
+    expected_o = np.einsum("sr,srd->rd", weights, partial_o)
+    for r in range(rows):
+        lse_address = _BASES["lse"] + 4 * ((batch * Hq + heads[r]) * Sq + positions[r])
+        (lse_bits,) = stored[lse_address].values
+        np.testing.assert_allclose(ptx_addresses._bits_float(lse_bits), expected_lse[r], rtol=1e-5, atol=1e-5)
+        out = []
+        for d in range(0, D, 8):
+            address = _BASES["out"] + 2 * (((batch * Sq + positions[r]) * Hq + heads[r]) * D + d)
+            for word in stored[address].values:
+                out += [ptx_addresses.half_float(word, kind), ptx_addresses.half_float(word >> 16, kind)]
+        np.testing.assert_allclose(out, expected_o[r], rtol=1e-2, atol=1e-2, err_msg=f"{name} row {r}")
+    assert np.isinf(expected_lse[0]) != has_sinks

@@ -83,15 +83,19 @@ def test_paged_decode_matches_oracle(case, rng):
     _check(case, out, lse, drawn, reference_out)
 
 
-FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits": 40},
-          {"tile_n": 128, "num_stages": 2}, {"num_stages": 4}, {"tile_n": 128, "num_stages": 2, "num_splits": 3}]
+FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits": 40}, {"num_splits": 128},
+          {"tile_n": 128, "num_stages": 2}, {"num_stages": 4}, {"tile_n": 128, "num_stages": 2, "num_splits": 3},
+          # The XLA combine (combine_partials) instead of the last CTA's.
+          {"fused_combine": False}, {"fused_combine": False, "num_splits": 1},
+          {"fused_combine": False, "num_splits": 40}]
 
 
 @gpu
 @pytest.mark.parametrize("overrides", FORCED, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_forced_options(overrides, rng):
-    """Every split count merges to the same attention (splits past the key blocks get none: -inf), and
-    the tuning alternatives (block size, stages) compute it too."""
+    """Every split count merges to the same attention (splits past the key blocks get none: -inf; 128
+    splits of 15 blocks leave 113 empty), in the kernel's last CTA and in XLA, and the tuning
+    alternatives (block size, stages) compute it too. Sinks, LSE, poisoned memory."""
     from fa4_jax import paged
     from fa4_jax.kernels.sm90 import decode
 
@@ -103,7 +107,8 @@ def test_forced_options(overrides, rng):
                                      has_kv_seq_lengths=True)
     problem = paged.paged_problem(*arguments[:4])
     options = decode.options(config, problem, **overrides)
-    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference")
+    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
+                                               return_lse=True)
     poison_device_memory(64 * 2 ** 20)
     out, lse = jax.jit(lambda *a: decode.run(options, *a))(*arguments, drawn["sinks"])
     _check(case, out, lse, drawn, reference_out)
@@ -156,3 +161,44 @@ def test_garbage_is_never_read(rng):
                  jnp.where(unused, -123456, tables), lengths)
     assert not np.any(np.isnan(np.asarray(first.astype(jnp.float32))))
     np.testing.assert_array_equal(np.asarray(first.astype(jnp.float32)), np.asarray(second.astype(jnp.float32)))
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [1, 9])
+def test_fused_combine_calls_in_a_row(num_splits, rng):
+    """The arrival counters start at zero on every call: the same compiled call twice, then three calls
+    in one program (lax.map: the kernel runs back to back, XLA free to reuse buffers), each with other
+    lengths, each matches the oracle and the first two match each other bit for bit."""
+    from fa4_jax import paged
+
+    case = PagedCase(batch=2, q_len=1, q_heads=32, kv_heads=8, head_dim=128, block_size=16, max_blocks=40,
+                     dtype=BF16, sinks=True)
+    config = fa4_jax.AttentionConfig(scale=case.head_dim ** -0.5, causal=True, has_sinks=True,
+                                     has_kv_seq_lengths=True)
+    drawn = paged_cases.build(case, rng)
+    arguments = paged_cases.arguments(drawn)
+    options = decode.options(config, paged.paged_problem(*arguments[:4]), num_splits=num_splits)
+    assert options.fused_combine
+    call = jax.jit(lambda *a: decode.run(options, *a))
+    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
+                                               return_lse=True)
+    poison_device_memory(64 * 2 ** 20)
+    first = call(*arguments, drawn["sinks"])
+    second = call(*arguments, drawn["sinks"])
+    _check(case, *first, drawn, reference_out)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+    lengths = [np.asarray(arguments[4])]
+    for _ in range(2):   # shorter than the drawn lengths: the cache holds those tokens, not NaN
+        lengths.append(np.asarray([rng.integers(1, n + 1) for n in lengths[0]], np.int32))
+    stacked = jnp.asarray(np.stack(lengths))
+    query, key_cache, value_cache, tables, _ = arguments
+    outs, lses = jax.jit(lambda n: jax.lax.map(
+        lambda one: decode.run(options, query, key_cache, value_cache, tables, one, drawn["sinks"]), n))(stacked)
+    for index, one in enumerate(lengths):
+        drawn_here = dict(drawn, kv_seq_lengths=jnp.asarray(one))
+        reference_here, _ = fa4_jax.paged_attention(query, key_cache, value_cache, tables, jnp.asarray(one),
+                                                    sinks=drawn["sinks"], implementation="reference",
+                                                    return_lse=True)
+        _check(case, outs[index], lses[index], drawn_here, reference_here)

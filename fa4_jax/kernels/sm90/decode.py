@@ -10,8 +10,26 @@ kernel is built to keep that read at the memory-bandwidth limit:
 - Split-KV: when batch · Hkv · row tiles CTAs cannot fill the GPU, each sequence's key blocks are
   split across `num_splits` CTAs (`choose_num_splits`, below). Within a CTA each of the 4 warps owns a
   quarter of every key block and keeps its own online softmax, so no warp waits on another in the
-  key loop. Every (split, warp) writes a normalised partial O (fp32) and its LSE; `combine_partials`
-  (a fused XLA pass) merges them, adds the sinks, and lays out [B, Sq, Hq, Dv] and [B, Hq, Sq].
+  key loop; at the end the 4 warps merge their (O, LSE) through shared memory (the K/V ring is free
+  by then) into the split's one.
+- Fused combine (the default): each split writes its normalised partial O (fp32, only the tile's real
+  rows) and LSE, fences (device scope), and one thread adds 1 to the (batch, head tile)'s int32
+  counter with an acq_rel atomic; the CTA that sees splits - 1 is the last, zeroes the counter again,
+  and merges every split's partial (just written, so read from L2) with the sinks into the final O
+  (output dtype, [B, Sq, Hq, Dv]) and LSE [B, Hq, Sq]. One split writes them directly. The counters
+  come zeroed from XLA (aliased in and out, so the kernel owns the buffer). `fused_combine=False`
+  leaves the merge to `combine_partials`, one fused XLA pass (kept to measure against and fall back to).
+
+  Why (B = 1, Hq / Hkv = 32 / 8, D = 128, bf16; benchmarks/results/decode_h200.json, rev d309c5e): K/V
+  is 4 KiB per token (8 heads x 2 x 128 x 2 bytes): 4 MiB at 1k, 32 MiB at 8k, 128 MiB at 32k, i.e.
+  1.2 / 9.9 / 39 us at 3.4 TB/s. Measured with the XLA combine: 17.9 / 26.1 / 55.8 us, so ~16-17 us
+  that no read explains. The old layout wrote a partial per (split, warp) over all 16 rows: at 8k
+  8 heads x 33 splits x 4 warps x 16 x 128 x 4 bytes = 8.7 MB out and back in (a quarter of the K/V
+  read), then the XLA pass's kernels. Now a split's partial is its real rows only (4 at one token:
+  2 KB a head), 0.5 MB at 8k, and there is one kernel. Predicted (to be measured; benchmarks/decode.py):
+  B = 1: 1k 5-6.5 us (Pallas 9.2; 1.5x needs <= 6.1), 8k 12-14 us (2.4-2.8 TB/s, 72-83 % of copy),
+  32k 36-43 us (3.1-3.7 TB/s), 128k 125-140 us; B = 8: 1k 12-15 us (was 23.6), 8k and up a few us
+  under the old times.
 - Pages through cp.async with per-row addresses: a token's page comes from the block table, its
   address is computed per 16-byte chunk, so any page size works (1 .. the whole sequence; the
   contiguous-cache form of `fa4_jax.attention` is one page per sequence). Rows past the sequence's
@@ -52,7 +70,7 @@ THREADS = 128
 WARPS = THREADS // 32
 TILE_M = 16              # packed query rows per CTA: one mma.sync M
 MAX_SPLITS = 128
-MIN_BLOCKS_PER_SPLIT = 2  # a split should amortise its prologue (Q load, pipeline fill) over a few blocks
+MIN_BLOCKS_PER_SPLIT = 1  # key blocks a split reads at least (choose_num_splits says why one is enough)
 SHARED_MEMORY_LIMIT = 227 * 1024
 # (key block, stages) per head dim: 96 KB of K/V stages at D = 64 / 128, so two CTAs share an SM
 # (8 warps, 2 x 64 KB of cp.async in flight per SM); one at D = 256.
@@ -75,6 +93,7 @@ class DecodeOptions:
     num_splits: int
     tile_n: int               # keys per block (each warp takes tile_n / 4)
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
+    fused_combine: bool = True  # the last split's CTA merges the splits (False: combine_partials in XLA)
     rescale_threshold: float = 8.0
 
     @property
@@ -128,17 +147,26 @@ def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int
     One split when batch · kv_heads · row_tiles CTAs already fill every SM's CTA slots; otherwise as
     many splits as fit in one wave of the slots (floor: one more would start a second, mostly empty
     wave, e.g. 5 x 64 CTAs on 264 slots), but no more than leaves MIN_BLOCKS_PER_SPLIT key blocks of
-    the longest sequence per split (a split's fixed cost, loading Q and filling the pipeline, must
-    stay small next to its reads) and no more than MAX_SPLITS. Each split writes a 16-row partial O per warp,
-    so more splits also mean more combine traffic: B · Hkv · splits · 4 · 16 · Dv floats.
+    the longest sequence per split and no more than MAX_SPLITS; then as few splits as give each the
+    same number of blocks (128 blocks on 33 splits is 4 a split: 32 splits, no idle CTA).
+
+    Why one block per split is enough: a split's fixed costs (block table, Q and its first blocks in
+    flight together, then its partial and the arrival) run in parallel with every other split's while
+    the CTAs fit in one wave, and the fused combine reads one row-sized partial per split (B = 1, one
+    token, 8 kv heads: 2 KB per split per head), so more splits cost the last CTA little next to what
+    they spread: at B = 1 and 1k keys 16 blocks per head become 16 CTAs of one block (128 CTAs on 132
+    SMs) instead of 8 of two (64 SMs idle). The table for the decode benchmark's shapes (Hkv 8, D 128,
+    tile_n 64, 2 CTAs per SM on 132 SMs; q_len 1 and 4 are both one row tile) is BENCHMARK_SPLITS in
+    tests/test_kernel_compile_decode.py.
     """
     ctas = batch * kv_heads * row_tiles
     slots = sm_count * ctas_per_sm
     if ctas >= slots:
         return 1
     blocks = -(-max_kv_len // tile_n)
-    wanted = slots // max(ctas, 1)
-    return max(1, min(wanted, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    wanted = max(1, min(slots // max(ctas, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    per_split = -(-blocks // wanted)
+    return max(1, -(-blocks // per_split))
 
 
 def accumulator_mn(acc: cute.Tensor) -> cute.Tensor:
@@ -191,8 +219,9 @@ class Sm90DecodeKernel:
 
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                 mBlockTables: cute.Tensor, mKVSeqLengths: cute.Tensor, mPartialO: cute.Tensor,
-                 mPartialLSE: cute.Tensor):
+                 mBlockTables: cute.Tensor, mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor],
+                 mSemaphore: Optional[cute.Tensor], mPartialO: cute.Tensor, mPartialLSE: cute.Tensor,
+                 mO: Optional[cute.Tensor] = None, mLSE: Optional[cute.Tensor] = None):
         q_layout, kv_layout = shared_layouts(self.dtype, self.head_dim, self.tile_n, self.num_stages)
 
         @cute.struct
@@ -211,15 +240,16 @@ class Sm90DecodeKernel:
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
                                         permutation_mnk=(16, 16, 16))
         grid = (self.options.num_splits, mK.shape[2] * self.options.row_tiles, mQ.shape[0])
-        self.kernel(mQ, mK, mV, mBlockTables, mKVSeqLengths, mPartialO, mPartialLSE, q_layout, kv_layout,
-                    tiled_load, load_atom, tiled_mma, SharedStorage).launch(
+        self.kernel(mQ, mK, mV, mBlockTables, mKVSeqLengths, mSinks, mSemaphore, mPartialO, mPartialLSE, mO, mLSE,
+                    q_layout, kv_layout, tiled_load, load_atom, tiled_mma, SharedStorage).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mBlockTables: cute.Tensor,
-               mKVSeqLengths: cute.Tensor, mPartialO: cute.Tensor, mPartialLSE: cute.Tensor,
-               q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout, tiled_load: cute.TiledCopy,
-               load_atom: cute.CopyAtom, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
+               mPartialO: cute.Tensor, mPartialLSE: cute.Tensor, mO: Optional[cute.Tensor],
+               mLSE: Optional[cute.Tensor], q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
+               tiled_load: cute.TiledCopy, load_atom: cute.CopyAtom, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         tidx = cute.arch.thread_idx()[0]
         warp_index = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
@@ -344,20 +374,122 @@ class Sm90DecodeKernel:
                 cute.gemm(tiled_mma, acc_o, frag_p[None, None, k], frag_vt[None, None, k], acc_o)
         cute.arch.cp_async_wait_group(0)
 
-        # This warp's normalised partial O and its LSE (the combine pass weighs the partials).
+        # Merge the 4 warps' (O, LSE) into this split's, through shared memory that the K/V ring and Q
+        # no longer need: scratch O [warp, 16, D] fp32 over the K ring, LSE [warp, 16] over Q.
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         output_scale = cute.make_rmem_tensor(num_rows, Float32)
         self.softmax.finalize(row_max, row_sum, None, lse_rows, output_scale)
         online_softmax.rescale_rows(acc_o_mn, output_scale, False)
-        partial = split * WARPS + warp_index
-        g_o = mPartialO[batch_index, head_tile, partial, None, None]
-        t_g_o = accumulator_mn(thread_mma.partition_C(g_o))
-        for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
+        cute.arch.sync_threads()   # every warp is done reading the ring
+        warp_o = storage.s_k.get_tensor(cute.make_ordered_layout((WARPS, TILE_M, self.head_dim), order=(2, 1, 0)),
+                                        dtype=Float32)
+        warp_lse = storage.s_q.get_tensor(cute.make_ordered_layout((WARPS, TILE_M), order=(1, 0)), dtype=Float32)
+        t_warp_o = accumulator_mn(thread_mma.partition_C(warp_o[warp_index, None, None]))
+        for r in cutlass.range_constexpr(num_rows):
             for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
-                t_g_o[r, c] = acc_o_mn[r, c]
+                t_warp_o[r, c] = acc_o_mn[r, c]
         if coords_o[0, 0][1] == 0:
             for r in cutlass.range_constexpr(num_rows):
-                mPartialLSE[batch_index, head_tile, partial, coords_o[r, 0][0]] = lse_rows[r]
+                warp_lse[warp_index, coords_o[r, 0][0]] = lse_rows[r]
+        cute.arch.sync_threads()
+
+        # Each thread then owns 8 columns of one row per pass; rows past the tile's last are skipped.
+        chunks = self.head_dim // CHUNK
+        rows_per_pass = THREADS // chunks
+        chunk = tidx % chunks
+        values = cute.make_rmem_tensor(CHUNK, Float32)
+        fused, splits = self.options.fused_combine, self.options.num_splits
+        for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
+            row = p * rows_per_pass + tidx // chunks
+            if row < rows_here:
+                if cutlass.const_expr(fused and splits == 1):
+                    lse = self.merge(warp_o, warp_lse, WARPS, row, chunk,
+                                     self.sink(mSinks, head_kv, packed_start + row), values)
+                    self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
+                else:
+                    lse = self.merge(warp_o, warp_lse, WARPS, row, chunk, None, values)
+                    g_o = cute.local_tile(mPartialO[batch_index, head_tile, split, row, None], (CHUNK,), (chunk,))
+                    g_o.store(values.load())
+                    if chunk == 0:
+                        mPartialLSE[batch_index, head_tile, split, row] = lse
+
+        if cutlass.const_expr(fused and splits > 1):
+            # The last CTA of this (batch, head tile) to arrive merges every split's partial (written
+            # just before, so in L2). Release: each thread's partial stores are ordered before thread
+            # 0's atomic by its own fence and the barrier; acquire: the atomic's and the fence after it.
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            arrived = storage.s_v.get_tensor(cute.make_layout(1), dtype=Int32)
+            if tidx == 0:
+                counter = cute.make_ptr(Int32, _element_address(mSemaphore, (batch_index, head_tile)),
+                                        cute.AddressSpace.gmem, assumed_align=4)
+                arrived[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+            cute.arch.sync_threads()
+            if arrived[0] == splits - 1:
+                cute.arch.fence_acq_rel_gpu()
+                if tidx == 0:
+                    # Every split has arrived: zero the counter for the next call on this buffer.
+                    mSemaphore[batch_index, head_tile] = Int32(0)
+                split_o = mPartialO[batch_index, head_tile, None, None, None]
+                split_lse = mPartialLSE[batch_index, head_tile, None, None]
+                for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
+                    row = p * rows_per_pass + tidx // chunks
+                    if row < rows_here:
+                        lse = self.merge(split_o, split_lse, splits, row, chunk,
+                                         self.sink(mSinks, head_kv, packed_start + row), values)
+                        self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
+
+    def sink(self, mSinks, head_kv, packed):
+        """The sink logit of packed row `packed`'s query head, or None without sinks."""
+        if mSinks is None:
+            return None
+        return mSinks[head_kv * self.group + packed % self.group]
+
+    @cute.jit
+    def merge(self, parts_o: cute.Tensor, parts_lse: cute.Tensor, num_parts: cutlass.Constexpr, row: Int32,
+              chunk: Int32, sink, values: cute.Tensor):
+        """values = columns [8 chunk, 8 chunk + 8) of row `row` of the softmax over every part's keys
+        (and the sink): sum_p exp(lse_p - lse) O_p with lse = log(sum_p exp(lse_p) + exp(sink)).
+        Returns lse; a row no part saw (and no sink) gets O 0 and lse -inf. parts_o [P, 16, D] holds
+        normalised partial O, parts_lse [P, 16] their LSE (natural log)."""
+        top = -Float32.inf
+        if cutlass.const_expr(sink is not None):
+            top = sink
+        # Unrolled wide so that many parts' loads are in flight at once: the last CTA's merge is a
+        # chain of L2 round trips, one per unrolled group (32 splits: 1 + 4 of them).
+        for p in cutlass.range(num_parts, unroll=32):
+            top = cute.arch.fmax(top, parts_lse[p, row])
+        shift = top * online_softmax.LOG2_E
+        if top == -Float32.inf:
+            shift = Float32(0.0)
+        total = Float32(0.0)
+        if cutlass.const_expr(sink is not None):
+            total = cute.math.exp2(sink * online_softmax.LOG2_E - shift, fastmath=True)
+        values.fill(0.0)
+        for p in cutlass.range(num_parts, unroll=8):
+            weight = cute.math.exp2(parts_lse[p, row] * online_softmax.LOG2_E - shift, fastmath=True)
+            total = total + weight
+            part = cute.local_tile(parts_o[p, row, None], (CHUNK,), (chunk,))
+            values.store(values.load() + weight * part.load())
+        lse = -Float32.inf
+        scale = Float32(0.0)
+        if total > 0.0:
+            lse = (shift + cute.math.log2(total, fastmath=True)) * online_softmax.LN_2
+            scale = cute.arch.rcp_approx(total)
+        values.store(values.load() * scale)
+        return lse
+
+    @cute.jit
+    def store_output(self, mO: cute.Tensor, mLSE: cute.Tensor, values: cute.Tensor, lse: Float32,
+                     batch_index: Int32, head_kv: Int32, packed: Int32, chunk: Int32):
+        """Packed row `packed` (position * G + head in group) of the final O (columns of `chunk`, in the
+        output dtype) and its LSE."""
+        position = packed // self.group
+        head = head_kv * self.group + packed % self.group
+        g_o = cute.local_tile(mO[batch_index, position, head, None], (CHUNK,), (chunk,))
+        g_o.store(values.load().to(self.dtype))
+        if chunk == 0:
+            mLSE[batch_index, head, position] = lse
 
     @cute.jit
     def load_block(self, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
@@ -441,19 +573,26 @@ def _kernel(options: DecodeOptions) -> Sm90DecodeKernel:
 
 
 def partial_shapes(options: DecodeOptions, batch: int, kv_heads: int):
-    """Shapes of the kernel's outputs: partial O [B, Hkv * row tiles, splits * warps, 16, D] and LSE."""
-    leading = (batch, kv_heads * options.row_tiles, options.num_splits * WARPS, TILE_M)
+    """Shapes of the per-split partials: O [B, Hkv * row tiles, splits, 16, D] and LSE [B, Hkv * row tiles,
+    splits, 16] (float32; rows past the tile's last are not written)."""
+    leading = (batch, kv_heads * options.row_tiles, options.num_splits, TILE_M)
     return leading + (options.head_dim,), leading
 
 
+def semaphore_shape(options: DecodeOptions, batch: int, kv_heads: int):
+    """The fused combine's arrival counters: one int32 per (batch, head tile), zero between calls."""
+    return (batch, kv_heads * options.row_tiles)
+
+
 def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batch: int, kv_heads: int):
-    """Merge the (split, warp) partials: out [B, Sq, Hq, D] float32, lse [B, Hq, Sq].
+    """Merge the split partials in XLA (the path with fused_combine=False): out [B, Sq, Hq, D] float32,
+    lse [B, Hq, Sq].
 
     lse = log(sum_p exp(lse_p) + exp(sink)); out = sum_p exp(lse_p - lse) O_p, a row whose every
     partial is -inf (and sink too) gets out 0, lse -inf. Runs as one fused XLA pass over the partials.
     """
     group, q_len, rows = options.group, options.q_len, options.rows
-    parts = options.num_splits * WARPS
+    parts = options.num_splits
 
     def by_row(x):   # [B, Hkv * T, P, 16, ...] -> [B, Hkv, P, rows, ...]
         x = x.reshape((batch, kv_heads, options.row_tiles, parts, TILE_M) + x.shape[4:])
@@ -487,26 +626,48 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
 
     from fa4_jax.kernels import compile_cache
 
-    batch, kv_heads = query.shape[0], key_cache.shape[2]
+    batch, q_len, q_heads, _ = query.shape
+    kv_heads = key_cache.shape[2]
     o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
-    outputs = (jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
-    arguments = (query, key_cache, value_cache, block_tables, kv_seq_lengths)
+    outputs = [jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
+    arguments = [query, key_cache, value_cache, block_tables, kv_seq_lengths, None, None]
+    aliases = None
+    if options.fused_combine:
+        # The counters are zeroed here and left zero by the kernel; aliased to an output so that
+        # XLA hands the kernel a buffer of its own to count in.
+        semaphore = jnp.zeros(semaphore_shape(options, batch, kv_heads), jnp.int32)
+        arguments[5:] = [sinks, semaphore]
+        aliases = {6: 0}
+        outputs = [jax.ShapeDtypeStruct(semaphore.shape, jnp.int32), *outputs,
+                   jax.ShapeDtypeStruct((batch, q_len, q_heads, options.head_dim), query.dtype),
+                   jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32)]
     kernel = _kernel(options)
     compile_key = (str(kernel), options)
-    compile_cache.prepare(kernel, arguments, outputs, compile_key)
-    partial_o, partial_lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
-    out, lse = combine_partials(options, partial_o, partial_lse, sinks, batch, kv_heads)
+    compile_cache.prepare(kernel, tuple(arguments), tuple(outputs), compile_key, aliases)
+    results = cutlass_call(kernel, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
+                           compile_key=compile_key)(*arguments)
+    if options.fused_combine:
+        return results[-2], results[-1]
+    out, lse = combine_partials(options, results[0], results[1], sinks, batch, kv_heads)
     return out.astype(query.dtype), lse
 
 
-def fake_arguments(options: DecodeOptions, batch: int, kv_heads: int, num_blocks: int, max_blocks: int) -> list:
-    """Fake tensors in the kernel's argument order, for compiling without a GPU."""
+def fake_arguments(options: DecodeOptions, batch: int, kv_heads: int, num_blocks: int, max_blocks: int,
+                   has_sinks: bool = False) -> list:
+    """Fake tensors in the kernel's argument order, for compiling without a GPU: (query, key and value
+    caches, block tables, lengths, sinks or None, semaphore or None, partial O, partial LSE[, out, lse])."""
     element = host.cutlass_dtype(options.dtype_name)
     q_heads = kv_heads * options.group
     o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
     cache = (num_blocks, options.page_size, kv_heads, options.head_dim)
-    return [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
-            host.fake_tensor(element, cache), host.fake_tensor(element, cache),
-            host.fake_tensor(cutlass.Int32, (batch, max_blocks)), host.fake_tensor(cutlass.Int32, (batch,)),
-            host.fake_tensor(Float32, o_shape), host.fake_tensor(Float32, lse_shape)]
-
+    fused = options.fused_combine
+    arguments = [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
+                 host.fake_tensor(element, cache), host.fake_tensor(element, cache),
+                 host.fake_tensor(cutlass.Int32, (batch, max_blocks)), host.fake_tensor(cutlass.Int32, (batch,)),
+                 host.fake_tensor(Float32, (q_heads,)) if fused and has_sinks else None,
+                 host.fake_tensor(cutlass.Int32, semaphore_shape(options, batch, kv_heads)) if fused else None,
+                 host.fake_tensor(Float32, o_shape), host.fake_tensor(Float32, lse_shape)]
+    if fused:
+        arguments += [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
+                      host.fake_tensor(Float32, (batch, q_heads, options.q_len))]
+    return arguments
