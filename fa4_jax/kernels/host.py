@@ -169,6 +169,8 @@ class OptionalTensors(NamedTuple):
     q_seq_lengths: Any = None
     kv_seq_lengths: Any = None
     q_start: Any = None
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
 
 
 FORWARD_OPTIONAL = OptionalTensors._fields
@@ -194,9 +196,10 @@ def launch_forward(kernel, options, query, key, value, optional: dict):
     return out, lse
 
 
-def forward_fake_arguments(config, shape, dtype_name: str) -> list:
+def forward_fake_arguments(config, shape, dtype_name: str, num_sequences: int = 1) -> list:
     """Fake tensors in a forward kernel's argument order (inputs as in `launch_forward`, then out and
-    lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D); with packed sequences B = 1 and
+    `num_sequences` sizes the offsets."""
     import cutlass
 
     batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
@@ -212,6 +215,7 @@ def forward_fake_arguments(config, shape, dtype_name: str) -> list:
         fake_tensor(i32, (batch,)) if config.has_q_seq_lengths else None,
         fake_tensor(i32, (batch,)) if config.has_kv_seq_lengths else None,
         fake_tensor(i32, (1,)) if config.has_q_start else None,
+        *(fake_tensor(i32, (num_sequences + 1,)) if config.has_cu_seqlens else None for _ in range(2)),
         fake_tensor(element, (batch, q_len, q_heads, head_dim)), fake_tensor(f32, (batch, q_heads, q_len)),
     ]
 

@@ -43,6 +43,12 @@ def _either(a, b):
     return cutlass.Boolean(a) | cutlass.Boolean(b)
 
 
+def _both(a, b):
+    if isinstance(a, bool) and isinstance(b, bool):
+        return a and b
+    return cutlass.Boolean(a) & cutlass.Boolean(b)
+
+
 def _pick(condition, if_true, if_false):
     if isinstance(condition, bool):
         return if_true if condition else if_false
