@@ -78,7 +78,19 @@ CONFIGS = {
     "d128-causal-lengths-fp16": (
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 128],
         "float16", {}),
+    # Packed variable-length sequences (attention_varlen): B = 1, the offsets' length in PACKED_SEQUENCES.
+    # D = 128 causal GQA (split key loop, zigzag), D = 64 with every other mask feature, D = 256 causal
+    # (LARGE_HEAD_CAUSAL less the TMA store).
+    "d128-packed-causal-gqa": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 4, 2, 128], "bfloat16", {}),
+    "d64-packed-window-softcap-sinks-fp16": (
+        {"window_left": 100, "window_right": 20, "softcap": 30.0, "has_sinks": True, "has_cu_seqlens": True},
+        [1, 3000, 2500, 4, 1, 64], "float16", {}),
+    "d256-packed-causal-one-sequence": ({"causal": True, "has_cu_seqlens": True}, [1, 700, 900, 4, 4, 256],
+                                        "bfloat16", {}),
 }
+# Sequences N of the packed configurations (cu_seqlens of N + 1 entries).
+PACKED_SEQUENCES = {"d128-packed-causal-gqa": 7, "d64-packed-window-softcap-sinks-fp16": 30,
+                    "d256-packed-causal-one-sequence": 1}
 
 _COMPILE = r"""
 import dataclasses, glob, json, os, sys
@@ -89,6 +101,7 @@ from fa4_jax.kernels import host
 from fa4_jax.kernels.sm90 import forward as sm90_forward
 
 configs = json.loads(sys.argv[1])
+packed_sequences = json.loads(sys.argv[2])
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
 
 result = {}
@@ -100,7 +113,8 @@ for name, (fields, shape, dtype, overrides) in configs.items():
     assert reason is None, reason
     options = sm90_forward.options(config, problem, sm_count=132, **overrides)
     kernel = sm90_forward.Sm90ForwardKernel(options)
-    cute.compile(kernel, make_fake_stream(), *host.forward_fake_arguments(config, shape, dtype))
+    cute.compile(kernel, make_fake_stream(),
+                 *host.forward_fake_arguments(config, shape, dtype, packed_sequences.get(name, 1)))
     # The DSL names the file after the kernel's arguments, so configurations that differ only in
     # options write the same file: move each one out of the way under its configuration's name.
     new = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
@@ -108,7 +122,7 @@ for name, (fields, shape, dtype, overrides) in configs.items():
     path = os.path.join(dump, name + ".ptx")
     os.replace(new[0], path)
     effective = {field: getattr(options, field) for field in ("consumer_warpgroups", "q_stages", "tma_store",
-                 "split_masked_loop", "poly_exp2_every", "pingpong_max_head_dim", "head_dim")}
+                 "split_masked_loop", "poly_exp2_every", "pingpong_max_head_dim", "head_dim", "packed")}
     result[name] = {"ptx": path, "options": effective}
 print("SM90_PTX " + json.dumps(result))
 """
@@ -118,7 +132,7 @@ print("SM90_PTX " + json.dumps(result))
 def compiled(tmp_path_factory):
     """{config name: PTX path}, all compiled in one subprocess for sm_90a."""
     directory = tmp_path_factory.mktemp("sm90_ptx")
-    process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS)],
+    process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS), json.dumps(PACKED_SEQUENCES)],
                              env=compile_environment(directory),
                              capture_output=True, text=True, timeout=900)
     assert process.returncode == 0, process.stderr[-4000:]
@@ -148,6 +162,25 @@ def test_ptx_has_hopper_instructions(compiled, name):
         assert "fence.proxy.async.shared::cta" in ptx, "no proxy fence between stmatrix and the TMA store"
     if options["head_dim"] <= options["pingpong_max_head_dim"]:
         assert re.search(r"bar\.sync\s+%r\d+, 256;", ptx), "no ping-pong scheduler barrier"
+    if options["packed"]:
+        assert not options["tma_store"] and not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), \
+            "a TMA store of O, which would clip at the array's end, not at the sequence's"
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_SEQUENCES))
+def test_packed_offsets_are_read_at_run_time_by_binary_search(compiled, name):
+    """The packed scheduler's design in the PTX: the offsets are int32 loads at run time (one compile
+    serves every packing), and each of the two roles (producer warp, consumers) reads, per work item,
+    ceil(log2(N + 2)) offsets for the search of its slot's sequence plus at most 4 for that sequence's
+    query and key extents (the compiler may fold some when N is small): no per-sequence table, no scan
+    over the N sequences (which would take >= N loads per role: 30 in the D = 64 configuration).
+    Besides them, b32 global loads are only the sink logit's (one, by the consumers)."""
+    with open(compiled[name]["ptx"]) as handle:
+        ptx = handle.read()
+    search_steps = (PACKED_SEQUENCES[name] + 1).bit_length()
+    sink_loads = int(CONFIGS[name][0].get("has_sinks", False))
+    offset_loads = len(re.findall(r"ld\.global(?:\.nc)?\.(?:b32|u32|s32)\s", ptx)) - sink_loads
+    assert 2 * search_steps < offset_loads <= 2 * (search_steps + 4), (offset_loads, search_steps)
 
 
 def test_tuning_options_are_checked():

@@ -380,10 +380,11 @@ class Sm90ForwardKernel:
     @cute.jit
     def work_item(self, tile: Int32, num_m_blocks: Int32, mQ: cute.Tensor, mK: cute.Tensor, lengths):
         """Where tile `tile` sits and what it sees: (m_block, head, batch_index, q_row0, k_row0,
-        rows_left, row_start, q_len, kv_len, offset, first key block, end key block). q_row0 / k_row0:
-        the first query row / key of its sequence in the arrays (0 unless packed), m_block its query
-        block within that sequence, rows_left the rows from the block's first to its sequence's end
-        (<= 0: a packed slot with no rows, which both roles skip)."""
+        holds_rows, rows_left, row_start, q_len, kv_len, offset, first key block, end key block).
+        q_row0 / k_row0: the first query row / key of its sequence in the arrays (0 unless packed),
+        m_block its query block within that sequence, rows_left the rows from the block's first to its
+        sequence's end; holds_rows is False for a packed slot past its sequence's blocks (both roles
+        skip it) and a constant True otherwise, so the unpacked kernel has no branch for it."""
         mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK = lengths
         # Packed: slot order (sequence by sequence); the longest-first order needs Sq known statically.
         m_block, head, batch_index = tile_scheduler.tile_coordinates(
@@ -396,13 +397,15 @@ class Sm90ForwardKernel:
             row_start, q_len, kv_len, offset, first, end = masking.tile_extents(
                 self.mask, m_block, batch_index, self.tile_m, self.tile_n, q_len, kv_len, None, None, None, None)
             rows_left = q_len - m_block * self.tile_m
+            holds_rows = rows_left > 0
         else:
             row_start, q_len, kv_len, offset, first, end = masking.tile_extents(
                 self.mask, m_block, batch_index, self.tile_m, self.tile_n, mQ.shape[0], mK.shape[0],
                 mQSeqLengths, mKVSeqLengths, mQStart, self.options.q_total)
             rows_left = mQ.shape[0] - m_block * self.tile_m
-        return (m_block, head, batch_index, q_row0, k_row0, rows_left, row_start, q_len, kv_len, offset,
-                first, end)
+            holds_rows = cutlass.Boolean(True)
+        return (m_block, head, batch_index, q_row0, k_row0, holds_rows, rows_left, row_start, q_len, kv_len,
+                offset, first, end)
 
     def sequence_rows(self, tensor: cute.Tensor, row0: Int32) -> cute.Tensor:
         """A (rows, columns) slice of Q, K, V or O from its sequence's first row on (packed: an offset
@@ -425,9 +428,9 @@ class Sm90ForwardKernel:
         tile = cute.arch.block_idx()[0]
         wave = Int32(0)
         while tile < num_tiles:
-            m_block, head, batch_index, q_row0, k_row0, rows_left, _, _, _, _, first, end = self.work_item(
+            m_block, head, batch_index, q_row0, k_row0, holds_rows, _, _, _, _, _, first, end = self.work_item(
                 tile, num_m_blocks, mQ, mK, lengths)
-            if rows_left > 0:
+            if holds_rows:
                 head_kv = head // self.options.group
                 g_q = cute.local_tile(self.sequence_rows(mQ[None, None, head, batch_index], q_row0),
                                       (self.tile_m, self.head_dim), (m_block, 0))
@@ -518,9 +521,9 @@ class Sm90ForwardKernel:
         tile = cute.arch.block_idx()[0]
         wave = Int32(0)
         while tile < num_tiles:
-            (m_block, head, batch_index, q_row0, _, rows_left, row_start, q_len, kv_len, offset, first,
-             end) = self.work_item(tile, num_m_blocks, mQ, mK, lengths)
-            if rows_left > 0:
+            (m_block, head, batch_index, q_row0, _, holds_rows, rows_left, row_start, q_len, kv_len, offset,
+             first, end) = self.work_item(tile, num_m_blocks, mQ, mK, lengths)
+            if holds_rows:
                 q_segments = None
                 kv_segments = None
                 if cutlass.const_expr(mQSegmentIds is not None):
