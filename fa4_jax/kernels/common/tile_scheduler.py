@@ -11,8 +11,11 @@ Order:
   later query block sees more keys. Starting the long tiles first and filling the tail with short
   ones balances the SMs (the LPT rule).
 
-`tile_coordinates` is plain integer arithmetic: it runs on Python ints in the unit tests and on
-`cutlass.Int32` inside kernels.
+Packed variable-length sequences: the query-block axis is a static axis of slots over (sequence,
+block), mapped back by `packed_item` (below).
+
+`tile_coordinates` and the packed functions are plain integer arithmetic: they run on Python ints in
+the unit tests and on `cutlass.Int32` inside kernels.
 """
 
 from __future__ import annotations

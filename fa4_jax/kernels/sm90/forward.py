@@ -11,6 +11,13 @@ Design (one CTA = one 128-row query tile at a time, persistent over tiles):
 - key blocks are walked from the last visible one down to the first; blocks that no query row of the
   tile can see (causal, window, lengths) are never loaded.
 - the persistent grid walks tiles through fa4_jax.kernels.tile_scheduler (causal: longest first).
+- packed variable-length sequences (attention_varlen, `KernelOptions.packed`): B = 1 and the tiles
+  are tile_scheduler.packed_item's slots over (sequence, query block, head), the sequence found at run
+  time from cu_seqlens (one compile serves every packing); Q, K, V tiles are TMA loads from the
+  sequence's own first row (a domain offset of the TMA coordinates), keys past the sequence's end
+  are masked like a padded batch's, and O / LSE go out by per-row stores clipped at the sequence's
+  end (the TMA-store epilogue would write into the next sequence). Slots past a sequence's last block
+  are skipped by both roles.
 
 Grouped-query attention maps query head h to key/value head h // (Hq / Hkv).
 
