@@ -402,7 +402,8 @@ def test_packed_sequences_run_the_sm90_forward_kernel_and_nothing_else(monkeypat
     if refusal is None:
         module = cuda.kernel_for(kind, config, *avals)
         assert module.__name__ == "fa4_jax.kernels.sm90.forward"
-        assert module.options(config, host.Problem.of(*avals)).packed
+        options = module.options(config, host.Problem.of(*avals, {"cu_seqlens_q": jnp.zeros((8,), jnp.int32)}))
+        assert options.packed and options.num_sequences == 7
         return
     with pytest.raises(NotImplementedError, match=refusal):
         cuda.kernel_for(kind, config, *avals)
@@ -420,12 +421,14 @@ def test_packed_forward_options_keep_rows_inside_their_sequence():
     packed = AttentionConfig(scale=0.125, has_cu_seqlens=True)
     for head_dim, causal in itertools.product((64, 128, 256), (False, True)):
         shape = (1, 4096, 2, head_dim)
-        options = sm90_forward.options(packed.replace(causal=causal), host.Problem(shape, shape, shape, "bfloat16"),
-                                       sm_count=132)
+        options = sm90_forward.options(packed.replace(causal=causal),
+                                       host.Problem(shape, shape, shape, "bfloat16", sequences=9), sm_count=132)
         assert options.packed and not options.tma_store and options.consumer_warpgroups == 2
         options.check()
     with pytest.raises(ValueError, match="per-row predicated stores"):
         dataclasses.replace(options, tma_store=True).check()
-    problem = host.Problem(shape, shape, shape, "bfloat16")
+    with pytest.raises(ValueError, match="sequence count"):
+        sm90_forward.options(packed, host.Problem(shape, shape, shape, "bfloat16"))
+    problem = host.Problem(shape, shape, shape, "bfloat16", sequences=9)
     for changes in (dict(has_kv_seq_lengths=True), dict(has_segment_ids=True)):
         assert "does not combine packed sequences" in sm90_forward.unsupported_reason(packed.replace(**changes), problem)

@@ -108,13 +108,14 @@ result = {}
 for name, (fields, shape, dtype, overrides) in configs.items():
     B, Sq, Sk, Hq, Hkv, D = shape
     config = AttentionConfig(scale=D ** -0.5, **fields)
-    problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), dtype)
+    problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), dtype,
+                           sequences=packed_sequences.get(name))
     reason = sm90_forward.unsupported_reason(config, problem)
     assert reason is None, reason
     options = sm90_forward.options(config, problem, sm_count=132, **overrides)
     kernel = sm90_forward.Sm90ForwardKernel(options)
     cute.compile(kernel, make_fake_stream(),
-                 *host.forward_fake_arguments(config, shape, dtype, packed_sequences.get(name, 1)))
+                 *host.forward_fake_arguments(config, shape, dtype, packed_sequences.get(name)))
     # The DSL names the file after the kernel's arguments, so configurations that differ only in
     # options write the same file: move each one out of the way under its configuration's name.
     new = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
@@ -302,3 +303,49 @@ def test_tma_store_epilogue_layout(tmp_path):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_no_register_spills(compiled, name):
     assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
+
+
+_LOWER_VARLEN = r"""
+import json, warnings
+import jax, jax.numpy as jnp
+import fa4_jax
+from fa4_jax.lowering import cuda
+cuda.compute_capability = lambda: (9, 0)   # lower for an H100/H200 on this CPU
+query = jax.ShapeDtypeStruct((700, 4, 128), jnp.bfloat16)
+key = jax.ShapeDtypeStruct((900, 2, 128), jnp.bfloat16)
+sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+offsets = jax.ShapeDtypeStruct((6,), jnp.int32)
+
+def calls(function, *arguments):
+    text = jax.jit(function).trace(*arguments).lower(lowering_platforms=("cuda",)).as_text()
+    lines = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    return [line.split(" : ")[-1] for line in lines if "sm90_forward" in line], len(lines)
+
+forward = lambda q, k, v, s, a, b: fa4_jax.attention_varlen(q, k, v, a, b, causal=True, sinks=s, return_lse=True,
+                                                            implementation="cute")
+loss = lambda q, k, v, s, a, b: fa4_jax.attention_varlen(q, k, v, a, b, causal=True, sinks=s).astype(jnp.float32).sum()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gradient = calls(jax.grad(loss), query, key, key, sinks, offsets, offsets)
+print("LOWERED " + json.dumps({"forward": calls(forward, query, key, key, sinks, offsets, offsets),
+                               "gradient": gradient, "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_attention_varlen_lowers_for_cuda_to_the_packed_kernel(tmp_path):
+    """attention_varlen on an sm_90 GPU (faked: the DSL compiles for sm_90a on this CPU) lowers its
+    forward to the sm90 kernel, with the packing as batch 1 and both offset arrays as int32 [N + 1]
+    operands; its gradient runs that forward kernel and the reference backward (no second kernel call),
+    after the one-time warning that names the packing."""
+    environment = dict(compile_environment(tmp_path), FA4_JAX_CACHE_DIR=str(tmp_path))
+    process = subprocess.run([sys.executable, "-c", _LOWER_VARLEN], env=environment, capture_output=True,
+                             text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-4000:]
+    line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
+    lowered = json.loads(line[len("LOWERED "):])
+    kernel_call = ("(tensor<1x700x4x128xbf16>, tensor<1x900x2x128xbf16>, tensor<1x900x2x128xbf16>, tensor<4xf32>, "
+                   "tensor<6xi32>, tensor<6xi32>) -> (tensor<1x700x4x128xbf16>, tensor<1x4x700xf32>)")
+    assert lowered["forward"] == [[kernel_call], 1], lowered
+    assert lowered["gradient"] == [[kernel_call], 1], lowered
+    assert any("backward runs on the XLA reference path" in w and "packed variable-length" in w
+               for w in lowered["warnings"]), lowered["warnings"]

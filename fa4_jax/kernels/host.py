@@ -26,18 +26,24 @@ class Problem:
     """The shapes and input type of one attention call: what a kernel decides on besides the
     `AttentionConfig`. Shapes are [B, Sq, Hq, D], [B, Sk, Hkv, D], [B, Sk, Hkv, Dv]; for a paged KV
     cache (`fa4_jax.paged_attention`) key and value are the logical shapes, Sk = pages per sequence ·
-    page_size, and `page_size` is set (None: a contiguous cache)."""
+    page_size, and `page_size` is set (None: a contiguous cache). For packed variable-length sequences
+    (`fa4_jax.attention_varlen`) B = 1 and `sequences` is N, the static length of cu_seqlens less one
+    (None: not packed); a kernel's search over the offsets is sized by it."""
 
     query: tuple
     key: tuple
     value: tuple
     dtype: str
     page_size: Optional[int] = None
+    sequences: Optional[int] = None
 
     @classmethod
-    def of(cls, query, key, value) -> "Problem":
-        """From arrays or abstract values (anything with `.shape` and `.dtype`)."""
-        return cls(tuple(query.shape), tuple(key.shape), tuple(value.shape), jnp.dtype(query.dtype).name)
+    def of(cls, query, key, value, optional: Optional[dict] = None) -> "Problem":
+        """From arrays or abstract values (anything with `.shape` and `.dtype`); `optional`: the call's
+        optional operands by name (or their abstract values), which give N when cu_seqlens_q is there."""
+        offsets = (optional or {}).get("cu_seqlens_q")
+        return cls(tuple(query.shape), tuple(key.shape), tuple(value.shape), jnp.dtype(query.dtype).name,
+                   sequences=None if offsets is None else offsets.shape[0] - 1)
 
     batch = property(lambda self: self.query[0])
     q_len = property(lambda self: self.query[1])
@@ -196,7 +202,7 @@ def launch_forward(kernel, options, query, key, value, optional: dict):
     return out, lse
 
 
-def forward_fake_arguments(config, shape, dtype_name: str, num_sequences: int = 1) -> list:
+def forward_fake_arguments(config, shape, dtype_name: str, num_sequences: Optional[int] = None) -> list:
     """Fake tensors in a forward kernel's argument order (inputs as in `launch_forward`, then out and
     lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D); with packed sequences B = 1 and
     `num_sequences` sizes the offsets."""

@@ -99,7 +99,7 @@ class KernelOptions:
     has_kv_lengths: bool
     has_q_start: bool
     q_total: Optional[int]
-    packed: bool               # packed variable-length sequences (cu_seqlens_q / cu_seqlens_k)
+    num_sequences: Optional[int]  # packed variable-length sequences: N (cu_seqlens of N + 1); None: not packed
     sm_count: int
     rescale_threshold: float = 8.0
     poly_exp2_every: int = 0
@@ -118,6 +118,10 @@ class KernelOptions:
     @property
     def tile_m(self) -> int:
         return ROWS_PER_WARPGROUP * self.consumer_warpgroups
+
+    @property
+    def packed(self) -> bool:
+        return self.num_sequences is not None
 
     @property
     def tile_n(self) -> int:
@@ -298,7 +302,7 @@ class Sm90ForwardKernel:
             self.dtype, self.q_stages, self.num_stages, cute.cosize(q_layout), cute.cosize(k_layout),
             cute.cosize(v_layout), None if cutlass.const_expr(o_layout is None) else cute.cosize(o_layout))
 
-        num_m_blocks = self.query_blocks(mQ, mCuSeqlensQ)
+        num_m_blocks = self.query_blocks(mQ)
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         grid_size = cutlass.min(num_tiles, self.options.sm_count)
 
@@ -353,7 +357,7 @@ class Sm90ForwardKernel:
             sO = storage.s_o.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         cute.arch.sync_threads()
 
-        num_m_blocks = self.query_blocks(mQ, mCuSeqlensQ)
+        num_m_blocks = self.query_blocks(mQ)
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         lengths = (mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK)
 
@@ -377,11 +381,11 @@ class Sm90ForwardKernel:
             next_tile = tile_scheduler.zigzag_tile(wave, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
         return next_tile
 
-    def query_blocks(self, mQ: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor]) -> int:
+    def query_blocks(self, mQ: cute.Tensor):
         """Query-block work items per (head, batch element): the tiles of Sq, or with packed sequences
         the static slot count of tile_scheduler.packed_item (some slots hold no rows)."""
         if cutlass.const_expr(self.options.packed):
-            return tile_scheduler.packed_slots_per_head(mCuSeqlensQ.shape[0] - 1, mQ.shape[0], self.tile_m)
+            return tile_scheduler.packed_slots_per_head(self.options.num_sequences, mQ.shape[0], self.tile_m)
         return (mQ.shape[0] + self.tile_m - 1) // self.tile_m
 
     @cute.jit
@@ -400,7 +404,7 @@ class Sm90ForwardKernel:
         k_row0 = Int32(0)
         if cutlass.const_expr(self.options.packed):
             m_block, q_row0, q_len, k_row0, kv_len = tile_scheduler.packed_item(
-                m_block, mCuSeqlensQ, mCuSeqlensK, mCuSeqlensQ.shape[0] - 1, mQ.shape[0], mK.shape[0], self.tile_m)
+                m_block, mCuSeqlensQ, mCuSeqlensK, self.options.num_sequences, mQ.shape[0], mK.shape[0], self.tile_m)
             row_start, q_len, kv_len, offset, first, end = masking.tile_extents(
                 self.mask, m_block, batch_index, self.tile_m, self.tile_n, q_len, kv_len, None, None, None, None)
             rows_left = q_len - m_block * self.tile_m
@@ -876,6 +880,9 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
             **overrides) -> KernelOptions:
     """The static kernel configuration for one call, the tuned defaults with `overrides` (KernelOptions
     fields, for tests and tuning sweeps) on top; also what the compile tests build."""
+    if config.has_cu_seqlens and problem.sequences is None:
+        raise ValueError("packed sequences (cu_seqlens) need the Problem's sequence count: "
+                         "host.Problem.of(query, key, value, optional)")
     mask = masking.MaskShape.from_config(config)
     softcap_value = None if config.softcap is None else float(config.softcap)
     tuned = tuned_overrides(problem.head_dim, problem.v_head_dim, mask, softcap_value, problem.q_len,
@@ -893,7 +900,7 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
         has_kv_lengths=config.has_kv_seq_lengths,
         has_q_start=config.has_q_start,
         q_total=config.q_total if config.has_q_start else None,
-        packed=config.has_cu_seqlens,
+        num_sequences=problem.sequences if config.has_cu_seqlens else None,
         sm_count=host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
         **{**tuned, **overrides},
     )
