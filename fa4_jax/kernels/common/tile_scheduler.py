@@ -20,7 +20,7 @@ the unit tests and on `cutlass.Int32` inside kernels.
 
 from __future__ import annotations
 
-from fa4_jax.kernels.common import masking
+from fa4_jax.kernels.common import integer
 
 
 def tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first: bool):
@@ -64,7 +64,7 @@ def zigzag_tile(wave, cta, grid):
 # into [0, total], so malformed ones never address outside the arrays.
 
 def _clamp(value, low, high):
-    return masking._minimum(masking._maximum(value, low), high)
+    return integer.minimum(integer.maximum(value, low), high)
 
 
 def packed_slots_per_head(num_sequences: int, total_q: int, tile_m: int) -> int:
@@ -76,7 +76,7 @@ def packed_boundary(cu_seqlens, s, num_sequences: int, total: int):
     """Token where virtual sequence s starts (s = 0 .. N + 2; N + 2 gives the total): 0, then the
     offsets cu_seqlens[0 .. N] clamped into [0, total], then total."""
     offset = _clamp(cu_seqlens[_clamp(s - 1, 0, num_sequences)], 0, total)
-    return masking._pick(s == 0, 0, masking._pick(s >= num_sequences + 2, total, offset))
+    return integer.pick(s == 0, 0, integer.pick(s >= num_sequences + 2, total, offset))
 
 
 def packed_slot(cu_seqlens_q, s, num_sequences: int, total_q: int, tile_m: int):
@@ -93,14 +93,14 @@ def packed_item(slot, cu_seqlens_q, cu_seqlens_k, num_sequences: int, total_q: i
     for _ in range((num_sequences + 1).bit_length()):
         middle = (low + high) // 2
         fits = packed_slot(cu_seqlens_q, middle, num_sequences, total_q, tile_m) <= slot
-        low, high = masking._pick(fits, middle, low), masking._pick(fits, high, middle)
+        low, high = integer.pick(fits, middle, low), integer.pick(fits, high, middle)
     s = low
     q_start = packed_boundary(cu_seqlens_q, s, num_sequences, total_q)
-    q_len = masking._maximum(packed_boundary(cu_seqlens_q, s + 1, num_sequences, total_q) - q_start, 0)
+    q_len = integer.maximum(packed_boundary(cu_seqlens_q, s + 1, num_sequences, total_q) - q_start, 0)
     # Keys of packed sequence s - 1; the two virtual sequences have none.
-    real = masking._both(s >= 1, s <= num_sequences)
+    real = integer.both(s >= 1, s <= num_sequences)
     k_start = _clamp(cu_seqlens_k[_clamp(s - 1, 0, num_sequences)], 0, total_k)
     k_end = _clamp(cu_seqlens_k[_clamp(s, 0, num_sequences)], 0, total_k)
-    kv_len = masking._pick(real, masking._maximum(k_end - k_start, 0), 0)
+    kv_len = integer.pick(real, integer.maximum(k_end - k_start, 0), 0)
     m_block = slot - packed_slot(cu_seqlens_q, s, num_sequences, total_q, tile_m)
     return m_block, q_start, q_len, k_start, kv_len
