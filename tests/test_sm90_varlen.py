@@ -50,7 +50,8 @@ CASES = [
     # Exact tile multiples next to one-row remainders, and an all-empty sequence in between.
     VarlenCase(dtype=BF16, head_dim=128, lengths=((128, 128), (256, 200), (0, 0), (129, 1), (1, 384)), causal=True),
 ]
-GRADIENT_CASES = [CASES[1], CASES[2], CASES[5]]
+# bf16 only: the reference backward is checked against the oracle in bf16 on the CPU too (tests/test_varlen.py).
+GRADIENT_CASES = [CASES[1], CASES[5], CASES[7]]
 
 
 @gpu
