@@ -4,7 +4,9 @@ The CPU part drives `fa4_jax.lowering.cuda` with a stand-in routing table and ke
 compute capability; the GPU part checks the same promises end to end on a real device.
 """
 
+import dataclasses
 import importlib
+import itertools
 import sys
 import types
 import warnings
@@ -16,6 +18,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
 from fa4_jax.lowering import cuda
 from fa4_jax.primitive import attention_tangent_p
 
@@ -367,3 +370,65 @@ def test_non_positive_scale_without_softcap_falls_back(monkeypatch, kind, capabi
         assert cuda.kernel_for(kind, AttentionConfig(scale=scale, causal=True), *avals) is None
     softcapped = AttentionConfig(scale=scale, causal=True, softcap=5.0)
     assert cuda.kernel_for(kind, softcapped, *avals) is not None
+
+
+# Packed variable-length sequences (attention_varlen's config): which kernel runs each pass, or why
+# none does. (capability, pass, head dim) -> the refusal, None where a kernel takes it.
+PACKED_ROUTES = {
+    "sm90-forward": ((9, 0), "forward", 128, None),
+    "sm90-forward-zero-padded-head-dim": ((9, 0), "forward", 80, None),
+    "sm90-forward-d64": ((9, 0), "forward", 64, None),
+    "sm90-backward": ((9, 0), "backward", 128, "sm90 backward has no scheduler for packed"),
+    "sm90-backward-large-heads": ((9, 0), "backward", 256, "has no scheduler for packed"),
+    "sm90-tangent": ((9, 0), "tangent", 128, "sm90 tangent has no scheduler for packed"),
+    "sm90-decode": ((9, 0), "decode", 128, "sm90 decode has no scheduler for packed"),
+    "sm100-forward": ((10, 0), "forward", 128, "sm100 has no scheduler for packed"),
+    "sm100-backward": ((10, 0), "backward", 128, "sm100 backward has no scheduler for packed"),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("capability, kind, head_dim, refusal", PACKED_ROUTES.values(), ids=PACKED_ROUTES.keys())
+def test_packed_sequences_run_the_sm90_forward_kernel_and_nothing_else(monkeypatch, capability, kind, head_dim,
+                                                                       refusal):
+    """The sm90 forward schedules packed sequences (tests/test_sm90_varlen.py checks it against the
+    oracle); every other kernel refuses them, naming the packing, so attention_varlen's backward and
+    tangent run on the reference (with the usual one-time warning) and implementation="cute" raises."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
+    monkeypatch.setattr(cuda, "_warned", set())
+    config = AttentionConfig(scale=0.125, causal=True, has_sinks=True, has_cu_seqlens=True, implementation="cute")
+    avals = [jax.ShapeDtypeStruct((1, 300, 4, head_dim), jnp.bfloat16),
+             *[jax.ShapeDtypeStruct((1, 200, 2, head_dim), jnp.bfloat16)] * 2]
+    if refusal is None:
+        module = cuda.kernel_for(kind, config, *avals)
+        assert module.__name__ == "fa4_jax.kernels.sm90.forward"
+        options = module.options(config, host.Problem.of(*avals, {"cu_seqlens_q": jnp.zeros((8,), jnp.int32)}))
+        assert options.packed and options.num_sequences == 7
+        return
+    with pytest.raises(NotImplementedError, match=refusal):
+        cuda.kernel_for(kind, config, *avals)
+    with pytest.warns(UserWarning, match="packed variable-length sequences"):
+        assert cuda.kernel_for(kind, config.replace(implementation=None), *avals) is None
+
+
+@needs_cutlass
+def test_packed_forward_options_keep_rows_inside_their_sequence():
+    """Packed sequences never take the TMA-store epilogue (it clips at the array's end, not the
+    sequence's) nor the three-warpgroup set measured only with it; options that ask for it are
+    refused, and so are packed sequences combined with per-batch lengths or segment ids."""
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
+
+    packed = AttentionConfig(scale=0.125, has_cu_seqlens=True)
+    for head_dim, causal in itertools.product((64, 128, 256), (False, True)):
+        shape = (1, 4096, 2, head_dim)
+        options = sm90_forward.options(packed.replace(causal=causal),
+                                       host.Problem(shape, shape, shape, "bfloat16", sequences=9), sm_count=132)
+        assert options.packed and not options.tma_store and options.consumer_warpgroups == 2
+        options.check()
+    with pytest.raises(ValueError, match="per-row predicated stores"):
+        dataclasses.replace(options, tma_store=True).check()
+    with pytest.raises(ValueError, match="sequence count"):
+        sm90_forward.options(packed, host.Problem(shape, shape, shape, "bfloat16"))
+    problem = host.Problem(shape, shape, shape, "bfloat16", sequences=9)
+    for changes in (dict(has_kv_seq_lengths=True), dict(has_segment_ids=True)):
+        assert "does not combine packed sequences" in sm90_forward.unsupported_reason(packed.replace(**changes), problem)

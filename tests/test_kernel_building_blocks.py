@@ -87,6 +87,60 @@ def test_tile_coordinates_visit_every_tile_once(num_m_blocks, num_heads, batch, 
         assert [m for m, _, _ in tiles[:num_m_blocks]] == list(range(num_m_blocks))
 
 
+def _packed_rows(cu_q, cu_k, total_q, total_k, tile_m):
+    """[(query row, (its sequence's first row, q_len, k_start, kv_len))] over every slot of one head."""
+    num_sequences = len(cu_q) - 1
+    rows = []
+    for slot in range(tile_scheduler.packed_slots_per_head(num_sequences, total_q, tile_m)):
+        m_block, q_start, q_len, k_start, kv_len = tile_scheduler.packed_item(
+            slot, cu_q, cu_k, num_sequences, total_q, total_k, tile_m)
+        assert m_block >= 0
+        rows += [(row, (q_start, q_len, k_start, kv_len))
+                 for row in range(q_start + m_block * tile_m, q_start + min(q_len, (m_block + 1) * tile_m))]
+    return rows
+
+
+@pytest.mark.parametrize("tile_m", [64, 128, 192])
+@pytest.mark.parametrize("seed", range(40))
+def test_packed_slots_visit_every_row_once_with_its_sequence(tile_m, seed):
+    """Every query row of every packing (empty sequences, lengths on and off tile multiples, one long
+    sequence) lies in exactly one slot, which names that row's own sequence: its query and key
+    offsets and lengths. The slot count depends on (N, Tq, tile_m) only."""
+    rng = np.random.default_rng(seed)
+    num_sequences = int(rng.integers(1, 40))
+    lengths = rng.integers(0, 3 * tile_m, size=(num_sequences, 2)) * (rng.random((num_sequences, 2)) < 0.8)
+    if seed % 5 == 0:
+        lengths[rng.integers(num_sequences), 0] = 20 * tile_m + 1
+    cu_q = [0, *np.cumsum(lengths[:, 0]).tolist()]
+    cu_k = [0, *np.cumsum(lengths[:, 1]).tolist()]
+    visits = _packed_rows(cu_q, cu_k, cu_q[-1], cu_k[-1], tile_m)
+    rows = dict(visits)
+    assert sorted(row for row, _ in visits) == list(range(cu_q[-1])), "a row missed or visited twice"
+    for b in range(num_sequences):
+        for row in range(cu_q[b], cu_q[b + 1]):
+            assert rows[row] == (cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b])
+
+
+@pytest.mark.parametrize("cu_q, cu_k, total_q, total_k", [
+    ([0, 100, 300], [0, 50, 90], 500, 120),     # rows after the last offset, keys after it too
+    ([40, 100, 300], [10, 50, 90], 300, 90),    # rows before the first offset
+    ([0, 200, 100], [0, 80, 40], 300, 90),      # decreasing offsets
+    ([0, 900, 999], [0, 500, 999], 300, 90),    # offsets past the arrays
+])
+def test_packed_slots_of_malformed_offsets_stay_inside_the_arrays(cu_q, cu_k, total_q, total_k):
+    """Offsets the API cannot check under jit: every slot's rows and keys lie inside the arrays; for
+    non-decreasing offsets every row is covered once and the rows outside [cu_q[0], cu_q[N]) belong
+    to key-less items (the kernel writes out 0, lse -inf there, as the reference does). Decreasing
+    ones may cover a row twice: the API leaves their result unspecified."""
+    visits = _packed_rows(cu_q, cu_k, total_q, total_k, 64)
+    for row, (_, _, k_start, kv_len) in visits:
+        assert 0 <= row < total_q and 0 <= k_start and k_start + kv_len <= total_k
+    if cu_q == sorted(cu_q):
+        assert sorted(row for row, _ in visits) == list(range(total_q))
+        assert all(kv_len == 0 for row, (_, _, _, kv_len) in visits
+                   if not min(cu_q[0], total_q) <= row < min(cu_q[-1], total_q))
+
+
 @pytest.mark.parametrize("degree", sorted(exp2_polynomial.COEFFICIENTS))
 def test_polynomial_exp2_accuracy(degree):
     x = np.linspace(-125.0, 10.0, 400_001, dtype=np.float32)

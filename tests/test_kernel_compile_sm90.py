@@ -78,7 +78,19 @@ CONFIGS = {
     "d128-causal-lengths-fp16": (
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 128],
         "float16", {}),
+    # Packed variable-length sequences (attention_varlen): B = 1, the offsets' length in PACKED_SEQUENCES.
+    # D = 128 causal GQA (split key loop, zigzag), D = 64 with every other mask feature, D = 256 causal
+    # (LARGE_HEAD_CAUSAL less the TMA store).
+    "d128-packed-causal-gqa": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 4, 2, 128], "bfloat16", {}),
+    "d64-packed-window-softcap-sinks-fp16": (
+        {"window_left": 100, "window_right": 20, "softcap": 30.0, "has_sinks": True, "has_cu_seqlens": True},
+        [1, 3000, 2500, 4, 1, 64], "float16", {}),
+    "d256-packed-causal-one-sequence": ({"causal": True, "has_cu_seqlens": True}, [1, 700, 900, 4, 4, 256],
+                                        "bfloat16", {}),
 }
+# Sequences N of the packed configurations (cu_seqlens of N + 1 entries).
+PACKED_SEQUENCES = {"d128-packed-causal-gqa": 7, "d64-packed-window-softcap-sinks-fp16": 30,
+                    "d256-packed-causal-one-sequence": 1}
 
 _COMPILE = r"""
 import dataclasses, glob, json, os, sys
@@ -89,18 +101,21 @@ from fa4_jax.kernels import host
 from fa4_jax.kernels.sm90 import forward as sm90_forward
 
 configs = json.loads(sys.argv[1])
+packed_sequences = json.loads(sys.argv[2])
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
 
 result = {}
 for name, (fields, shape, dtype, overrides) in configs.items():
     B, Sq, Sk, Hq, Hkv, D = shape
     config = AttentionConfig(scale=D ** -0.5, **fields)
-    problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), dtype)
+    problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), dtype,
+                           sequences=packed_sequences.get(name))
     reason = sm90_forward.unsupported_reason(config, problem)
     assert reason is None, reason
     options = sm90_forward.options(config, problem, sm_count=132, **overrides)
     kernel = sm90_forward.Sm90ForwardKernel(options)
-    cute.compile(kernel, make_fake_stream(), *host.forward_fake_arguments(config, shape, dtype))
+    cute.compile(kernel, make_fake_stream(),
+                 *host.forward_fake_arguments(config, shape, dtype, packed_sequences.get(name)))
     # The DSL names the file after the kernel's arguments, so configurations that differ only in
     # options write the same file: move each one out of the way under its configuration's name.
     new = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
@@ -108,7 +123,7 @@ for name, (fields, shape, dtype, overrides) in configs.items():
     path = os.path.join(dump, name + ".ptx")
     os.replace(new[0], path)
     effective = {field: getattr(options, field) for field in ("consumer_warpgroups", "q_stages", "tma_store",
-                 "split_masked_loop", "poly_exp2_every", "pingpong_max_head_dim", "head_dim")}
+                 "split_masked_loop", "poly_exp2_every", "pingpong_max_head_dim", "head_dim", "packed")}
     result[name] = {"ptx": path, "options": effective}
 print("SM90_PTX " + json.dumps(result))
 """
@@ -118,7 +133,7 @@ print("SM90_PTX " + json.dumps(result))
 def compiled(tmp_path_factory):
     """{config name: PTX path}, all compiled in one subprocess for sm_90a."""
     directory = tmp_path_factory.mktemp("sm90_ptx")
-    process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS)],
+    process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS), json.dumps(PACKED_SEQUENCES)],
                              env=compile_environment(directory),
                              capture_output=True, text=True, timeout=900)
     assert process.returncode == 0, process.stderr[-4000:]
@@ -148,6 +163,25 @@ def test_ptx_has_hopper_instructions(compiled, name):
         assert "fence.proxy.async.shared::cta" in ptx, "no proxy fence between stmatrix and the TMA store"
     if options["head_dim"] <= options["pingpong_max_head_dim"]:
         assert re.search(r"bar\.sync\s+%r\d+, 256;", ptx), "no ping-pong scheduler barrier"
+    if options["packed"]:
+        assert not options["tma_store"] and not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), \
+            "a TMA store of O, which would clip at the array's end, not at the sequence's"
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_SEQUENCES))
+def test_packed_offsets_are_read_at_run_time_by_binary_search(compiled, name):
+    """The packed scheduler's design in the PTX: the offsets are int32 loads at run time (one compile
+    serves every packing), and each of the two roles (producer warp, consumers) reads, per work item,
+    ceil(log2(N + 2)) offsets for the search of its slot's sequence plus at most 4 for that sequence's
+    query and key extents (the compiler may fold some when N is small): no per-sequence table, no scan
+    over the N sequences (which would take >= N loads per role: 30 in the D = 64 configuration).
+    Besides them, b32 global loads are only the sink logit's (one, by the consumers)."""
+    with open(compiled[name]["ptx"]) as handle:
+        ptx = handle.read()
+    search_steps = (PACKED_SEQUENCES[name] + 1).bit_length()
+    sink_loads = int(CONFIGS[name][0].get("has_sinks", False))
+    offset_loads = len(re.findall(r"ld\.global(?:\.nc)?\.(?:b32|u32|s32)\s", ptx)) - sink_loads
+    assert 2 * search_steps < offset_loads <= 2 * (search_steps + 4), (offset_loads, search_steps)
 
 
 def test_tuning_options_are_checked():
@@ -269,3 +303,49 @@ def test_tma_store_epilogue_layout(tmp_path):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_no_register_spills(compiled, name):
     assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
+
+
+_LOWER_VARLEN = r"""
+import json, warnings
+import jax, jax.numpy as jnp
+import fa4_jax
+from fa4_jax.lowering import cuda
+cuda.compute_capability = lambda: (9, 0)   # lower for an H100/H200 on this CPU
+query = jax.ShapeDtypeStruct((700, 4, 128), jnp.bfloat16)
+key = jax.ShapeDtypeStruct((900, 2, 128), jnp.bfloat16)
+sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+offsets = jax.ShapeDtypeStruct((6,), jnp.int32)
+
+def calls(function, *arguments):
+    text = jax.jit(function).trace(*arguments).lower(lowering_platforms=("cuda",)).as_text()
+    lines = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    return [line.split(" : ")[-1] for line in lines if "sm90_forward" in line], len(lines)
+
+forward = lambda q, k, v, s, a, b: fa4_jax.attention_varlen(q, k, v, a, b, causal=True, sinks=s, return_lse=True,
+                                                            implementation="cute")
+loss = lambda q, k, v, s, a, b: fa4_jax.attention_varlen(q, k, v, a, b, causal=True, sinks=s).astype(jnp.float32).sum()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gradient = calls(jax.grad(loss), query, key, key, sinks, offsets, offsets)
+print("LOWERED " + json.dumps({"forward": calls(forward, query, key, key, sinks, offsets, offsets),
+                               "gradient": gradient, "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_attention_varlen_lowers_for_cuda_to_the_packed_kernel(tmp_path):
+    """attention_varlen on an sm_90 GPU (faked: the DSL compiles for sm_90a on this CPU) lowers its
+    forward to the sm90 kernel, with the packing as batch 1 and both offset arrays as int32 [N + 1]
+    operands; its gradient runs that forward kernel and the reference backward (no second kernel call),
+    after the one-time warning that names the packing."""
+    environment = dict(compile_environment(tmp_path), FA4_JAX_CACHE_DIR=str(tmp_path))
+    process = subprocess.run([sys.executable, "-c", _LOWER_VARLEN], env=environment, capture_output=True,
+                             text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-4000:]
+    line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
+    lowered = json.loads(line[len("LOWERED "):])
+    kernel_call = ("(tensor<1x700x4x128xbf16>, tensor<1x900x2x128xbf16>, tensor<1x900x2x128xbf16>, tensor<4xf32>, "
+                   "tensor<6xi32>, tensor<6xi32>) -> (tensor<1x700x4x128xbf16>, tensor<1x4x700xf32>)")
+    assert lowered["forward"] == [[kernel_call], 1], lowered
+    assert lowered["gradient"] == [[kernel_call], 1], lowered
+    assert any("backward runs on the XLA reference path" in w and "packed variable-length" in w
+               for w in lowered["warnings"]), lowered["warnings"]

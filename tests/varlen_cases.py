@@ -38,7 +38,8 @@ class VarlenCase:
 
     @property
     def name(self) -> str:
-        parts = [f"n{self.sequences if self.lengths is None else len(self.lengths)}",
+        drawn = f"n{self.sequences}" + ("" if self.max_len == 40 else f"-max{self.max_len}")
+        parts = [drawn if self.lengths is None else "n{}-fixed".format(len(self.lengths)),
                  f"h{self.q_heads}-{self.kv_heads}", f"d{self.head_dim}-v{self.v_dim}", self.dtype]
         if self.causal:
             parts.append("causal")

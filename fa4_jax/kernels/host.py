@@ -26,18 +26,24 @@ class Problem:
     """The shapes and input type of one attention call: what a kernel decides on besides the
     `AttentionConfig`. Shapes are [B, Sq, Hq, D], [B, Sk, Hkv, D], [B, Sk, Hkv, Dv]; for a paged KV
     cache (`fa4_jax.paged_attention`) key and value are the logical shapes, Sk = pages per sequence ·
-    page_size, and `page_size` is set (None: a contiguous cache)."""
+    page_size, and `page_size` is set (None: a contiguous cache). For packed variable-length sequences
+    (`fa4_jax.attention_varlen`) B = 1 and `sequences` is N, the static length of cu_seqlens less one
+    (None: not packed); a kernel's search over the offsets is sized by it."""
 
     query: tuple
     key: tuple
     value: tuple
     dtype: str
     page_size: Optional[int] = None
+    sequences: Optional[int] = None
 
     @classmethod
-    def of(cls, query, key, value) -> "Problem":
-        """From arrays or abstract values (anything with `.shape` and `.dtype`)."""
-        return cls(tuple(query.shape), tuple(key.shape), tuple(value.shape), jnp.dtype(query.dtype).name)
+    def of(cls, query, key, value, optional: Optional[dict] = None) -> "Problem":
+        """From arrays or abstract values (anything with `.shape` and `.dtype`); `optional`: the call's
+        optional operands by name (or their abstract values), which give N when cu_seqlens_q is there."""
+        offsets = (optional or {}).get("cu_seqlens_q")
+        return cls(tuple(query.shape), tuple(key.shape), tuple(value.shape), jnp.dtype(query.dtype).name,
+                   sequences=None if offsets is None else offsets.shape[0] - 1)
 
     batch = property(lambda self: self.query[0])
     q_len = property(lambda self: self.query[1])
@@ -169,6 +175,8 @@ class OptionalTensors(NamedTuple):
     q_seq_lengths: Any = None
     kv_seq_lengths: Any = None
     q_start: Any = None
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
 
 
 FORWARD_OPTIONAL = OptionalTensors._fields
@@ -194,9 +202,10 @@ def launch_forward(kernel, options, query, key, value, optional: dict):
     return out, lse
 
 
-def forward_fake_arguments(config, shape, dtype_name: str) -> list:
+def forward_fake_arguments(config, shape, dtype_name: str, num_sequences: Optional[int] = None) -> list:
     """Fake tensors in a forward kernel's argument order (inputs as in `launch_forward`, then out and
-    lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D); with packed sequences B = 1 and
+    `num_sequences` sizes the offsets."""
     import cutlass
 
     batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
@@ -212,6 +221,7 @@ def forward_fake_arguments(config, shape, dtype_name: str) -> list:
         fake_tensor(i32, (batch,)) if config.has_q_seq_lengths else None,
         fake_tensor(i32, (batch,)) if config.has_kv_seq_lengths else None,
         fake_tensor(i32, (1,)) if config.has_q_start else None,
+        *(fake_tensor(i32, (num_sequences + 1,)) if config.has_cu_seqlens else None for _ in range(2)),
         fake_tensor(element, (batch, q_len, q_heads, head_dim)), fake_tensor(f32, (batch, q_heads, q_len)),
     ]
 

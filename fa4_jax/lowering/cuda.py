@@ -163,8 +163,8 @@ def decode_module_for_attention(config: AttentionConfig, problem: host.Problem):
 
 
 def _forward_rule(ctx, *operands, config: AttentionConfig):
-    query, key, value, _ = config.split_operands(ctx.avals_in)
-    problem = host.Problem.of(query, key, value)
+    query, key, value, optional = config.split_operands(ctx.avals_in)
+    problem = host.Problem.of(query, key, value, optional)
     decode = decode_module_for_attention(config, problem)
     if decode is not None:
         decode_options = decode.options(config, problem)

@@ -24,29 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-
-def _minimum(a, b):
-    if isinstance(a, int) and isinstance(b, int):
-        return min(a, b)
-    return cutlass.min(a, b)
-
-
-def _maximum(a, b):
-    if isinstance(a, int) and isinstance(b, int):
-        return max(a, b)
-    return cutlass.max(a, b)
-
-
-def _either(a, b):
-    if isinstance(a, bool) and isinstance(b, bool):
-        return a or b
-    return cutlass.Boolean(a) | cutlass.Boolean(b)
-
-
-def _pick(condition, if_true, if_false):
-    if isinstance(condition, bool):
-        return if_true if condition else if_false
-    return cutlass.Int32(cutlass.select_(condition, cutlass.Int32(if_true), cutlass.Int32(if_false)))
+from fa4_jax.kernels.common import integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +58,9 @@ def batch_extents(batch, q_len, kv_len, q_lengths=None, kv_lengths=None, q_total
     by the per-batch length tensors where given, and offset = kv_len - q_len, with the query's global
     length `q_total` in place of q_len when the query is sharded on sequence."""
     if q_lengths is not None:
-        q_len = _minimum(q_lengths[batch], q_len)
+        q_len = integer.minimum(q_lengths[batch], q_len)
     if kv_lengths is not None:
-        kv_len = _minimum(kv_lengths[batch], kv_len)
+        kv_len = integer.minimum(kv_lengths[batch], kv_len)
     aligned_q_len = q_len if q_total is None else q_total
     return q_len, kv_len, kv_len - aligned_q_len
 
@@ -115,12 +93,12 @@ def key_block_range(shape: MaskShape, row_start, num_rows, tile_n, kv_len, offse
     reach = shape.right_reach
     if reach is not None:
         last_visible = last_row + offset + reach
-        end = _minimum(end, (_maximum(last_visible, -1) + 1 + tile_n - 1) // tile_n)
+        end = integer.minimum(end, (integer.maximum(last_visible, -1) + 1 + tile_n - 1) // tile_n)
     first = 0
     if shape.window_left is not None:
         first_visible = row_start + offset - shape.window_left
-        first = _maximum(first_visible, 0) // tile_n
-    end = _pick(num_rows > 0, _maximum(end, first), first)
+        first = integer.maximum(first_visible, 0) // tile_n
+    end = integer.pick(num_rows > 0, integer.maximum(end, first), first)
     return first, end
 
 
@@ -135,11 +113,11 @@ def block_is_partial(shape: MaskShape, n_block, row_start, tile_m, tile_n, kv_le
     partial = key_end > kv_len
     reach = shape.right_reach
     if reach is not None:
-        partial = _either(partial, key_end - 1 > row_start + offset + reach)
+        partial = integer.either(partial, key_end - 1 > row_start + offset + reach)
     if shape.window_left is not None:
-        partial = _either(partial, key_start < row_start + tile_m - 1 + offset - shape.window_left)
+        partial = integer.either(partial, key_start < row_start + tile_m - 1 + offset - shape.window_left)
     if shape.has_q_lengths:
-        partial = _either(partial, row_start + tile_m > q_len)
+        partial = integer.either(partial, row_start + tile_m > q_len)
     if shape.has_segments:
         partial = True
     return partial
@@ -155,16 +133,16 @@ def unmasked_block_range(shape: MaskShape, row_start, tile_m, tile_n, kv_len, q_
     end = kv_len // tile_n
     reach = shape.right_reach
     if reach is not None:       # (n + 1) * tile_n - 1 <= row_start + offset + reach
-        end = _minimum(end, _maximum(row_start + offset + reach + 1, 0) // tile_n)
+        end = integer.minimum(end, integer.maximum(row_start + offset + reach + 1, 0) // tile_n)
     first = 0
     if shape.window_left is not None:   # n * tile_n >= row_start + tile_m - 1 + offset - left
         lowest = row_start + tile_m - 1 + offset - shape.window_left
-        first = (_maximum(lowest, 0) + tile_n - 1) // tile_n
+        first = (integer.maximum(lowest, 0) + tile_n - 1) // tile_n
     if shape.has_segments:
         end = first
     if shape.has_q_lengths:
-        end = _pick(row_start + tile_m > q_len, first, end)
-    return first, _maximum(end, first)
+        end = integer.pick(row_start + tile_m > q_len, first, end)
+    return first, integer.maximum(end, first)
 
 
 @cute.jit
@@ -235,9 +213,9 @@ def query_block_range(shape: MaskShape, n_block, tile_m, tile_n, kv_len, row_off
     reach = shape.right_reach
     if reach is not None:       # n * tile_n <= m * tile_m + tile_m - 1 + row_offset + reach
         lowest = n_block * tile_n - tile_m + 1 - row_offset - reach
-        first = (_maximum(lowest, 0) + tile_m - 1) // tile_m
+        first = (integer.maximum(lowest, 0) + tile_m - 1) // tile_m
     if shape.window_left is not None:   # m * tile_m + row_offset - left < (n + 1) * tile_n
         bound = (n_block + 1) * tile_n - row_offset + shape.window_left
-        end = _minimum(end, (_maximum(bound, 0) + tile_m - 1) // tile_m)
-    end = _pick(n_block * tile_n < kv_len, _maximum(end, first), first)
+        end = integer.minimum(end, (integer.maximum(bound, 0) + tile_m - 1) // tile_m)
+    end = integer.pick(n_block * tile_n < kv_len, integer.maximum(end, first), first)
     return first, end

@@ -11,11 +11,16 @@ Order:
   later query block sees more keys. Starting the long tiles first and filling the tail with short
   ones balances the SMs (the LPT rule).
 
-`tile_coordinates` is plain integer arithmetic: it runs on Python ints in the unit tests and on
-`cutlass.Int32` inside kernels.
+Packed variable-length sequences: the query-block axis is a static axis of slots over (sequence,
+block), mapped back by `packed_item` (below).
+
+`tile_coordinates` and the packed functions are plain integer arithmetic: they run on Python ints in
+the unit tests and on `cutlass.Int32` inside kernels.
 """
 
 from __future__ import annotations
+
+from fa4_jax.kernels.common import integer
 
 
 def tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first: bool):
@@ -39,3 +44,63 @@ def zigzag_tile(wave, cta, grid):
     each CTA's loop."""
     odd = wave % 2
     return wave * grid + cta + odd * (grid - 1 - 2 * cta)
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed variable-length sequences (attention_varlen): work items over (sequence, query block, head).
+#
+# The N sequences' query blocks are laid out on a static axis of "slots", sized from the shapes alone,
+# so one compiled kernel serves every packing of the same token counts (the offsets are runtime data):
+# sequence s starts at slot v(s) = s + start(s) // tile_m. Since floor((c + l) / t) - floor(c / t) >=
+# floor(l / t), consecutive starts are at least ceil(len(s) / tile_m) slots apart, so every block of
+# every sequence has its own slot; a slot past its sequence's last block (at most one per sequence)
+# is an empty item. Mapping a slot back to its sequence is a binary search over v, which grows with s,
+# reading log2(N) offsets: no padding to the longest sequence, no per-sequence table in memory.
+#
+# Besides the N real sequences, two key-less "virtual" ones cover the tokens before cu_seqlens_q[0]
+# and from cu_seqlens_q[N] on (empty for well-formed offsets), so that such tokens still get out 0 and
+# lse -inf as the API promises, instead of whatever memory held. Virtual sequence index
+# s = 0 .. N + 1: 0 and N + 1 are those two, s in 1 .. N is packed sequence s - 1. Offsets are clamped
+# into [0, total], so malformed ones never address outside the arrays.
+
+def _clamp(value, low, high):
+    return integer.minimum(integer.maximum(value, low), high)
+
+
+def packed_slots_per_head(num_sequences: int, total_q: int, tile_m: int) -> int:
+    """Work items per head: v(N + 2), the slot after the last virtual sequence's."""
+    return num_sequences + 2 + total_q // tile_m
+
+
+def packed_boundary(cu_seqlens, s, num_sequences: int, total: int):
+    """Token where virtual sequence s starts (s = 0 .. N + 2; N + 2 gives the total): 0, then the
+    offsets cu_seqlens[0 .. N] clamped into [0, total], then total."""
+    offset = _clamp(cu_seqlens[_clamp(s - 1, 0, num_sequences)], 0, total)
+    return integer.pick(s == 0, 0, integer.pick(s >= num_sequences + 2, total, offset))
+
+
+def packed_slot(cu_seqlens_q, s, num_sequences: int, total_q: int, tile_m: int):
+    """v(s): the first slot of virtual sequence s."""
+    return s + packed_boundary(cu_seqlens_q, s, num_sequences, total_q) // tile_m
+
+
+def packed_item(slot, cu_seqlens_q, cu_seqlens_k, num_sequences: int, total_q: int, total_k: int, tile_m: int):
+    """Slot -> (m_block, q_start, q_len, k_start, kv_len): the query block within its sequence, the
+    sequence's first query row and key in the packed arrays, and its lengths. The item holds rows iff
+    m_block * tile_m < q_len. Runs on Python ints (and lists) in the unit tests and on `cutlass.Int32`
+    (and int32 tensors) inside kernels; the search takes a static ceil(log2(N + 2)) steps."""
+    low, high = 0, num_sequences + 2     # the largest s in [low, high) with v(s) <= slot
+    for _ in range((num_sequences + 1).bit_length()):
+        middle = (low + high) // 2
+        fits = packed_slot(cu_seqlens_q, middle, num_sequences, total_q, tile_m) <= slot
+        low, high = integer.pick(fits, middle, low), integer.pick(fits, high, middle)
+    s = low
+    q_start = packed_boundary(cu_seqlens_q, s, num_sequences, total_q)
+    q_len = integer.maximum(packed_boundary(cu_seqlens_q, s + 1, num_sequences, total_q) - q_start, 0)
+    # Keys of packed sequence s - 1; the two virtual sequences have none.
+    real = integer.both(s >= 1, s <= num_sequences)
+    k_start = _clamp(cu_seqlens_k[_clamp(s - 1, 0, num_sequences)], 0, total_k)
+    k_end = _clamp(cu_seqlens_k[_clamp(s, 0, num_sequences)], 0, total_k)
+    kv_len = integer.pick(real, integer.maximum(k_end - k_start, 0), 0)
+    m_block = slot - packed_slot(cu_seqlens_q, s, num_sequences, total_q, tile_m)
+    return m_block, q_start, q_len, k_start, kv_len

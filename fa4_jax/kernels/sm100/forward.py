@@ -191,6 +191,8 @@ class Sm100ForwardKernel:
         mQSeqLengths: Optional[cute.Tensor],     # [B] int32
         mKVSeqLengths: Optional[cute.Tensor],    # [B] int32
         mQStart: Optional[cute.Tensor],          # [1] int32
+        mCuSeqlensQ: Optional[cute.Tensor],      # [N + 1] int32 (refused: unsupported_reason)
+        mCuSeqlensK: Optional[cute.Tensor],      # [N + 1] int32
         mO: cute.Tensor,                         # [B, Sq, Hq, D]
         mLSE: cute.Tensor,                       # [B, Hq, Sq] float32
     ):

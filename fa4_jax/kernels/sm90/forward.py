@@ -11,6 +11,13 @@ Design (one CTA = one 128-row query tile at a time, persistent over tiles):
 - key blocks are walked from the last visible one down to the first; blocks that no query row of the
   tile can see (causal, window, lengths) are never loaded.
 - the persistent grid walks tiles through fa4_jax.kernels.tile_scheduler (causal: longest first).
+- packed variable-length sequences (attention_varlen, `KernelOptions.packed`): B = 1 and the tiles
+  are tile_scheduler.packed_item's slots over (sequence, query block, head), the sequence found at run
+  time from cu_seqlens (one compile serves every packing); Q, K, V tiles are TMA loads from the
+  sequence's own first row (a domain offset of the TMA coordinates), keys past the sequence's end
+  are masked like a padded batch's, and O / LSE go out by per-row stores clipped at the sequence's
+  end (the TMA-store epilogue would write into the next sequence). Slots past a sequence's last block
+  are skipped by both roles.
 
 Grouped-query attention maps query head h to key/value head h // (Hq / Hkv).
 
@@ -92,6 +99,7 @@ class KernelOptions:
     has_kv_lengths: bool
     has_q_start: bool
     q_total: Optional[int]
+    num_sequences: Optional[int]  # packed variable-length sequences: N (cu_seqlens of N + 1); None: not packed
     sm_count: int
     rescale_threshold: float = 8.0
     poly_exp2_every: int = 0
@@ -110,6 +118,10 @@ class KernelOptions:
     @property
     def tile_m(self) -> int:
         return ROWS_PER_WARPGROUP * self.consumer_warpgroups
+
+    @property
+    def packed(self) -> bool:
+        return self.num_sequences is not None
 
     @property
     def tile_n(self) -> int:
@@ -143,6 +155,10 @@ class KernelOptions:
                              f"(one 128-byte swizzle atom) of Dv = {self.v_head_dim}")
         if self.q_stages not in (1, 2):
             raise ValueError("q_stages must be 1 or 2")
+        if self.packed and self.tma_store:
+            # The TMA unit clips a store at the array's end only: a tile's rows past its sequence's
+            # end would overwrite the next sequence's rows.
+            raise ValueError("packed sequences store O with per-row predicated stores, not the TMA-store epilogue")
         if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
             raise ValueError(f"{self.shared_memory_bytes()} bytes of shared memory needed, "
                              f"{SHARED_MEMORY_LIMIT} available")
@@ -234,6 +250,7 @@ class Sm90ForwardKernel:
                  mSinks: Optional[cute.Tensor], mQSegmentIds: Optional[cute.Tensor],
                  mKVSegmentIds: Optional[cute.Tensor], mQSeqLengths: Optional[cute.Tensor],
                  mKVSeqLengths: Optional[cute.Tensor], mQStart: Optional[cute.Tensor],
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mO: cute.Tensor, mLSE: cute.Tensor):
         # [B, S, H, D] -> (S, D, H, B): the tile modes first, as TMA and wgmma partitioning expect.
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
@@ -285,14 +302,14 @@ class Sm90ForwardKernel:
             self.dtype, self.q_stages, self.num_stages, cute.cosize(q_layout), cute.cosize(k_layout),
             cute.cosize(v_layout), None if cutlass.const_expr(o_layout is None) else cute.cosize(o_layout))
 
-        num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+        num_m_blocks = self.query_blocks(mQ)
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         grid_size = cutlass.min(num_tiles, self.options.sm_count)
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_m_q, tma_k, tma_m_k, tma_v, tma_m_v,
             mO, mLSE, mSinks, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart,
-            q_layout, k_layout, v_layout, tiled_mma_epilogue, tma_o, tma_m_o, o_layout,
+            mCuSeqlensQ, mCuSeqlensK, q_layout, k_layout, v_layout, tiled_mma_epilogue, tma_o, tma_m_o, o_layout,
         ).launch(grid=[grid_size, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ----------------------------------------------------------------------------------------------
@@ -304,6 +321,7 @@ class Sm90ForwardKernel:
                mSinks: Optional[cute.Tensor], mQSegmentIds: Optional[cute.Tensor],
                mKVSegmentIds: Optional[cute.Tensor], mQSeqLengths: Optional[cute.Tensor],
                mKVSeqLengths: Optional[cute.Tensor], mQStart: Optional[cute.Tensor],
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
                tiled_mma_epilogue: Optional[cute.TiledMma], tma_o: Optional[cute.CopyAtom],
                mO_tma: Optional[cute.Tensor], o_layout: Optional[cute.ComposedLayout]):
@@ -339,23 +357,20 @@ class Sm90ForwardKernel:
             sO = storage.s_o.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         cute.arch.sync_threads()
 
-        num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
-        num_heads = mQ.shape[2]
-        batch = mQ.shape[3]
-        num_tiles = num_m_blocks * num_heads * batch
+        num_m_blocks = self.query_blocks(mQ)
+        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        lengths = (mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-                             pipeline_q, pipeline_k, pipeline_v, mQSeqLengths, mKVSeqLengths,
-                             mQStart, num_m_blocks, num_tiles)
+                             pipeline_q, pipeline_k, pipeline_v, lengths, num_m_blocks, num_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self.consume(tiled_mma_qk, tiled_mma_pv, mQ, mK, mO, mLSE, sQ, sK, sV,
                          pipeline_q, pipeline_k, pipeline_v, mSinks, mQSegmentIds, mKVSegmentIds,
-                         mQSeqLengths, mKVSeqLengths, mQStart, num_m_blocks, num_tiles,
-                         tiled_mma_epilogue, tma_o, mO_tma, sO)
+                         lengths, num_m_blocks, num_tiles, tiled_mma_epilogue, tma_o, mO_tma, sO)
 
     @cute.jit
     def next_tile(self, tile: Int32, wave: Int32) -> Int32:
@@ -366,20 +381,56 @@ class Sm90ForwardKernel:
             next_tile = tile_scheduler.zigzag_tile(wave, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
         return next_tile
 
+    def query_blocks(self, mQ: cute.Tensor):
+        """Query-block work items per (head, batch element): the tiles of Sq, or with packed sequences
+        the static slot count of tile_scheduler.packed_item (some slots hold no rows)."""
+        if cutlass.const_expr(self.options.packed):
+            return tile_scheduler.packed_slots_per_head(self.options.num_sequences, mQ.shape[0], self.tile_m)
+        return (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+
     @cute.jit
-    def tile_bounds(self, m_block: Int32, batch_index: Int32, q_len_static: Int32, kv_len_static: Int32,
-                    mQSeqLengths: Optional[cute.Tensor], mKVSeqLengths: Optional[cute.Tensor],
-                    mQStart: Optional[cute.Tensor]):
-        """(row_start, q_len, kv_len, offset, first key block, end key block) of one tile."""
-        return masking.tile_extents(self.mask, m_block, batch_index, self.tile_m, self.tile_n, q_len_static,
-                                    kv_len_static, mQSeqLengths, mKVSeqLengths, mQStart, self.options.q_total)
+    def work_item(self, tile: Int32, num_m_blocks: Int32, mQ: cute.Tensor, mK: cute.Tensor, lengths):
+        """Where tile `tile` sits and what it sees: (m_block, head, batch_index, q_row0, k_row0,
+        holds_rows, rows_left, row_start, q_len, kv_len, offset, first key block, end key block).
+        q_row0 / k_row0: the first query row / key of its sequence in the arrays (0 unless packed),
+        m_block its query block within that sequence, rows_left the rows from the block's first to its
+        sequence's end; holds_rows is False for a packed slot past its sequence's blocks (both roles
+        skip it) and a constant True otherwise, so the unpacked kernel has no branch for it."""
+        mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK = lengths
+        # Packed: slot order (sequence by sequence); the longest-first order needs Sq known statically.
+        m_block, head, batch_index = tile_scheduler.tile_coordinates(
+            tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed)
+        q_row0 = Int32(0)
+        k_row0 = Int32(0)
+        if cutlass.const_expr(self.options.packed):
+            m_block, q_row0, q_len, k_row0, kv_len = tile_scheduler.packed_item(
+                m_block, mCuSeqlensQ, mCuSeqlensK, self.options.num_sequences, mQ.shape[0], mK.shape[0], self.tile_m)
+            row_start, q_len, kv_len, offset, first, end = masking.tile_extents(
+                self.mask, m_block, batch_index, self.tile_m, self.tile_n, q_len, kv_len, None, None, None, None)
+            rows_left = q_len - m_block * self.tile_m
+            holds_rows = rows_left > 0
+        else:
+            row_start, q_len, kv_len, offset, first, end = masking.tile_extents(
+                self.mask, m_block, batch_index, self.tile_m, self.tile_n, mQ.shape[0], mK.shape[0],
+                mQSeqLengths, mKVSeqLengths, mQStart, self.options.q_total)
+            rows_left = mQ.shape[0] - m_block * self.tile_m
+            holds_rows = cutlass.Boolean(True)
+        return (m_block, head, batch_index, q_row0, k_row0, holds_rows, rows_left, row_start, q_len, kv_len,
+                offset, first, end)
+
+    def sequence_rows(self, tensor: cute.Tensor, row0: Int32) -> cute.Tensor:
+        """A (rows, columns) slice of Q, K, V or O from its sequence's first row on (packed: an offset
+        view, so tiles start at a sequence's own rows wherever it begins; the TMA coordinates are
+        plain integers, so any offset loads)."""
+        if cutlass.const_expr(self.options.packed):
+            return cute.domain_offset((row0, 0), tensor)
+        return tensor
 
     @cute.jit
     def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                 tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                sV: cute.Tensor, pipeline_q, pipeline_k, pipeline_v,
-                mQSeqLengths: Optional[cute.Tensor], mKVSeqLengths: Optional[cute.Tensor],
-                mQStart: Optional[cute.Tensor], num_m_blocks: Int32, num_tiles: Int32):
+                sV: cute.Tensor, pipeline_q, pipeline_k, pipeline_v, lengths, num_m_blocks: Int32,
+                num_tiles: Int32):
         """Producer warp: TMA loads of Q once per tile and of the visible K/V blocks, last first."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         # K and V of one key block share a stage index; V runs one block behind K within a tile.
@@ -388,47 +439,50 @@ class Sm90ForwardKernel:
         tile = cute.arch.block_idx()[0]
         wave = Int32(0)
         while tile < num_tiles:
-            m_block, head, batch_index = tile_scheduler.tile_coordinates(
-                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal)
-            head_kv = head // self.options.group
-            _, _, _, _, first, end = self.tile_bounds(
-                m_block, batch_index, mQ.shape[0], mK.shape[0], mQSeqLengths, mKVSeqLengths, mQStart)
+            m_block, head, batch_index, q_row0, k_row0, holds_rows, _, _, _, _, _, first, end = self.work_item(
+                tile, num_m_blocks, mQ, mK, lengths)
+            if holds_rows:
+                head_kv = head // self.options.group
+                g_q = cute.local_tile(self.sequence_rows(mQ[None, None, head, batch_index], q_row0),
+                                      (self.tile_m, self.head_dim), (m_block, 0))
+                t_q_smem, t_q_gmem = cpasync.tma_partition(
+                    tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(g_q, 0, 2))
+                if cutlass.const_expr(self.q_stages > 1):
+                    t_q_smem = t_q_smem[None, q_state.index]
+                # Packed: a key block past the sequence's keys loads the next sequence's (or zeros past
+                # the array's end); the consumers mask keys >= kv_len, as for a padded batch.
+                g_k = cute.local_tile(self.sequence_rows(mK[None, None, head_kv, batch_index], k_row0),
+                                      (self.tile_n, self.head_dim), (None, 0))
+                t_k_smem, t_k_gmem = cpasync.tma_partition(
+                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(g_k, 0, 2))
+                g_v = cute.local_tile(self.sequence_rows(mV[None, None, head_kv, batch_index], k_row0),
+                                      (self.tile_n, self.v_head_dim), (None, 0))
+                t_v_smem, t_v_gmem = cpasync.tma_partition(
+                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(g_v, 0, 2))
 
-            g_q = cute.local_tile(mQ[None, None, head, batch_index], (self.tile_m, self.head_dim), (m_block, 0))
-            t_q_smem, t_q_gmem = cpasync.tma_partition(
-                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(g_q, 0, 2))
-            if cutlass.const_expr(self.q_stages > 1):
-                t_q_smem = t_q_smem[None, q_state.index]
-            g_k = cute.local_tile(mK[None, None, head_kv, batch_index], (self.tile_n, self.head_dim), (None, 0))
-            t_k_smem, t_k_gmem = cpasync.tma_partition(
-                tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(g_k, 0, 2))
-            g_v = cute.local_tile(mV[None, None, head_kv, batch_index], (self.tile_n, self.v_head_dim), (None, 0))
-            t_v_smem, t_v_gmem = cpasync.tma_partition(
-                tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(g_v, 0, 2))
-
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_q, t_q_gmem, t_q_smem, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            q_state = advanced(q_state)
-            # Order of use by the overlapped consumers: K_last, then (K_j, V_{j+1}) pairs, then V_first.
-            num_blocks = end - first
-            if num_blocks > 0:
-                pipeline_k.producer_acquire(kv_state)
-                cute.copy(tma_k, t_k_gmem[None, end - 1], t_k_smem[None, kv_state.index],
-                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-                kv_state = advanced(kv_state)
-                for i in cutlass.range(1, num_blocks, unroll=1):
+                pipeline_q.producer_acquire(q_state)
+                cute.copy(tma_q, t_q_gmem, t_q_smem, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                q_state = advanced(q_state)
+                # Order of use by the overlapped consumers: K_last, then (K_j, V_{j+1}) pairs, then V_first.
+                num_blocks = end - first
+                if num_blocks > 0:
                     pipeline_k.producer_acquire(kv_state)
-                    cute.copy(tma_k, t_k_gmem[None, end - 1 - i], t_k_smem[None, kv_state.index],
+                    cute.copy(tma_k, t_k_gmem[None, end - 1], t_k_smem[None, kv_state.index],
                               tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                    kv_state = advanced(kv_state)
+                    for i in cutlass.range(1, num_blocks, unroll=1):
+                        pipeline_k.producer_acquire(kv_state)
+                        cute.copy(tma_k, t_k_gmem[None, end - 1 - i], t_k_smem[None, kv_state.index],
+                                  tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                        pipeline_v.producer_acquire(v_state)
+                        cute.copy(tma_v, t_v_gmem[None, end - i], t_v_smem[None, v_state.index],
+                                  tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                        v_state = advanced(v_state)
+                        kv_state = advanced(kv_state)
                     pipeline_v.producer_acquire(v_state)
-                    cute.copy(tma_v, t_v_gmem[None, end - i], t_v_smem[None, v_state.index],
+                    cute.copy(tma_v, t_v_gmem[None, first], t_v_smem[None, v_state.index],
                               tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
                     v_state = advanced(v_state)
-                    kv_state = advanced(kv_state)
-                pipeline_v.producer_acquire(v_state)
-                cute.copy(tma_v, t_v_gmem[None, first], t_v_smem[None, v_state.index],
-                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
-                v_state = advanced(v_state)
             wave += 1
             tile = self.next_tile(tile, wave)
 
@@ -437,9 +491,8 @@ class Sm90ForwardKernel:
                 mK: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor,
                 sK: cute.Tensor, sV: cute.Tensor, pipeline_q, pipeline_k, pipeline_v,
                 mSinks: Optional[cute.Tensor], mQSegmentIds: Optional[cute.Tensor],
-                mKVSegmentIds: Optional[cute.Tensor], mQSeqLengths: Optional[cute.Tensor],
-                mKVSeqLengths: Optional[cute.Tensor], mQStart: Optional[cute.Tensor],
-                num_m_blocks: Int32, num_tiles: Int32, tiled_mma_epilogue: Optional[cute.TiledMma],
+                mKVSegmentIds: Optional[cute.Tensor], lengths, num_m_blocks: Int32, num_tiles: Int32,
+                tiled_mma_epilogue: Optional[cute.TiledMma],
                 tma_o: Optional[cute.CopyAtom], mO_tma: Optional[cute.Tensor], sO: Optional[cute.Tensor]):
         """Consumer warpgroups: S = QK^T, mask, online softmax, O += PV, epilogue."""
         tidx = cute.arch.thread_idx()[0] - wgmma.WARP_GROUP
@@ -479,100 +532,100 @@ class Sm90ForwardKernel:
         tile = cute.arch.block_idx()[0]
         wave = Int32(0)
         while tile < num_tiles:
-            m_block, head, batch_index = tile_scheduler.tile_coordinates(
-                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal)
-            row_start, q_len, kv_len, offset, first, end = self.tile_bounds(
-                m_block, batch_index, mQ.shape[0], mK.shape[0], mQSeqLengths, mKVSeqLengths, mQStart)
-            q_segments = None
-            kv_segments = None
-            if cutlass.const_expr(mQSegmentIds is not None):
-                q_segments = mQSegmentIds[None, batch_index]
-                kv_segments = mKVSegmentIds[None, batch_index]
+            (m_block, head, batch_index, q_row0, _, holds_rows, rows_left, row_start, q_len, kv_len, offset,
+             first, end) = self.work_item(tile, num_m_blocks, mQ, mK, lengths)
+            if holds_rows:
+                q_segments = None
+                kv_segments = None
+                if cutlass.const_expr(mQSegmentIds is not None):
+                    q_segments = mQSegmentIds[None, batch_index]
+                    kv_segments = mKVSegmentIds[None, batch_index]
 
-            online_softmax.OnlineSoftmax.reset(row_max, row_sum)
-            acc_o.fill(0.0)
-            pipeline_q.consumer_wait(q_state)
-            frag_q_tile = frag_q
-            if cutlass.const_expr(self.q_stages > 1):
-                frag_q_tile = frag_q[None, None, None, q_state.index]
-            block_arguments = (tiled_mma_qk, tiled_mma_pv, frag_q_tile, frag_k, frag_vt, frag_p, acc_o, acc_o_mn,
-                               row_max, row_sum, row_scale, coords_s, pipeline_k, pipeline_v)
-            num_blocks = end - first
-            if cutlass.const_expr(self.warpgroup_key_range):
-                kv_state, v_state, end = self.skip_blocks_above_warpgroup(
-                    pipeline_k, pipeline_v, kv_state, v_state, row_start, kv_len, offset, first, end,
-                    warpgroup_index)
+                online_softmax.OnlineSoftmax.reset(row_max, row_sum)
+                acc_o.fill(0.0)
+                pipeline_q.consumer_wait(q_state)
+                frag_q_tile = frag_q
+                if cutlass.const_expr(self.q_stages > 1):
+                    frag_q_tile = frag_q[None, None, None, q_state.index]
+                block_arguments = (tiled_mma_qk, tiled_mma_pv, frag_q_tile, frag_k, frag_vt, frag_p, acc_o, acc_o_mn,
+                                   row_max, row_sum, row_scale, coords_s, pipeline_k, pipeline_v)
                 num_blocks = end - first
-            if num_blocks > 0:
-                # First block: S = Q K^T alone, then its probabilities become the P of the next step.
-                acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
-                pipeline_k.consumer_wait(kv_state)
-                if cutlass.const_expr(self.options.schedule_first_block):
-                    self.scheduler_wait(warpgroup_index)
-                wgmma.gemm_group(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
-                if cutlass.const_expr(self.options.schedule_first_block):
-                    self.scheduler_signal(warpgroup_index)
-                warpgroup.wait_group(0)
-                pipeline_k.consumer_release(kv_state)
-                if cutlass.const_expr(self.options.early_q_release):
-                    if num_blocks == 1:
-                        pipeline_q.consumer_release(q_state)
-                self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1, row_start, kv_len,
-                                             q_len, offset, m_block * self.tile_m, q_segments, kv_segments)
-                frag_p.store(wgmma.accumulator_as_operand_a(acc_s).load().to(self.dtype))
-                kv_state = advanced(kv_state)
-                # Steady state: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are in flight together; the
-                # softmax of S_j runs while P V still computes (intra-warpgroup overlap), and the
-                # scheduler barrier hands the tensor cores to the other warpgroup meanwhile.
-                # Iteration i works on key block end - 1 - i.
-                if cutlass.const_expr(self.split_masked_loop):
-                    # Partial blocks first (top of the key range), then blocks with no masking code,
-                    # then (left window only) the partial blocks at the bottom.
-                    unmasked_first, unmasked_end = masking.unmasked_block_range(
-                        self.mask, row_start, self.tile_m, self.tile_n, kv_len, q_len, offset)
-                    masked_until = cutlass.max(1, cutlass.min(num_blocks, end - unmasked_end))
-                    unmasked_until = cutlass.max(masked_until, cutlass.min(num_blocks, end - unmasked_first))
-                    for i in cutlass.range(1, masked_until, unroll=1):
-                        v_state, kv_state = self.steady_block(
-                            i, True, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
-                            row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
-                    for i in cutlass.range(masked_until, unmasked_until, unroll=1):
-                        v_state, kv_state = self.steady_block(
-                            i, False, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
-                            row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
-                    if cutlass.const_expr(self.mask.window_left is not None):
-                        for i in cutlass.range(unmasked_until, num_blocks, unroll=1):
+                if cutlass.const_expr(self.warpgroup_key_range):
+                    kv_state, v_state, end = self.skip_blocks_above_warpgroup(
+                        pipeline_k, pipeline_v, kv_state, v_state, row_start, kv_len, offset, first, end,
+                        warpgroup_index)
+                    num_blocks = end - first
+                if num_blocks > 0:
+                    # First block: S = Q K^T alone, then its probabilities become the P of the next step.
+                    acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
+                    pipeline_k.consumer_wait(kv_state)
+                    if cutlass.const_expr(self.options.schedule_first_block):
+                        self.scheduler_wait(warpgroup_index)
+                    wgmma.gemm_group(tiled_mma_qk, acc_s, frag_q_tile, frag_k[None, None, None, kv_state.index], True)
+                    if cutlass.const_expr(self.options.schedule_first_block):
+                        self.scheduler_signal(warpgroup_index)
+                    warpgroup.wait_group(0)
+                    pipeline_k.consumer_release(kv_state)
+                    if cutlass.const_expr(self.options.early_q_release):
+                        if num_blocks == 1:
+                            pipeline_q.consumer_release(q_state)
+                    self.scores_to_probabilities(acc_s, row_max, row_sum, row_scale, coords_s, end - 1, row_start, kv_len,
+                                                 q_len, offset, m_block * self.tile_m, q_segments, kv_segments)
+                    frag_p.store(wgmma.accumulator_as_operand_a(acc_s).load().to(self.dtype))
+                    kv_state = advanced(kv_state)
+                    # Steady state: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are in flight together; the
+                    # softmax of S_j runs while P V still computes (intra-warpgroup overlap), and the
+                    # scheduler barrier hands the tensor cores to the other warpgroup meanwhile.
+                    # Iteration i works on key block end - 1 - i.
+                    if cutlass.const_expr(self.split_masked_loop):
+                        # Partial blocks first (top of the key range), then blocks with no masking code,
+                        # then (left window only) the partial blocks at the bottom.
+                        unmasked_first, unmasked_end = masking.unmasked_block_range(
+                            self.mask, row_start, self.tile_m, self.tile_n, kv_len, q_len, offset)
+                        masked_until = cutlass.max(1, cutlass.min(num_blocks, end - unmasked_end))
+                        unmasked_until = cutlass.max(masked_until, cutlass.min(num_blocks, end - unmasked_first))
+                        for i in cutlass.range(1, masked_until, unroll=1):
                             v_state, kv_state = self.steady_block(
                                 i, True, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
                                 row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
+                        for i in cutlass.range(masked_until, unmasked_until, unroll=1):
+                            v_state, kv_state = self.steady_block(
+                                i, False, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
+                                row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
+                        if cutlass.const_expr(self.mask.window_left is not None):
+                            for i in cutlass.range(unmasked_until, num_blocks, unroll=1):
+                                v_state, kv_state = self.steady_block(
+                                    i, True, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
+                                    row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
+                    else:
+                        for i in cutlass.range(1, num_blocks, unroll=1):
+                            v_state, kv_state = self.steady_block(
+                                i, None, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
+                                row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
+                    pipeline_v.consumer_wait(v_state)
+                    wgmma.gemm_group(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
+                    warpgroup.wait_group(0)
+                    pipeline_v.consumer_release(v_state)
+                    v_state = advanced(v_state)
+                if cutlass.const_expr(self.options.early_q_release):
+                    if num_blocks == 0:
+                        pipeline_q.consumer_release(q_state)
                 else:
-                    for i in cutlass.range(1, num_blocks, unroll=1):
-                        v_state, kv_state = self.steady_block(
-                            i, None, *block_arguments, kv_state, v_state, pipeline_q, q_state, num_blocks, end,
-                            row_start, kv_len, q_len, offset, m_block, q_segments, kv_segments, warpgroup_index)
-                pipeline_v.consumer_wait(v_state)
-                wgmma.gemm_group(tiled_mma_pv, acc_o, frag_p, frag_vt[None, None, None, v_state.index], False)
-                warpgroup.wait_group(0)
-                pipeline_v.consumer_release(v_state)
-                v_state = advanced(v_state)
-            if cutlass.const_expr(self.options.early_q_release):
-                if num_blocks == 0:
                     pipeline_q.consumer_release(q_state)
-            else:
-                pipeline_q.consumer_release(q_state)
-            q_state = advanced(q_state)
+                q_state = advanced(q_state)
 
-            sink_logit = None
-            if cutlass.const_expr(mSinks is not None):
-                sink_logit = Float32(mSinks[head])
-            self.softmax.finalize(row_max, row_sum, sink_logit, lse_rows, output_scale)
-            online_softmax.rescale_rows(acc_o_mn, output_scale, False)
-            if cutlass.const_expr(self.options.tma_store):
-                self.store_tile_through_shared(acc_o, tiled_mma_epilogue, tma_o, mO_tma, sO,
-                                               warpgroup_index, m_block, head, batch_index)
-                self.store_lse(coords_o, lse_rows, mO, mLSE, m_block, head, batch_index)
-            else:
-                self.store_tile(acc_o, coords_o, lse_rows, mO, mLSE, thread_mma_pv, m_block, head, batch_index)
+                sink_logit = None
+                if cutlass.const_expr(mSinks is not None):
+                    sink_logit = Float32(mSinks[head])
+                self.softmax.finalize(row_max, row_sum, sink_logit, lse_rows, output_scale)
+                online_softmax.rescale_rows(acc_o_mn, output_scale, False)
+                if cutlass.const_expr(self.options.tma_store):
+                    self.store_tile_through_shared(acc_o, tiled_mma_epilogue, tma_o, mO_tma, sO,
+                                                   warpgroup_index, m_block, head, batch_index)
+                    self.store_lse(coords_o, lse_rows, mLSE, q_row0, rows_left, m_block, head, batch_index)
+                else:
+                    self.store_tile(acc_o, coords_o, lse_rows, mO, mLSE, thread_mma_pv, q_row0, rows_left,
+                                    m_block, head, batch_index)
             wave += 1
             tile = self.next_tile(tile, wave)
         if cutlass.const_expr(self.options.tma_store):
@@ -700,31 +753,33 @@ class Sm90ForwardKernel:
 
     @cute.jit
     def store_tile(self, acc_o: cute.Tensor, coords_o: cute.Tensor, lse_rows: cute.Tensor,
-                   mO: cute.Tensor, mLSE: cute.Tensor, thread_mma_pv, m_block: Int32, head: Int32,
-                   batch_index: Int32):
-        """Write this thread's rows of O (in the input dtype) and, from one lane per row, LSE."""
-        rows_left = mO.shape[0] - m_block * self.tile_m
+                   mO: cute.Tensor, mLSE: cute.Tensor, thread_mma_pv, q_row0: Int32, rows_left: Int32,
+                   m_block: Int32, head: Int32, batch_index: Int32):
+        """Write this thread's rows of O (in the input dtype) and, from one lane per row, LSE: only the
+        tile's first `rows_left` rows (past them: the array's end, or with packed sequences the next
+        sequence's rows)."""
         out_rows = cute.make_rmem_tensor(acc_o.layout, self.dtype)
         out_rows.store(acc_o.load().to(self.dtype))
-        g_o = cute.local_tile(mO[None, None, head, batch_index], (self.tile_m, self.v_head_dim), (m_block, 0))
+        g_o = cute.local_tile(self.sequence_rows(mO[None, None, head, batch_index], q_row0),
+                              (self.tile_m, self.v_head_dim), (m_block, 0))
         t_g_o = wgmma.accumulator_mn(thread_mma_pv.partition_C(g_o))
         out_mn = wgmma.accumulator_mn(out_rows)
         for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
             if coords_o[r, 0][0] < rows_left:
                 for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
                     t_g_o[r, c] = out_mn[r, c]
-        self.store_lse(coords_o, lse_rows, mO, mLSE, m_block, head, batch_index)
+        self.store_lse(coords_o, lse_rows, mLSE, q_row0, rows_left, m_block, head, batch_index)
 
     @cute.jit
-    def store_lse(self, coords_o: cute.Tensor, lse_rows: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                  m_block: Int32, head: Int32, batch_index: Int32):
-        """LSE of this thread's rows, from the one lane of each quad that holds column 0."""
-        rows_left = mO.shape[0] - m_block * self.tile_m
+    def store_lse(self, coords_o: cute.Tensor, lse_rows: cute.Tensor, mLSE: cute.Tensor, q_row0: Int32,
+                  rows_left: Int32, m_block: Int32, head: Int32, batch_index: Int32):
+        """LSE of this thread's rows (the tile's first `rows_left`), from the one lane of each quad that
+        holds column 0."""
         if coords_o[0, 0][1] == 0:
             g_lse = mLSE[None, head, batch_index]
             for r in cutlass.range_constexpr(cute.size(lse_rows)):
                 if coords_o[r, 0][0] < rows_left:
-                    g_lse[m_block * self.tile_m + coords_o[r, 0][0]] = lse_rows[r]
+                    g_lse[q_row0 + m_block * self.tile_m + coords_o[r, 0][0]] = lse_rows[r]
 
     @cute.jit
     def store_tile_through_shared(self, acc_o: cute.Tensor, tiled_mma_epilogue: cute.TiledMma,
@@ -783,20 +838,35 @@ class Sm90ForwardKernel:
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    reason = host.kernel_unsupported_reason("sm90", config, problem, SUPPORTED_HEAD_DIMS)
+    reason = host.kernel_unsupported_reason("sm90", config, problem, SUPPORTED_HEAD_DIMS, takes_packed=True)
     if reason is not None:
         return reason
+    if config.has_cu_seqlens and (config.has_segment_ids or config.has_q_seq_lengths or config.has_kv_seq_lengths
+                                  or config.has_q_start):
+        # The packed scheduler takes each sequence's extents from the offsets alone.
+        return "sm90 does not combine packed sequences (cu_seqlens) with segment ids, sequence lengths or q_start"
     return host.q_start_unsupported_reason("sm90", config)
 
 
 def tuned_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape, softcap: Optional[float],
-                    q_len: int) -> dict:
-    """The KernelOptions tuning fields that measured fastest for this head dim, mask and query length."""
+                    q_len: int, packed: bool = False) -> dict:
+    """The KernelOptions tuning fields that measured fastest for this head dim, mask and query length.
+
+    Packed sequences store O row by row (KernelOptions.check), so they drop the TMA-store epilogue,
+    and with it the three-warpgroup set, which was measured (and checked for spills) only with it."""
+    tuned = _measured_overrides(head_dim, v_head_dim, mask, softcap, q_len, packed)
+    if packed:
+        tuned.update(tma_store=False, store_chunks=1)
+    return tuned
+
+
+def _measured_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape, softcap: Optional[float],
+                        q_len: int, packed: bool) -> dict:
     if v_head_dim <= 64:
         # At 160 registers per consumer thread ptxas spills with a softcap, a window or segments
         # (ptxas 13.0: 28-268 bytes), so those keep two warpgroups.
         plain_mask = softcap is None and not mask.has_segments and (mask.window_left, mask.window_right) == (None, None)
-        if plain_mask and not (mask.causal and q_len < THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN):
+        if plain_mask and not packed and not (mask.causal and q_len < THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN):
             return dict(THREE_WARPGROUPS)
         return dict(Q_DOUBLE_BUFFER_TMA_STORE)
     if head_dim <= 128:
@@ -810,9 +880,13 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
             **overrides) -> KernelOptions:
     """The static kernel configuration for one call, the tuned defaults with `overrides` (KernelOptions
     fields, for tests and tuning sweeps) on top; also what the compile tests build."""
+    if config.has_cu_seqlens and problem.sequences is None:
+        raise ValueError("packed sequences (cu_seqlens) need the Problem's sequence count: "
+                         "host.Problem.of(query, key, value, optional)")
     mask = masking.MaskShape.from_config(config)
     softcap_value = None if config.softcap is None else float(config.softcap)
-    tuned = tuned_overrides(problem.head_dim, problem.v_head_dim, mask, softcap_value, problem.q_len)
+    tuned = tuned_overrides(problem.head_dim, problem.v_head_dim, mask, softcap_value, problem.q_len,
+                            config.has_cu_seqlens)
     return KernelOptions(
         dtype_name=problem.dtype,
         head_dim=problem.head_dim,
@@ -826,6 +900,7 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
         has_kv_lengths=config.has_kv_seq_lengths,
         has_q_start=config.has_q_start,
         q_total=config.q_total if config.has_q_start else None,
+        num_sequences=problem.sequences if config.has_cu_seqlens else None,
         sm_count=host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
         **{**tuned, **overrides},
     )
@@ -837,5 +912,6 @@ def _kernel(options: KernelOptions) -> Sm90ForwardKernel:
 
 
 def run(options: KernelOptions, query, key, value, optional: dict):
-    """(out [B, Sq, Hq, Dv] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit."""
+    """(out [B, Sq, Hq, Dv] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit; with
+    packed sequences B = 1 and `optional` holds cu_seqlens_q / cu_seqlens_k (int32 [N + 1])."""
     return host.launch_forward(_kernel(options), options, query, key, value, optional)
