@@ -483,18 +483,12 @@ def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batc
 
 def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks=None):
     """(out [B, Sq, Hq, D] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit."""
-    from cutlass.jax import cutlass_call
-
-    from fa4_jax.kernels import compile_cache
-
     batch, kv_heads = query.shape[0], key_cache.shape[2]
     o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
     outputs = (jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     arguments = (query, key_cache, value_cache, block_tables, kv_seq_lengths)
     kernel = _kernel(options)
-    compile_key = (str(kernel), options)
-    compile_cache.prepare(kernel, arguments, outputs, compile_key)
-    partial_o, partial_lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
+    partial_o, partial_lse = host.call_kernel(kernel, arguments, outputs, (str(kernel), options))
     out, lse = combine_partials(options, partial_o, partial_lse, sinks, batch, kv_heads)
     return out.astype(query.dtype), lse
 
