@@ -41,9 +41,12 @@ B, Sq, Sk, Hq, Hkv, D = spec["shape"]
 query = jax.ShapeDtypeStruct((B, Sq, Hq, D), jnp.bfloat16)
 key = jax.ShapeDtypeStruct((B, Sk, Hkv, D), jnp.bfloat16)
 options = dict(spec["options"], implementation="cute")
+kv_lengths = options.pop("kv_lengths", False)
+if kv_lengths:   # a short query against a cache with key lengths: the decode kernel
+    options["kv_seq_lengths"] = jnp.full((B,), Sk - 7, jnp.int32)
 attention = lambda q, k, v: fa4_jax.attention(q, k, v, return_lse=True, **options)
 loss = lambda q, k, v: attention(q, k, v)[0].astype(jnp.float32).sum()
-functions = {"forward": attention, "backward": jax.grad(loss, argnums=(0, 1, 2)),
+functions = {"forward": attention, "decode": attention, "backward": jax.grad(loss, argnums=(0, 1, 2)),
              "tangent": lambda q, k, v: jax.jvp(attention, (q, k, v), (q, k, v))}
 calls = {}
 for name in spec["passes"]:
@@ -53,7 +56,8 @@ for name in spec["passes"]:
 print("LOWERED " + json.dumps(calls))
 """
 
-# name -> (capability, CUTE_DSL_ARCH, [B, Sq, Sk, Hq, Hkv, D], attention options, passes lowered)
+# name -> (capability, CUTE_DSL_ARCH, [B, Sq, Sk, Hq, Hkv, D], attention options (kv_lengths: pass key
+# lengths), passes lowered)
 CASES = {
     # The H200 failure: the softcap loop over a 128-wide tile of scores, in the forward, the tangent
     # and the backward's recomputation of P.
@@ -61,12 +65,15 @@ CASES = {
                           ("forward", "tangent", "backward")),
     # D = 256: the output rescale and epilogue loops over 64 columns.
     "sm90-d256-causal": ((9, 0), "sm_90a", [1, 200, 300, 4, 2, 256], {"causal": True}, ("forward",)),
+    "sm90-d256-decode": ((9, 0), "sm_90a", [2, 2, 300, 8, 2, 256], {"causal": True, "kv_lengths": True},
+                         ("decode",)),
+    # Every sm100 kernel: its rows of 128 scores per thread.
     "sm100-d128-softcap": ((10, 0), "sm_100a", [1, 200, 300, 4, 2, 128], {"softcap": 5.0},
                            ("forward", "backward")),
 }
 
 # The kernel names in the custom calls each pass lowers to (fa4_jax_<arch>_<pass>...).
-EXPECTED = {"forward": ["forward"], "tangent": ["forward", "tangent"], "backward": ["backward", "forward"]}
+EXPECTED = {"forward": ["forward"], "decode": ["decode"], "tangent": ["forward", "tangent"], "backward": ["backward", "forward"]}
 
 
 @pytest.mark.parametrize("disk_cache", [True, False], ids=["disk-cache", "no-disk-cache"])
