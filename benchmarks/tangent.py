@@ -1,23 +1,28 @@
 """Forward-mode AD benchmark (issue 15 part 2): jax.jvp of fa4_jax.attention vs the peer's fused JVP.
 
-Per row (bf16, B * S = 16k tokens, 16 query heads, GQA 16/4, D in {64, 128}, causal and not):
+Per row (bf16, B * S = 16k tokens, 16 query heads, GQA 16/4, D in {64, 128} or --head-dims, causal
+and not; a D the tangent kernel lacks runs it zero-padded, as the CUDA lowering does: D = 80 at 128):
 - fa4_jax_jvp_ms: jax.jvp of fa4_jax.attention (implementation="cute": our forward kernel, then the sm90
   tangent kernel);
 - fa4peer_jvp_ms: jax.jvp of fa4peer.flash_attn (backend="cute": FA4's forward and its fused tangent
   kernel). The peer bundle is imported here only (benchmark only), and only when importable;
 - fa4_jax_forward_ms: our forward alone, so the tangent's own share is visible;
 - fa4_jax_tangent_kernel_ms / reference_tangent_ms: the tangent alone from the same saved O and LSE, on
-  the sm90 tangent kernel and on the blocked pure-JAX pass (`reference_tangent`, what ran before).
+  the sm90 tangent kernel (at tangent_kernel_head_dim, padding included) and on the blocked pure-JAX
+  pass (`reference_tangent`, what ran before; what a padded D ran before too). The FLOPs and TFLOP/s
+  count the call's D, not the padded one.
 Times are CUPTI kernel times of one call (all its kernels summed), median over --iterations
 (jax.experimental.mosaic.gpu.profiler.measure). max_abs_diff_vs_fa4peer compares the two t_out.
 
 Usage: python benchmarks/tangent.py --out benchmarks/results/tangent_h200.json [--quick] [--max-seconds N]
+       [--head-dims 80 96]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -31,10 +36,10 @@ from benchmarks import attention  # noqa: E402  (CUPTI timing, versions, git rev
 TOKENS, Q_HEADS, KV_HEADS = 16384, 16, 4
 
 
-def rows(quick: bool = False):
+def rows(quick: bool = False, head_dims=(64, 128)):
     seq_lens = (1024, 4096) if not quick else (1024,)
     return [dict(batch=TOKENS // s, seq_len=s, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=d, causal=c)
-            for d in (64, 128) for s in seq_lens for c in (False, True)]
+            for d in head_dims for s in seq_lens for c in (False, True)]
 
 
 def tangent_flops(row) -> float:
@@ -66,6 +71,7 @@ def measure(row, iterations, peer) -> dict:
     from fa4_jax.config import AttentionConfig
     from fa4_jax.kernels import host
     from fa4_jax.kernels.sm90 import tangent as sm90_tangent
+    from fa4_jax.lowering import head_padding
     from fa4_jax.reference import reference_tangent
 
     q, k, v, t_q, t_k, t_v = _inputs(row)
@@ -82,8 +88,12 @@ def measure(row, iterations, peer) -> dict:
     try:
         (out, lse), record["fa4_jax_forward_ms"] = attention._median_ms(forward, (q, k, v), iterations)
         config = AttentionConfig(scale=row["head_dim"] ** -0.5, causal=causal)
-        options = sm90_tangent.options(config, host.Problem.of(q, k, v))
-        kernel = jax.jit(lambda *a: sm90_tangent.run(options, *a, None, {}))
+        padding = head_padding.plan(row["head_dim"], row["head_dim"],
+                                    [(d, d) for d in sm90_tangent.SUPPORTED_HEAD_DIMS])
+        record["tangent_kernel_head_dim"] = padding.kernel_head_dim
+        run_kernel = functools.partial(sm90_tangent.run,
+                                       sm90_tangent.options(config, padding.kernel_problem(host.Problem.of(q, k, v))))
+        kernel = jax.jit(lambda *a: padding.tangent(run_kernel, *a, None, {}))
         _, ms = attention._median_ms(kernel, (q, k, v, out, lse, t_q, t_k, t_v), iterations)
         record["fa4_jax_tangent_kernel_ms"] = ms
         record["fa4_jax_tangent_kernel_tflops"] = tangent_flops(row) / (ms * 1e-3) / 1e12
@@ -115,6 +125,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-seconds", type=float, default=0.0, help="stop starting rows after this long")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128],
+                        help="head dims of the rows (others than 64 / 128 run the tangent kernel zero-padded)")
     args = parser.parse_args(argv)
 
     import jax
@@ -133,7 +145,7 @@ def main(argv=None):
                   timing="CUPTI kernel time of one call, median (jax.experimental.mosaic.gpu.profiler.measure)",
                   rows=[])
     start = time.time()
-    for row in rows(args.quick):
+    for row in rows(args.quick, tuple(args.head_dims)):
         if args.max_seconds and time.time() - start > args.max_seconds:
             report["stopped_early"] = f"after {time.time() - start:.0f} s (--max-seconds)"
             break

@@ -286,22 +286,24 @@ def test_forward_mode_tangent_on_cuda_warns_or_refuses(monkeypatch):
 
 @needs_cutlass
 def test_tangent_routes_to_the_sm90_kernel_or_names_why_not(monkeypatch):
-    """The real table for the forward-mode tangent: the sm90 tangent kernel for D in {64, 128} on Hopper;
-    other head dims, float32 and Blackwell fall back naming the reason (refused under "cute")."""
+    """The real table for the forward-mode tangent: the sm90 tangent kernel for D <= 128 on Hopper (64
+    and 128 as they are, the rest zero-padded to them); larger head dims, float32 and Blackwell fall
+    back naming the reason (refused under "cute")."""
     monkeypatch.setattr(cuda, "_warned", set())
     config = AttentionConfig(scale=0.125, causal=True, has_sinks=True, implementation="cute")
     shapes = lambda d: [jax.ShapeDtypeStruct((1, 8, 2, d), jnp.bfloat16) for _ in range(3)]
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 96, 80, 40):
         assert cuda.kernel_for("tangent", config, *shapes(head_dim)).__name__ == "fa4_jax.kernels.sm90.tangent"
     with pytest.raises(NotImplementedError, match=r"tangent kernels for compute capability 9\.x take head dims "
-                                                  r"\(64, 128\), not 96"):
-        cuda.kernel_for("tangent", config, *shapes(96))
+                                                  r"up to 128 \(smaller ones zero-padded to one of \(64, 128\)\), "
+                                                  r"not 192"):
+        cuda.kernel_for("tangent", config, *shapes(192))
     float32 = [aval.update(dtype=jnp.float32) for aval in shapes(64)]
     with pytest.raises(NotImplementedError, match="takes bfloat16 or float16 inputs"):
         cuda.kernel_for("tangent", config, *float32)
     with pytest.warns(UserWarning, match="attention tangent runs on the XLA reference path because the tangent"):
-        assert cuda.kernel_for("tangent", config.replace(implementation=None), *shapes(96)) is None
+        assert cuda.kernel_for("tangent", config.replace(implementation=None), *shapes(192)) is None
     monkeypatch.setattr(cuda, "compute_capability", lambda: (10, 0))
     with pytest.raises(NotImplementedError, match=r"no CuTe tangent kernel for compute capability 10\.0"):
         cuda.kernel_for("tangent", config, *shapes(64))

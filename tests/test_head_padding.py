@@ -25,8 +25,8 @@ from conftest import has_gpu
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.lowering import cuda, head_padding
-from fa4_jax.primitive import attention_bwd_inner_p, attention_fwd_inner_p
-from fa4_jax.reference import reference_backward, reference_forward
+from fa4_jax.primitive import attention_bwd_inner_p, attention_fwd_inner_p, attention_tangent_inner_p
+from fa4_jax.reference import reference_backward, reference_forward, reference_tangent
 from test_attention import AttentionTestBase, Case, with_cases
 
 KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)   # every forward kernel's, and the sm90 backward's
@@ -79,6 +79,25 @@ def test_sm100_backward_pads_up_to_128_and_names_larger_head_dims():
             assert padding.kernel_head_dim == _next_kernel_head_dim(head_dim, SM100_BACKWARD_HEAD_DIMS)
         else:
             assert route is None and f"take head dims up to 128" in reason and reason.endswith(f"not {head_dim}")
+
+
+def test_sm90_tangent_pads_up_to_128_and_names_larger_head_dims():
+    """The tangent kernel is built for D = 64 and 128: every head dim up to 128 pads to the next of
+    those (D = 80 runs it at 128: 1.6x the FLOPs, still one fused pass), larger ones are named."""
+    for head_dim in range(1, 257):
+        route, padding, reason = _route("tangent", (9, 0), head_dim)
+        if head_dim <= 128:
+            assert reason is None and route.module == "fa4_jax.kernels.sm90.tangent"
+            assert padding.kernel_head_dim == padding.kernel_v_head_dim == _next_kernel_head_dim(head_dim, (64, 128))
+            assert padding.is_identity == (head_dim in (64, 128))
+        else:
+            assert route is None and reason == ("the tangent kernels for compute capability 9.x take head dims up "
+                                                f"to 128 (smaller ones zero-padded to one of (64, 128)), not {head_dim}")
+    for dims in ((96, 64), (64, 128), (40, 72)):
+        _, padding, _ = _route("tangent", (9, 0), *dims)
+        assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == (128, 128)
+    assert _route("tangent", (9, 0), 192, 128)[2].endswith("not 192 with value head dim 128")
+    assert _route("tangent", (10, 0), 80)[2].startswith("there is no CuTe tangent kernel for compute capability 10.0")
 
 
 # (head dim, value head dim) -> the kernels' (D', Dv') on every forward and the sm90 backward.
@@ -239,6 +258,45 @@ def test_padding_is_exact(inputs, head_dim, v_head_dim, features, q_heads, kv_he
     assert np.all(kernel_dv[..., v_head_dim:] == 0)
 
 
+TANGENT_HEAD_DIMS = (64, 128)   # the sm90 tangent kernel's
+
+
+@pytest.mark.parametrize("head_dim, v_head_dim, features, q_heads, kv_heads",
+                         [case for case in EXACTNESS_CASES.values() if max(case[:2]) <= max(TANGENT_HEAD_DIMS)],
+                         ids=[name for name, case in EXACTNESS_CASES.items() if max(case[:2]) <= max(TANGENT_HEAD_DIMS)])
+def test_tangent_padding_is_exact(inputs, head_dim, v_head_dim, features, q_heads, kv_heads):
+    """Pad to the tangent kernel's head dims, the reference tangent there, slice: (t_out, t_lse) as the
+    reference tangent has them at the call's dims (itself checked against the oracle by duality,
+    tests/test_forward_mode.py), and the kernel's extra t_out columns exactly zero."""
+    query, key, value, config, optional, _ = _exactness_inputs(inputs, head_dim, v_head_dim, features, q_heads,
+                                                               kv_heads)
+    padding = head_padding.plan(head_dim, v_head_dim, [(d, d) for d in TANGENT_HEAD_DIMS])
+    assert not padding.is_identity
+    out, lse = reference_forward(query, key, value, optional, config)
+    tangents = [inputs.normal(x.shape) for x in (query, key, value)]
+    t_sinks = inputs.normal(optional["sinks"].shape) if config.has_sinks else None
+
+    @jax.jit
+    def padded(*operands):
+        kernel_t_out = []
+
+        def kernel(q, k, v, out, lse, t_q, t_k, t_v, t_sinks, optional):
+            assert q.shape[-1] == k.shape[-1] == t_q.shape[-1] == t_k.shape[-1] == padding.kernel_head_dim
+            assert v.shape[-1] == out.shape[-1] == t_v.shape[-1] == padding.kernel_v_head_dim
+            t_out, t_lse = reference_tangent(q, k, v, out, lse, t_q, t_k, t_v, t_sinks, optional, config)
+            kernel_t_out.append(t_out)
+            return t_out, t_lse
+        return padding.tangent(kernel, *operands, optional), kernel_t_out[0]
+
+    (t_out, t_lse), kernel_t_out = padded(query, key, value, out, lse, *tangents, t_sinks)
+    expected_t_out, expected_t_lse = jax.jit(lambda *operands: reference_tangent(*operands, optional, config))(
+        query, key, value, out, lse, *tangents, t_sinks)
+    assert t_out.shape == expected_t_out.shape and t_lse.shape == expected_t_lse.shape
+    oracle.assert_close(t_out, expected_t_out, 1e-5, "t_out")
+    oracle.assert_close(t_lse, expected_t_lse, 1e-5, "t_lse", floor=1.0)
+    assert np.all(np.asarray(kernel_t_out)[..., v_head_dim:] == 0)
+
+
 # ------------------------------------------------------------- the CUDA lowering rules, end to end
 
 class _KernelCalls:
@@ -261,9 +319,8 @@ def _stand_in_kernel(name, calls: _KernelCalls, pass_: str):
         assert query.shape == problem.query and key.shape == problem.key and value.shape == problem.value
         calls.calls.append((name, problem.head_dim, problem.v_head_dim, config.scale))
         calls.configs.append(config)
-        if pass_ == "forward":
-            return reference_forward(*operands, config)
-        return reference_backward(*operands, config)
+        reference = {"forward": reference_forward, "backward": reference_backward, "tangent": reference_tangent}
+        return reference[pass_](*operands, config)
     module.run = run
     return module
 
@@ -275,14 +332,16 @@ def cuda_rules_on_cpu(monkeypatch):
     what the modules are handed, run for real."""
     calls = _KernelCalls()
     for name, pass_ in (("fa4_jax.kernels.sm90.forward", "forward"), ("fa4_jax.kernels.sm90.backward", "backward"),
-                        ("fa4_jax.kernels.sm90.backward_large_heads", "backward")):
+                        ("fa4_jax.kernels.sm90.backward_large_heads", "backward"),
+                        ("fa4_jax.kernels.sm90.tangent", "tangent")):
         monkeypatch.setitem(sys.modules, name, _stand_in_kernel(name, calls, pass_))
     decode = types.ModuleType("fa4_jax.kernels.sm90.decode")
     decode.unsupported_reason = lambda config, problem: "not the decode kernel"
     monkeypatch.setitem(sys.modules, "fa4_jax.kernels.sm90.decode", decode)
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
     cpu_rules = mlir_internals._platform_specific_lowerings["cpu"]
-    for primitive, rule in ((attention_fwd_inner_p, cuda._forward_rule), (attention_bwd_inner_p, cuda._backward_rule)):
+    for primitive, rule in ((attention_fwd_inner_p, cuda._forward_rule), (attention_bwd_inner_p, cuda._backward_rule),
+                            (attention_tangent_inner_p, cuda._tangent_rule)):
         monkeypatch.setitem(cpu_rules, primitive, mlir_internals.LoweringRuleEntry(rule, True))
     return calls
 
@@ -340,6 +399,44 @@ def test_the_kernels_get_the_callers_scale(cuda_rules_on_cpu, inputs):
     jax.jit(jax.grad(lambda q: fa4_jax.attention(q, q, q, implementation="cute").sum()))(query)
     assert cuda_rules_on_cpu.calls[-1] == ("fa4_jax.kernels.sm90.backward_large_heads", 192, 192,
                                            pytest.approx(160 ** -0.5))
+
+
+@pytest.mark.parametrize("dims", [(80, 80), (96, 64), (40, 40)], ids=["d80", "d96-v64", "d40"])
+def test_jvp_of_a_padded_head_dim_runs_the_tangent_kernel(cuda_rules_on_cpu, inputs, dims):
+    """jax.jvp through `fa4_jax.attention(implementation="cute")` at a head dim the tangent kernel
+    lacks: the tangent module is handed the padded operands (D = 80 and 96/64 at 128, 40 at 64) with
+    the call's scale, and the JVP equals the reference's at the call's dims."""
+    import fa4_jax
+
+    head_dim, v_head_dim = dims
+    query, key = inputs.normal((1, 24, 4, head_dim), scale=1.5), inputs.normal((1, 40, 2, head_dim))
+    value = inputs.normal((1, 40, 2, v_head_dim))
+    primals = (query, key, value)
+    tangents = tuple(inputs.normal(x.shape) for x in primals)
+
+    def jvp(implementation):
+        function = lambda *p: fa4_jax.attention(*p, causal=True, softcap=4.0, return_lse=True,
+                                                implementation=implementation)
+        return jax.jit(lambda p, t: jax.jvp(function, p, t))(primals, tangents)
+    (out, lse), (t_out, t_lse) = jvp("cute")
+    kernel_dim = 64 if max(dims) <= 64 else 128
+    assert cuda_rules_on_cpu.calls[-1] == ("fa4_jax.kernels.sm90.tangent", kernel_dim, kernel_dim,
+                                           pytest.approx(head_dim ** -0.5))
+    (expected_out, expected_lse), (expected_t_out, expected_t_lse) = jvp("reference")
+    assert t_out.shape == expected_t_out.shape == out.shape and t_lse.shape == lse.shape
+    oracle.assert_close(t_out, expected_t_out, 1e-5, "t_out")
+    oracle.assert_close(t_lse, expected_t_lse, 1e-5, "t_lse", floor=1.0)
+
+
+def test_jvp_beyond_the_tangent_kernel_names_why(cuda_rules_on_cpu, inputs):
+    """D = 192 has no tangent kernel to pad to: "cute" refuses, naming the head dims it takes."""
+    import fa4_jax
+
+    query = inputs.normal((1, 16, 2, 192))
+    with pytest.raises(NotImplementedError, match=r"tangent kernels for compute capability 9.x take head dims up "
+                                                  r"to 128 \(smaller ones zero-padded to one of \(64, 128\)\), not 192"):
+        jax.jit(lambda q, t: jax.jvp(lambda x: fa4_jax.attention(x, x, x, implementation="cute"), (q,), (t,)))(
+            query, query)
 
 
 def test_residuals_keep_the_callers_head_dims(cuda_rules_on_cpu, inputs):
@@ -409,3 +506,44 @@ def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim,
     padded = f"(tensor<1x200x4x{d}xbf16>, tensor<1x300x2x{d}xbf16>, tensor<1x300x2x{d}xbf16>"
     assert forward_calls == [padded + f") -> (tensor<1x200x4x{d}xbf16>, tensor<1x4x200xf32>)"], forward_calls
     assert len(gradient_calls) == 2 and all(call.startswith(padded) for call in gradient_calls), gradient_calls
+
+
+_LOWER_JVP = r"""
+import json
+import jax, jax.numpy as jnp
+import fa4_jax
+from fa4_jax.lowering import cuda
+cuda.compute_capability = lambda: (9, 0)
+query = jax.ShapeDtypeStruct((1, 200, 4, 80), jnp.bfloat16)
+key = jax.ShapeDtypeStruct((1, 300, 2, 80), jnp.bfloat16)
+attention = lambda q, k, v: fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation="cute")
+jvp = lambda q, k, v: jax.jvp(attention, (q, k, v), (q, k, v))
+text = jax.jit(jvp).trace(query, key, key).lower(lowering_platforms=("cuda",)).as_text()
+print("LOWERED " + json.dumps([line.split(" : ")[-1] for line in text.splitlines()
+                               if "stablehlo.custom_call" in line and "fa4_jax" in line]))
+"""
+
+
+def test_padded_jvp_lowers_to_the_tangent_kernel_at_128(tmp_path):
+    """jax.jvp of `fa4_jax.attention` at D = 80, lowered for CUDA on a pretended compute capability 9.0
+    (the DSL compiles the real sm_90a kernels here): the forward kernel at 96, then the tangent kernel
+    taking Q, K, V, O and the three tangents at 128."""
+    import json
+    import os
+    import subprocess
+
+    pytest.importorskip("cutlass")
+    from ptx_checks import REPO
+
+    environment = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FA4_JAX_CACHE_DIR=str(tmp_path),
+                       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    process = subprocess.run([sys.executable, "-c", _LOWER_JVP], env=environment, capture_output=True, text=True,
+                             timeout=900)
+    assert process.returncode == 0, process.stderr[-4000:]
+    line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
+    forward_call, tangent_call = json.loads(line[len("LOWERED "):])
+    q96, k96 = "tensor<1x200x4x96xbf16>", "tensor<1x300x2x96xbf16>"
+    assert forward_call == f"({q96}, {k96}, {k96}) -> ({q96}, tensor<1x4x200xf32>)", forward_call
+    q, k = "tensor<1x200x4x128xbf16>", "tensor<1x300x2x128xbf16>"
+    lse = "tensor<1x4x256xf32>"   # the LSE in the exp2 domain, padded to whole query tiles
+    assert tangent_call == (f"({q}, {k}, {k}, {q}, {lse}, {q}, {k}, {k}) -> ({q}, tensor<1x4x200xf32>)"), tangent_call

@@ -13,6 +13,7 @@ magnitude: 4 roundings of max |expected| for t_out; t_lse is summed in float32 f
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import jax
@@ -52,6 +53,14 @@ CASES = [
     Case("kv-lengths-causal-d64", kv_lengths=True, causal=True, q_len=256, kv_len=512, head_dim=64),
     Case("single-row", q_len=1, kv_len=77),
     Case("persistent-many-tiles", batch=2, q_len=1024, kv_len=1024, q_heads=16, kv_heads=4, causal=True),
+]
+
+
+# Head dims the tangent kernel reaches zero-padded (fa4_jax/lowering/head_padding.py): only through the API.
+PADDED_CASES = [
+    Case("padded-d80-causal-gqa", head_dim=80, causal=True, q_heads=8, kv_heads=2),
+    Case("padded-d96-softcap-sinks", head_dim=96, softcap=5.0, scale=1.0, sinks=True),
+    Case("padded-d40-lengths-causal", head_dim=40, q_lengths=True, kv_lengths=True, causal=True),
 ]
 
 
@@ -121,10 +130,11 @@ def test_tangent_matches_oracle(case: Case, inputs):
 
 @pytest.mark.parametrize("case", [case for case in CASES if case.name in
                                   ("causal-cross", "gqa", "sinks-causal-empty-rows", "softcap", "lengths-causal",
-                                   "segments", "window-causal-left")], ids=lambda case: case.name)
+                                   "segments", "window-causal-left")] + PADDED_CASES, ids=lambda case: case.name)
 def test_jvp_through_the_api_matches_oracle(case: Case, inputs):
     """jax.jvp of fa4_jax.attention (out and lse) runs the forward kernel and then the tangent kernel
-    (implementation="cute" would raise were either missing) and equals the float64 oracle."""
+    (implementation="cute" would raise were either missing; head dims 40 / 80 / 96 zero-padded to the
+    tangent kernel's 64 / 128) and equals the float64 oracle."""
     primals, tangents, t_sinks, options, _, _ = _make_problem(case, inputs)
     _, lse, expected_t_out, expected_t_lse = _oracle(primals, tangents, t_sinks, options)
     sinks = options.pop("sinks", None)
@@ -155,14 +165,16 @@ def test_linearize_and_jacfwd_run_the_kernel(inputs):
 
 
 def test_unsupported_head_dim_falls_back_with_the_reason(inputs):
-    """D = 96 has no tangent kernel: None warns naming why and runs the reference; "cute" refuses."""
+    """D = 192 has no tangent kernel to pad to: None warns naming why and runs the reference; "cute"
+    refuses."""
     from fa4_jax.lowering import cuda
 
-    primals = [inputs.normal((1, 40, 2, 96), jnp.bfloat16) for _ in range(3)]
+    primals = [inputs.normal((1, 40, 2, 192), jnp.bfloat16) for _ in range(3)]
     tangents = [inputs.normal(x.shape, jnp.bfloat16) for x in primals]
-    cuda._warned.discard("the tangent kernels for compute capability 9.x take head dims (64, 128), not 96")
-    with pytest.warns(UserWarning, match=r"tangent runs on the XLA reference path because the tangent kernels .* "
-                                         r"take head dims \(64, 128\), not 96"):
+    reason = ("the tangent kernels for compute capability 9.x take head dims up to 128 (smaller ones zero-padded "
+              "to one of (64, 128)), not 192")
+    cuda._warned.discard(reason)
+    with pytest.warns(UserWarning, match="tangent runs on the XLA reference path because " + re.escape(reason)):
         jax.jit(lambda p, t: jax.jvp(lambda *a: fa4_jax.attention(*a, causal=True), p, t))(primals, tangents)
     with pytest.raises(NotImplementedError, match="implementation='cute' cannot run this attention tangent pass"):
         jax.jit(lambda p, t: jax.jvp(lambda *a: fa4_jax.attention(*a, implementation="cute"), p, t))(primals, tangents)

@@ -1,7 +1,8 @@
 """The host side every CuTe kernel shares: the `Problem` a call poses, the checks no kernel can pass
 whatever its design (dtypes, shapes, scale, grid limits), the element-type map, fake tensors for
-compiling without a GPU, the `cutlass_call` launches with their compile keys and disk cache, and the
-backward's JAX side around its kernel (preprocess, sinks gradient, dQ postprocess).
+compiling without a GPU, the `cutlass_call` launches with their compile keys and disk cache (every kernel
+call goes through `call_kernel`), and the backward's JAX side around its kernel (preprocess, sinks
+gradient, dQ postprocess).
 
 Importing this module imports no cutlass (the dispatch asks kernels' `unsupported_reason` through it on
 machines without the DSL); the functions that need it import it when called.
@@ -9,8 +10,10 @@ machines without the DSL); the functions that need it import it when called.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -165,6 +168,44 @@ def fake_tensor(dtype, dims):
     return make_fake_compact_tensor(dtype, dims, stride_order=tuple(range(len(dims)))[::-1], assumed_align=16)
 
 
+def call_kernel(kernel, arguments, outputs, compile_key, input_output_aliases=None):
+    """`kernel(stream, *arguments, *outputs)` through `cutlass_call`, compiled under `compile_key` (its
+    disk cache filled first, `compile_cache.prepare`): the one place our kernels meet `cutlass_call`.
+
+    The kernel is traced inside `dsl_warning_filters`, whoever compiles it (`prepare`, or
+    `cutlass_call`'s own lowering when the disk cache is off), so the caller's warning filters cannot
+    break its compile."""
+    from cutlass.jax import cutlass_call
+
+    from fa4_jax.kernels import compile_cache
+
+    def traced(stream, *arrays):
+        with dsl_warning_filters():
+            return kernel(stream, *arrays)
+
+    compile_cache.prepare(traced, arguments, outputs, compile_key, input_output_aliases)
+    return cutlass_call(traced, output_shape_dtype=outputs, input_output_aliases=input_output_aliases,
+                        compile_key=compile_key)(*arguments)
+
+
+@contextlib.contextmanager
+def dsl_warning_filters():
+    """The DSL's DSLOptimizationWarning (a static loop of 64 or more iterations; ours are unrolled on
+    purpose) ignored, or shown once per loop with CUTE_DSL_ENABLE_OPTIMIZATION_WARNINGS=1, but never
+    raised: the DSL warns from inside a bare `try/except` that reports any exception there as a
+    non-constant loop bound (ARG_NON_CONSTANT), so a caller's warnings-as-errors filter (pytest's
+    `filterwarnings = error`, `python -W error`) would fail the compile. The DSL adds its own ignore
+    filter once, at start-up, which a later `warnings.simplefilter` overrides; this one is in front for
+    the trace, whatever came after."""
+    from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    shown = CuTeDSL._get_dsl().envar.enable_optimization_warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("default" if shown else "ignore", category=DSLOptimizationWarning)
+        yield
+
+
 class OptionalTensors(NamedTuple):
     """The optional operands of a forward kernel, by name (None when absent), in the order its
     launcher takes them after (query, key, value); also how kernel code passes them between roles."""
@@ -188,17 +229,11 @@ def launch_forward(kernel, options, query, key, value, optional: dict):
     The kernel's inputs after the stream are (query, key, value, *FORWARD_OPTIONAL), absent ones None.
     `options` (hashable) selects the compiled variant, so (kernel name, options) is the compile key.
     """
-    from cutlass.jax import cutlass_call
-
-    from fa4_jax.kernels import compile_cache
-
     batch, q_len, q_heads, _ = query.shape
     outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
                jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
     arguments = (query, key, value) + tuple(optional.get(name) for name in FORWARD_OPTIONAL)
-    compile_key = (str(kernel), options)
-    compile_cache.prepare(kernel, arguments, outputs, compile_key)
-    out, lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
+    out, lse = call_kernel(kernel, arguments, outputs, (str(kernel), options))
     return out, lse
 
 
@@ -238,10 +273,6 @@ def launch_tangent(kernel, options, query, key, value, out, lse, t_query, t_key,
     [B, Hq, Sq] float32). The kernel reads the LSE in the exp2 domain padded to whole query tiles
     (`padded_lse_log2`); the tangents are cast to the primals' type (the tensor cores take one type).
     (kernel name, options) is the compile key."""
-    from cutlass.jax import cutlass_call
-
-    from fa4_jax.kernels import compile_cache
-
     batch, q_len, q_heads, _ = query.shape
     outputs = (jax.ShapeDtypeStruct((batch, q_len, q_heads, value.shape[-1]), query.dtype),
                jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
@@ -252,9 +283,7 @@ def launch_tangent(kernel, options, query, key, value, out, lse, t_query, t_key,
     arguments = (query, key, value, out.astype(query.dtype), padded_lse_log2(lse, options.tile_m),
                  t_query.astype(query.dtype), t_key.astype(key.dtype), t_value.astype(value.dtype))
     arguments += tuple(extra.get(name) for name in TANGENT_OPTIONAL)
-    compile_key = (str(kernel), options)
-    compile_cache.prepare(kernel, arguments, outputs, compile_key)
-    t_out, t_lse = cutlass_call(kernel, output_shape_dtype=outputs, compile_key=compile_key)(*arguments)
+    t_out, t_lse = call_kernel(kernel, arguments, outputs, (str(kernel), options))
     return t_out, t_lse
 
 
@@ -292,10 +321,6 @@ def launch_backward(kernel, options, inputs, key, value, dtype, dkv_accumulators
     fusion then hands the kernel a single buffer for both (seen on the H200 under `lax.map`: dK and dV
     summed into each other, tests/test_context_parallel_gpu.py). (kernel name, options) is the compile
     key."""
-    from cutlass.jax import cutlass_call
-
-    from fa4_jax.kernels import compile_cache
-
     dq_index = len(inputs) - 2
     if dkv_accumulators:
         if key.shape != value.shape:
@@ -309,13 +334,7 @@ def launch_backward(kernel, options, inputs, key, value, dtype, dkv_accumulators
     if not dkv_accumulators:
         outputs += [jax.ShapeDtypeStruct(key.shape, dtype), jax.ShapeDtypeStruct(value.shape, dtype)]
 
-    def run(stream, *arrays):
-        return kernel(stream, *arrays)
-
-    compile_key = (str(kernel), options)
-    compile_cache.prepare(run, inputs, tuple(outputs), compile_key, aliases)
-    results = cutlass_call(run, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
-                           compile_key=compile_key)(*inputs)
+    results = call_kernel(kernel, inputs, tuple(outputs), (str(kernel), options), aliases)
     if dkv_accumulators:
         return results[0], results[-1][0], results[-1][1]
     return results[0], results[-2], results[-1]

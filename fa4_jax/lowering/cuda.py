@@ -1,11 +1,12 @@
 """CUDA lowering: the one routing table from (compute capability, pass, head dim) to a CuTe kernel
 module, whose `unsupported_reason` decides the rest, or the reference where none fits.
 
-Head dims: the forward and backward take any head dim <= 256 and any value head dim <= 256 whose
-(D, Dv) some route's kernel holds once zero-padded (`fa4_jax/lowering/head_padding.py`: the padding
-is exact, costs (D' + Dv') / (D + Dv) more FLOPs and a padded copy of each operand, and stays inside
-this lowering, so residuals keep the call's dims). E.g. on sm_90: D = 80 runs the D = 96 kernels,
-112 the 128 ones, 160 the 192 ones, MLA's 192/128 the 192/192 ones. Decode is not padded.
+Head dims: the forward, backward and tangent take any head dim <= 256 and any value head dim <= 256
+whose (D, Dv) some route's kernel holds once zero-padded (`fa4_jax/lowering/head_padding.py`: the
+padding is exact, costs (D' + Dv') / (D + Dv) more FLOPs and a padded copy of each operand, and stays
+inside this lowering, so residuals keep the call's dims). E.g. on sm_90: D = 80 runs the D = 96
+forward and backward and the D = 128 tangent, 112 the 128 ones, 160 the 192 ones, MLA's 192/128 the
+192/192 ones. Decode is not padded.
 
 `implementation=None` falls back to the reference with a one-time warning that says why;
 `implementation="cute"` raises instead, naming what the kernel cannot take.
@@ -215,12 +216,12 @@ def _tangent_rule(ctx, *operands, config: AttentionConfig):
     chosen = choose_kernel("tangent", config, problem)
     if chosen is None:
         return mlir.lower_fun(reference.tangent, multiple_results=True)(ctx, *operands, config=config)
-    module, _ = chosen
-    kernel_options = module.options(config, problem)
+    module, padding = chosen
+    run_kernel = functools.partial(module.run, module.options(config, padding.kernel_problem(problem)))
 
     def kernel(*arrays, config):
         (q, k, v, out, lse), (t_q, t_k, t_v, t_sinks), optional = split_tangent_operands(config, arrays)
-        return module.run(kernel_options, q, k, v, out, lse, t_q, t_k, t_v, t_sinks, optional)
+        return padding.tangent(run_kernel, q, k, v, out, lse, t_q, t_k, t_v, t_sinks, optional)
     return mlir.lower_fun(kernel, multiple_results=True)(ctx, *operands, config=config)
 
 

@@ -11,6 +11,9 @@ query and key zero-padded from D to D' and value from Dv to Dv' along the head a
   below the config, which it never touches.
 - the backward: dO and O are padded like V (their zero columns add nothing to dP = dO V^T or to
   rowsum(dO * O)); dQ = dS K, dK = dS^T Q and dV = P^T dO come out with zero extra columns, sliced off.
+- the tangent (forward mode): t_Q and t_K are padded like Q and K, t_V and O like V; t_S = scale ·
+  (t_Q K^T + Q t_K^T) is the call's, and t_out = P t_V + (P o t_S) V - t_lse o O has zero extra
+  columns, sliced off; t_lse is the call's.
 - the cost, for a (D, Dv) call on kernel (D', Dv'): FLOPs grow by (D' + Dv') / (D + Dv) (80 -> 96:
   1.2x; 72 -> 96: 1.33x; 112 -> 128: 1.14x; 160 -> 192: 1.2x; MLA 192/128 -> 192/192: 1.2x; 64/128 ->
   128/128 and 256/128 -> 256/256: 1.33x; 96/64 -> 96/96: 1.2x), and each padded operand is one more
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 from fa4_jax.kernels import host
 
 # The passes whose calls may be padded up to a kernel's head dims.
-PADDED_PASSES = ("forward", "backward")
+PADDED_PASSES = ("forward", "backward", "tangent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,14 @@ class HeadPadding:
             _pad(d_out, self.kernel_v_head_dim), d_lse, optional)
         return (d_query[..., :self.head_dim], d_key[..., :self.head_dim], d_value[..., :self.v_head_dim],
                 d_sinks)
+
+    def tangent(self, run_kernel, query, key, value, out, lse, t_query, t_key, t_value, t_sinks, optional: dict):
+        """`run_kernel(q, k, v, out, lse, t_q, t_k, t_v, t_sinks, optional) -> (t_out, t_lse)` at the
+        kernel's head dims, for operands at the call's."""
+        d, dv = self.kernel_head_dim, self.kernel_v_head_dim
+        t_out, t_lse = run_kernel(_pad(query, d), _pad(key, d), _pad(value, dv), _pad(out, dv), lse,
+                                  _pad(t_query, d), _pad(t_key, d), _pad(t_value, dv), t_sinks, optional)
+        return t_out[..., :self.v_head_dim], t_lse
 
 
 def _pad(x, size: int):

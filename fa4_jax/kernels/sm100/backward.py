@@ -60,11 +60,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
@@ -202,7 +203,7 @@ class Sm100BackwardKernel:
         k_t = columns_major(mK, num_kv_heads)
 
         cta_group = tcgen05.CtaGroup.TWO
-        K, MN = tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         s_mma = sm100_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K, K, Float32, cta_group,
                                                    self.s_tiler[:2])
         dkv_mma = sm100_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K, MN, Float32, cta_group,
@@ -301,13 +302,13 @@ class Sm100BackwardKernel:
                          tma_atom_dot):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         barriers = storage.barriers.data_ptr()
         if warp_idx == self.mma_warp_id:
             with cute.arch.elect_one():
                 for index, count in enumerate(self.barrier_counts):
                     cute.arch.mbarrier_init(barriers + index, count)
-        tmem_allocator = utils.TmemAllocator(
+        tmem_allocator = TmemAllocator(
             storage.tmem_address.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=self.tmem_users),
             allocator_warp_id=self.compute_warp_ids[0], is_two_cta=True,
@@ -737,7 +738,7 @@ class Sm100BackwardKernel:
         dq_layout = dq_thr.make_fragment_C(dq_thr.partition_shape_C(self.dq_tiler[:2])).layout
         tQtdQ = cute.make_tensor(tmem + self.tmem_dq, dq_layout)
         load_atom = sm100_utils.get_tmem_load_op(
-            (ROWS // 2, self.head_dim, PAIR_KEYS), utils.LayoutEnum.ROW_MAJOR, Float32, Float32,
+            (ROWS // 2, self.head_dim, PAIR_KEYS), LayoutEnum.ROW_MAJOR, Float32, Float32,
             (ROWS // 2, self.head_dim), use_2cta_instrs=True)
         tiled_load = tcgen05.make_tmem_copy(load_atom, tQtdQ)
         thr_load = tiled_load.get_slice(thread)

@@ -47,10 +47,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
@@ -219,11 +220,11 @@ class Sm100ForwardKernel:
 
         cta_group = tcgen05.CtaGroup.ONE
         qk_tiled_mma = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, cta_group, self.qk_mma_tiler[:2])
         # P comes from TMEM (K-major), V from shared memory (MN-major: d is contiguous).
         pv_tiled_mma = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, cta_group, self.pv_mma_tiler[:2], tcgen05.OperandSource.TMEM)
 
         q_smem_layout_staged = sm100_utils.make_smem_layout_a(
@@ -234,7 +235,7 @@ class Sm100ForwardKernel:
             pv_tiled_mma, self.pv_mma_tiler, self.dtype, self.kv_stage)
         p_tmem_layout = sm100_utils.make_smem_layout_a(
             pv_tiled_mma, self.pv_mma_tiler, self.dtype, 1)
-        self.o_layout = utils.LayoutEnum.from_tensor(o)
+        self.o_layout = LayoutEnum.from_tensor(o)
         epi_tile = (ROWS_PER_TILE, self.head_dim)
         o_smem_layout_staged = sm100_utils.make_smem_layout_epi(
             self.o_dtype, self.o_layout, epi_tile, self.epi_stage)
@@ -330,7 +331,7 @@ class Sm100ForwardKernel:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         schedule = self.schedule
         load_q_producer, load_q_consumer = self.make_pipeline("load_q", storage.load_q_mbar)
         # K and V tiles alternate through one ring (same size since d_v = d).

@@ -622,10 +622,6 @@ def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batc
 
 def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks=None):
     """(out [B, Sq, Hq, D] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit."""
-    from cutlass.jax import cutlass_call
-
-    from fa4_jax.kernels import compile_cache
-
     batch, q_len, q_heads, _ = query.shape
     kv_heads = key_cache.shape[2]
     o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
@@ -642,10 +638,7 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
                    jax.ShapeDtypeStruct((batch, q_len, q_heads, options.head_dim), query.dtype),
                    jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32)]
     kernel = _kernel(options)
-    compile_key = (str(kernel), options)
-    compile_cache.prepare(kernel, tuple(arguments), tuple(outputs), compile_key, aliases)
-    results = cutlass_call(kernel, output_shape_dtype=tuple(outputs), input_output_aliases=aliases,
-                           compile_key=compile_key)(*arguments)
+    results = host.call_kernel(kernel, tuple(arguments), tuple(outputs), (str(kernel), options), aliases)
     if options.fused_combine:
         return results[-2], results[-1]
     out, lse = combine_partials(options, results[0], results[1], sinks, batch, kv_heads)
