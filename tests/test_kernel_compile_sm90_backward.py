@@ -119,6 +119,16 @@ CASES = {
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),
+    # 80 query rows at D = 128 without a mask (`Tuning(query_rows=80)`, the candidate of
+    # docs/sm90_backward_tuning.md, "The stall profile"): m64n80 S^T / dP^T, dQ computed transposed, one
+    # dQ staging buffer; odd lengths, GQA deterministic, fp16 with query / key lengths.
+    "d128-query-rows-80": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 333, 4, 4, 128],
+                               tuning=dict(query_rows=80)),
+    "d128-gqa-deterministic-query-rows-80": dict(config=dict(scale=128 ** -0.5, deterministic=True),
+                                                 shape=[2, 300, 512, 8, 2, 128], tuning=dict(query_rows=80)),
+    "d128-lengths-query-rows-80-fp16": dict(
+        config=dict(scale=128 ** -0.5, has_q_seq_lengths=True, has_kv_seq_lengths=True),
+        shape=[2, 197, 333, 4, 4, 128], dtype="float16", tuning=dict(query_rows=80)),
     "d128-segments-lengths-head-splits-4": dict(
         config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 8, 2, 128], head_splits=4),
