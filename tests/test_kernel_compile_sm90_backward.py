@@ -22,6 +22,7 @@ from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm90 import backward as sm90_backward  # noqa: E402
+from fa4_jax.kernels.sm90 import backward_common  # noqa: E402
 from fa4_jax.kernels.sm90.wgmma import swizzle_columns  # noqa: E402
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
@@ -121,7 +122,8 @@ CASES = {
                               tuning=dict(query_rows=64)),
     # 80 query rows at D = 128 without a mask (`Tuning(query_rows=80)`, the candidate of
     # docs/sm90_backward_tuning.md, "The stall profile"): m64n80 S^T / dP^T, dQ computed transposed, one
-    # dQ staging buffer; odd lengths, GQA deterministic, fp16 with query / key lengths.
+    # dQ staging buffer; odd lengths, GQA deterministic, fp16 with query / key lengths, and dS^T through
+    # stmatrix and through the plain stores whichever is the default.
     "d128-query-rows-80": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 333, 4, 4, 128],
                                tuning=dict(query_rows=80)),
     "d128-gqa-deterministic-query-rows-80": dict(config=dict(scale=128 ** -0.5, deterministic=True),
@@ -129,6 +131,11 @@ CASES = {
     "d128-lengths-query-rows-80-fp16": dict(
         config=dict(scale=128 ** -0.5, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 4, 4, 128], dtype="float16", tuning=dict(query_rows=80)),
+    "d128-query-rows-80-ds-stmatrix": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 333, 4, 4, 128],
+                                           tuning=dict(query_rows=80, ds_stmatrix=True)),
+    "d128-gqa-deterministic-query-rows-80-ds-plain-store": dict(
+        config=dict(scale=128 ** -0.5, deterministic=True), shape=[2, 300, 512, 8, 2, 128],
+        tuning=dict(query_rows=80, ds_stmatrix=False)),
     "d128-segments-lengths-head-splits-4": dict(
         config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 8, 2, 128], head_splits=4),
@@ -289,6 +296,39 @@ def test_query_rows_the_kernel_cannot_take_are_refused(head_dim, extra, match):
                               sm90_backward.Tuning(query_rows=128, head_splits=2))
 
 
+@pytest.mark.parametrize("head_dim,extra,tuning,match", [
+    (64, dict(), dict(), "head dims"), (96, dict(), dict(), "head dims"),
+    (128, dict(causal=True), dict(), "without a mask"),
+    (128, dict(window_left=64, window_right=0), dict(), "without a mask"),
+    (128, dict(softcap=5.0), dict(), "softcap or segment ids"),
+    (128, dict(has_segment_ids=True), dict(), "softcap or segment ids"),
+    (128, dict(), dict(flat_dq=False), "flat_dq"), (128, dict(), dict(head_splits=2), "head_splits")])
+def test_query_rows_80_is_refused_outside_unmasked_head_dim_128(head_dim, extra, tuning, match):
+    """80 query rows (dQ computed transposed, the head dim split 64 per warp group) are the candidate
+    for D = 128 without a causal mask or a window; not beside softcap or segment ids, the tiled dQ
+    staging or a head split. `options` refuses the rest by name, and so does the kernel's constructor
+    given such options directly; GQA deterministic at D = 128 takes them (unsplit), and the default
+    never chooses them."""
+    config = AttentionConfig(scale=head_dim ** -0.5, **extra)
+    problem = _problem([1, 256, 333, 8, 2, head_dim])
+    with pytest.raises(ValueError, match=match):
+        sm90_backward.options(config, problem, sm90_backward.Tuning(query_rows=80, **tuning))
+    sixty_four = sm90_backward.options(config, problem, sm90_backward.Tuning(
+        query_rows=64, head_splits=1, flat_dq=tuning.get("flat_dq", True)))
+    forced = dataclasses.replace(sixty_four, tuning=dataclasses.replace(sixty_four.tuning, query_rows=80),
+                                 head_splits=tuning.get("head_splits", 1))
+    with pytest.raises(ValueError, match=match):
+        sm90_backward.Sm90BackwardKernel(forced)
+    config = AttentionConfig(scale=128 ** -0.5, deterministic=True)
+    problem = _problem([1, 256, 333, 8, 2, 128])
+    taken = sm90_backward.options(config, problem, sm90_backward.Tuning(query_rows=80))
+    assert taken.tuning.query_rows == 80 and taken.head_splits == 1
+    kernel = sm90_backward.Sm90BackwardKernel(taken)
+    assert (kernel.tile_m, kernel.dq_transposed, kernel.dq_buffers) == (80, True, 1)
+    assert kernel.shared_memory_bytes() <= backward_common.SHARED_MEMORY_BYTES
+    assert sm90_backward.options(config, problem).tuning.query_rows == 64
+
+
 @pytest.mark.parametrize("shape,extra,rows", [
     ([2, 1024, 1024, 8, 8, 64], dict(), 128), ([2, 1024, 1024, 8, 8, 64], dict(deterministic=True), 128),
     ([2, 1024, 1024, 8, 8, 64], dict(softcap=5.0), 64), ([2, 1024, 1024, 8, 8, 64], dict(has_segment_ids=True), 64),
@@ -326,7 +366,8 @@ head_dim = spec["head_dim"]
 query = (1, 256, 4, head_dim)
 problem = host.Problem(query, query, query, spec["dtype"])
 kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(
-    AttentionConfig(scale=head_dim ** -0.5), problem, sm90_backward.Tuning(ds_stmatrix=True)))
+    AttentionConfig(scale=head_dim ** -0.5), problem,
+    sm90_backward.Tuning(ds_stmatrix=True, query_rows=spec["query_rows"])))
 found = {"rows": kernel.tile_m, "mismatches": 0, "not_in_order": 0, "rows_not_contiguous": 0, "coordinates": set()}
 
 @cute.jit
@@ -360,11 +401,11 @@ print("DS_STORE " + json.dumps(found))
 """
 
 
-@pytest.mark.parametrize("head_dim,rows", [(128, 64), (64, 128)])
-def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, rows, tmp_path):
+@pytest.mark.parametrize("head_dim,query_rows,rows", [(128, None, 64), (64, None, 128), (128, 80, 80)])
+def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, query_rows, rows, tmp_path):
     """`Tuning.ds_stmatrix` changes how dS^T reaches shared memory, not where each value goes: for every
     consumer thread and register value, stmatrix (as the PTX ISA defines it) writes it at the plain
-    store's coordinate, and the values cover the [keys, queries] tile once (64 and 128 query rows).
+    store's coordinate, and the values cover the [keys, queries] tile once (64, 80 and 128 query rows).
     The compile test checks that the copy is the non-transposed x4 form this models."""
     import json
     import subprocess
@@ -374,7 +415,8 @@ def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, rows, tmp_path
 
     script = tmp_path / "ds_store_check.py"      # a file: the DSL compiles a function from its source
     script.write_text(_DS_STORE_CHECK)
-    result = subprocess.run([sys.executable, str(script), json.dumps({"head_dim": head_dim, "dtype": "bfloat16"})],
+    spec = {"head_dim": head_dim, "dtype": "bfloat16", "query_rows": query_rows}
+    result = subprocess.run([sys.executable, str(script), json.dumps(spec)],
                             env=compile_environment(tmp_path), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("DS_STORE "))
