@@ -122,8 +122,8 @@ CASES = {
                               tuning=dict(query_rows=64)),
     # 80 query rows at D = 128 without a mask (`Tuning(query_rows=80)`, the candidate of
     # docs/sm90_backward_tuning.md, "The stall profile"): m64n80 S^T / dP^T, dQ computed transposed, one
-    # dQ staging buffer; odd lengths, GQA deterministic, fp16 with query / key lengths, and dS^T through
-    # stmatrix and through the plain stores whichever is the default.
+    # dQ staging buffer; odd lengths, GQA deterministic, fp16 with query / key lengths, and GQA
+    # deterministic with dS^T through the plain stores (the default: stmatrix).
     "d128-query-rows-80": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 333, 4, 4, 128],
                                tuning=dict(query_rows=80)),
     "d128-gqa-deterministic-query-rows-80": dict(config=dict(scale=128 ** -0.5, deterministic=True),
@@ -131,8 +131,6 @@ CASES = {
     "d128-lengths-query-rows-80-fp16": dict(
         config=dict(scale=128 ** -0.5, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 4, 4, 128], dtype="float16", tuning=dict(query_rows=80)),
-    "d128-query-rows-80-ds-stmatrix": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 333, 4, 4, 128],
-                                           tuning=dict(query_rows=80, ds_stmatrix=True)),
     "d128-gqa-deterministic-query-rows-80-ds-plain-store": dict(
         config=dict(scale=128 ** -0.5, deterministic=True), shape=[2, 300, 512, 8, 2, 128],
         tuning=dict(query_rows=80, ds_stmatrix=False)),
@@ -407,19 +405,85 @@ def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, query_rows, ro
     consumer thread and register value, stmatrix (as the PTX ISA defines it) writes it at the plain
     store's coordinate, and the values cover the [keys, queries] tile once (64, 80 and 128 query rows).
     The compile test checks that the copy is the non-transposed x4 form this models."""
+    found = _trace(_DS_STORE_CHECK, {"head_dim": head_dim, "dtype": "bfloat16", "query_rows": query_rows},
+                   tmp_path, "DS_STORE")
+    assert found == {"rows": rows, "mismatches": 0, "not_in_order": 0, "rows_not_contiguous": 0,
+                     "coordinates": sm90_backward.TILE_N * rows}
+
+
+def _trace(script_text, spec, tmp_path, tag):
+    """Run a DSL trace script (a file: the DSL compiles a function from its source) on `spec` and
+    return the JSON it prints after `tag`."""
     import json
     import subprocess
     import sys
 
     from ptx_checks import compile_environment
 
-    script = tmp_path / "ds_store_check.py"      # a file: the DSL compiles a function from its source
-    script.write_text(_DS_STORE_CHECK)
-    spec = {"head_dim": head_dim, "dtype": "bfloat16", "query_rows": query_rows}
+    script = tmp_path / "trace.py"
+    script.write_text(script_text)
     result = subprocess.run([sys.executable, str(script), json.dumps(spec)],
                             env=compile_environment(tmp_path), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("DS_STORE "))
-    found = json.loads(line[len("DS_STORE "):])
-    assert found == {"rows": rows, "mismatches": 0, "not_in_order": 0, "rows_not_contiguous": 0,
-                     "coordinates": sm90_backward.TILE_N * rows}
+    line = next(line for line in result.stdout.splitlines() if line.startswith(tag + " "))
+    return json.loads(line[len(tag) + 1:])
+
+
+# Where `_stage_dq` (flat_dq) puts each consumer thread's dQ values: register value v of consumer thread
+# t (warp group t // 128) at ((g K + v // 4) 128 + t % 128) 4 + v % 4 of the block, K = values / 4,
+# the value being dQ at the (query, head-dim) coordinate the kernel's own dQ tiled MMA gives it
+# (partition_C of an identity tensor over (rows, D), or over (D, rows) when dQ is transposed).
+_DQ_STAGING_TRACE = r"""
+import json, sys
+import cutlass, cutlass.cute as cute
+from fa4_jax.config import AttentionConfig
+from fa4_jax.kernels import host
+from fa4_jax.kernels.sm90 import backward as sm90_backward
+spec = json.loads(sys.argv[1])
+head_dim = spec["head_dim"]
+query = (1, 256, 4, head_dim)
+problem = host.Problem(query, query, query, "bfloat16")
+kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(
+    AttentionConfig(scale=head_dim ** -0.5), problem, sm90_backward.Tuning(query_rows=spec["query_rows"])))
+placed = {}
+
+@cute.jit
+def trace():
+    _, _, mma_dq = kernel._tiled_mmas()
+    shape = (head_dim, kernel.tile_m) if kernel.dq_transposed else (kernel.tile_m, head_dim)
+    coordinates = cute.make_identity_tensor(shape)
+    for t in cutlass.range_constexpr(kernel.consumer_threads):
+        values = mma_dq.get_slice(t).partition_C(coordinates)
+        chunks = cute.size(values) // 4
+        for v in cutlass.range_constexpr(cute.size(values)):
+            position = (((t // 128) * chunks + v // 4) * 128 + t % 128) * 4 + v % 4
+            first, second = tuple(values[v])
+            placed.setdefault(position, []).append((second, first) if kernel.dq_transposed else (first, second))
+
+trace()
+print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m, "transposed": kernel.dq_transposed,
+                                  "placed": sorted((p, c) for p, cs in placed.items() for c in cs)}))
+"""
+
+
+@pytest.mark.parametrize("head_dim,query_rows", [(128, 64), (64, 128), (128, 80)])
+def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, tmp_path):
+    """The dQ staging order and its reader agree through the kernel's own dQ tiled MMA: every position
+    of a block holds one dQ element, and `backward_common.dq_from_fragments` (with the kernel's
+    `dq_transposed`) puts each at its (query, head-dim) place (64, 128, and 80 query rows, where the
+    fragment is of dQ^T). tests/test_kernel_building_blocks.py checks the reader against the PTX ISA's
+    fragment layout instead."""
+    import numpy as np
+
+    from fa4_jax.kernels.sm90 import backward_common
+
+    found = _trace(_DQ_STAGING_TRACE, {"head_dim": head_dim, "query_rows": query_rows}, tmp_path, "DQ_STAGING")
+    assert (found["rows"], found["transposed"]) == (query_rows, query_rows == 80)
+    positions = [position for position, _ in found["placed"]]
+    assert sorted(positions) == list(range(query_rows * head_dim)), "a position staged twice or never"
+    flat = np.zeros(query_rows * head_dim, np.float32)
+    for position, (row, column) in found["placed"]:
+        flat[position] = row * head_dim + column
+    rows = np.asarray(backward_common.dq_from_fragments(query_rows, found["transposed"])(
+        flat.reshape(1, 1, 1, -1), query_rows))
+    np.testing.assert_array_equal(rows[0, :, 0], np.arange(query_rows * head_dim).reshape(query_rows, head_dim))

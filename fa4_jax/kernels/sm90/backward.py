@@ -6,8 +6,9 @@ memory and its dK, dV accumulators in registers while it walks the query blocks 
 of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE, dP^T = V dO^T,
 dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and dK += dS^T Q with
 P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in shared memory for
-dQ = dS K, and stages dQ in shared memory for the dQ writer warp, which adds it into the fp32
-accumulator in global memory with TMA bulk reduce-adds.
+dQ = dS K (with 80-row query blocks dQ^T = K^T dS^T, `Tuning.query_rows`), and stages dQ in shared
+memory for the dQ writer warp, which adds it into the fp32 accumulator in global memory with TMA
+bulk reduce-adds.
 
 Warp roles: warp group 0 is the producer (warp 0 issues the TMA loads of K, V once and of Q, dO per
 query block into a two-deep ring of mbarrier-guarded buffers; warp 1, the dQ writer, issues the dQ
@@ -97,7 +98,13 @@ class Tuning:
     query_rows: query rows per block (the GEMMs' N for S^T / dP^T, K for dV / dK, M for dQ): 64, or
       128 where registers and shared memory allow it (D = 64 without softcap, segment ids or head
       splits), which halves the per-block fixed costs (barrier hand-offs, pipeline waits, row
-      statistics) per FLOP. None: `query_rows_for` chooses (in `options`).
+      statistics) per FLOP. None: `query_rows_for` chooses (in `options`). 80 (D = 128 without a
+      mask, softcap, segment ids or head splits; a candidate, never chosen): S^T and dP^T as m64n80
+      wgmmas, which read 4.5 KB of shared memory per 40 tensor cycles where m64n64 reads 4 KB per 32,
+      above the 128 B / cycle the SS GEMMs of 64 rows are held to (docs/sm90_backward_tuning.md, "The
+      stall profile"); wgmma's M being a multiple of 64, dQ is then computed transposed (dQ^T = K^T
+      dS^T: M = D, 64 per warp group, N = the 80 queries) and staged through one buffer, as two do
+      not fit shared memory.
     flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
       by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
       takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
