@@ -865,6 +865,9 @@ def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register
     a window; `flat_dq`: `Tuning.flat_dq`)."""
     if query_rows not in QUERY_ROWS:
         return f"query_rows={query_rows} must be one of {QUERY_ROWS}"
+    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and register_bound:
+        return (f"query_rows={query_rows} does not combine with softcap or segment ids: with softcap ptxas "
+                "spills (D = 128: 88 bytes), and neither is tested at 80 rows")
     if query_rows != backward_common.TILE_M and register_bound:
         return (f"query_rows={query_rows} does not combine with softcap or segment ids: their per-row "
                 "statistics in registers make ptxas spill (D = 64: 352 bytes)")
