@@ -65,10 +65,13 @@ class Variant:
     deterministic: bool
     head_dims: tuple             # where it runs; rows of other head dims skip it
     tested_by: Optional[tuple] = None   # (test file, pytest id) of its GPU tests; None: shipped code
+    masks: tuple = ("full", "causal")   # the rows' masks (`_mask`) where it runs; rows of others skip it
 
     def skip_reason(self, shape) -> Optional[str]:
         if shape["head_dim"] not in self.head_dims:
             return f"{_module_name(self.kernel)} variant, head dims {self.head_dims} only"
+        if _mask(shape) not in self.masks:
+            return f"{_module_name(self.kernel)} variant, {' / '.join(self.masks)} rows only"
         head_splits = getattr(self.tuning, "head_splits", None)
         group = shape["heads"] // _kv_heads(shape)
         if head_splits is not None and group % head_splits:
@@ -93,6 +96,11 @@ class Variant:
             entry = reached.setdefault(_module_name(module), dict(head_dims=[], **dataclasses.asdict(tuning)))
             entry["head_dims"].append(head_dim)
         return reached
+
+
+def _mask(shape) -> str:
+    """A row's mask: "causal" or "full"."""
+    return "causal" if shape["causal"] else "full"
 
 
 def _module_name(module) -> str:
@@ -142,6 +150,12 @@ def _variants():
         **{f"{prefix}query_rows_64": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),
             ("test_sm90_backward.py", "query_rows_64"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        # 80 query rows per block at D = 128 without a mask (dQ computed transposed; the candidate of
+        # docs/sm90_backward_tuning.md, "The stall profile"), default and deterministic.
+        **{f"{prefix}query_rows_80": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=80), deterministic, (128,),
+            ("test_sm90_backward.py", "query_rows_80"), masks=("full",))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
         "deterministic_head_splits_1": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=1), True,
@@ -378,7 +392,8 @@ def run(args):
                   versions=attention._versions(), git_revision=attention.git_revision(),
                   timing="CUPTI kernel time, median of iterations (jax.experimental.mosaic.gpu.profiler.measure)",
                   flops="backward = 2.5 x forward 4*B*H*Sq*Sk*D, halved when causal", dtype="bfloat16",
-                  variants={name: dict(deterministic=variant.deterministic, kernels=variant.kernels())
+                  variants={name: dict(deterministic=variant.deterministic, masks=list(variant.masks),
+                                       kernels=variant.kernels())
                             for name, variant in _variants().items() if name in names},
                   ratio="<variant>_vs_cudnn = cudnn_ms / <variant>_ms (above 1: faster than cuDNN)",
                   rows=[])

@@ -92,16 +92,38 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
     shape = dict(batch=1, seq_len=1024, heads=8, head_dim=head_dim, causal=False)
     runs = [name for name, variant in benchmark._variants().items() if variant.skip_reason(shape) is None]
     if head_dim in (64, 96, 128):
-        # MHA: no split divides a group of 1; 64 query rows forced at D = 64 only.
+        # MHA: no split divides a group of 1; 64 query rows forced at D = 64 only, 80 at D = 128 only.
         wide = ["query_rows_64", "deterministic_query_rows_64"] if head_dim == 64 else []
+        rows_80 = ["query_rows_80", "deterministic_query_rows_80"] if head_dim == 128 else []
         assert runs == [*SHIPPED, "per_thread_release", *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq",
-                        "ds_plain_store", "deterministic_ds_plain_store", *wide,
+                        "ds_plain_store", "deterministic_ds_plain_store", *wide, *rows_80,
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
         assert runs == [*SHIPPED, "no_stagger", "deterministic_diagonal_first"]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(
         benchmark._config(shape), host.Problem(dims, dims, dims, "bfloat16")) is None for name in runs)
+
+
+def test_a_variant_for_unmasked_rows_skips_the_causal_ones(benchmark):
+    """query_rows_80 (the kernel refuses it under a causal mask) times the D = 128 rows without a mask and
+    records the causal ones and the other head dims skipped; the shipped variants run at every mask."""
+    from fa4_jax.kernels.sm90 import backward as sm90_backward
+
+    variants = benchmark._variants()
+    full = dict(batch=1, seq_len=1024, heads=8, head_dim=128, causal=False)
+    causal = dict(full, causal=True)
+    dims = (1, 1024, 8, 128)
+    problem = host.Problem(dims, dims, dims, "bfloat16")
+    for name in ("query_rows_80", "deterministic_query_rows_80"):
+        variant = variants[name]
+        assert variant.masks == ("full",) and variant.skip_reason(full) is None
+        sm90_backward.options(benchmark._config(full, variant.deterministic), problem, variant.tuning)
+        assert variant.skip_reason(causal) == "sm90_backward variant, full rows only"
+        with pytest.raises(ValueError, match="without a mask"):
+            sm90_backward.options(benchmark._config(causal, variant.deterministic), problem, variant.tuning)
+        assert "head dims" in variant.skip_reason(dict(full, head_dim=64))
+    assert all(variants[name].skip_reason(causal) is None for name in SHIPPED)
 
 
 def test_shipped_variants_name_the_kernel_that_runs_at_each_head_dim(benchmark):

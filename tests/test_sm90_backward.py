@@ -99,6 +99,22 @@ WIDE_QUERY_CASES = [case if case.head_dim == 64 else dataclasses.replace(case, n
 WIDE_QUERY_TUNINGS = {f"query_rows_{rows}{'' if flat else '_tiled_dq'}": dataclasses.replace(
     sm90_backward.DEFAULT_TUNING, query_rows=rows, flat_dq=flat) for rows in (64, 128) for flat in (False, True)}
 
+# 80 query rows per block (`Tuning(query_rows=80)`, the candidate at D = 128 without a mask: dQ computed
+# transposed, one dQ staging buffer): the unmasked D = 128 cases (odd lengths, GQA, sinks with d_lse, a
+# single row, fp16), and unmasked GQA, query / key lengths and more queries than keys on whole 80-row
+# blocks; default and deterministic, dS^T through stmatrix (the default) and the plain stores. Select
+# with `-k query_rows_80`.
+TRANSPOSED_DQ_CASES = [case for case in CASES if case.head_dim == 128 and not case.causal and case.window is None
+                       and case.softcap is None and not case.segments] + [
+    Case("gqa-unmasked", q_heads=8, kv_heads=2),
+    Case("lengths", q_lengths=True, kv_lengths=True),
+    Case("more-queries-whole-blocks", q_len=400, kv_len=150)]
+TRANSPOSED_DQ_TUNINGS = {
+    "query_rows_80": dataclasses.replace(sm90_backward.DEFAULT_TUNING, query_rows=80),
+    "query_rows_80_ds_plain_store": dataclasses.replace(sm90_backward.DEFAULT_TUNING, query_rows=80,
+                                                        ds_stmatrix=False),
+}
+
 
 def _head_split_parameters(cases, splits=HEAD_SPLITS):
     """(case, head_splits) for every split that divides the case's group; ids `split<n>-<case>`."""
@@ -191,6 +207,13 @@ def test_wide_query_blocks_match_oracle(case: Case, deterministic, tuning, input
     _check_against_oracle(case, WIDE_QUERY_TUNINGS[tuning], inputs, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("tuning", sorted(TRANSPOSED_DQ_TUNINGS))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["unordered_dq", "deterministic"])
+@pytest.mark.parametrize("case", TRANSPOSED_DQ_CASES, ids=lambda case: case.name)
+def test_transposed_dq_blocks_match_oracle(case: Case, deterministic, tuning, inputs):
+    _check_against_oracle(case, TRANSPOSED_DQ_TUNINGS[tuning], inputs, deterministic=deterministic)
+
+
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):
     """`kernel.run` (this module's kernel or its large-head twin) with `tuning` on the oracle's out and
     LSE, against the oracle's gradients."""
@@ -229,10 +252,11 @@ def test_sanitizer_shapes(head_dim, causal, deterministic, tuning, inputs):
     _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("tuning", sorted(TUNINGS))
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,tuning", [(causal, tuning) for tuning in sorted(TUNINGS) for causal in (False, True)]
+                         + [(False, "query_rows_80")])
 def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
-    """deterministic=True: ten runs give identical bits (many key blocks add into each dQ tile)."""
+    """deterministic=True: ten runs give identical bits (many key blocks add into each dQ tile); 80 query
+    rows without a mask too (their one dQ staging buffer)."""
     batch, length, heads, dim = 2, 1024, 4, 128
     query, key, value, d_out = (inputs.normal((batch, length, heads, dim), jnp.bfloat16)
                                 for _ in range(4))
@@ -241,7 +265,7 @@ def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
     out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
     out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
     problem = host.Problem.of(query, key, value)
-    options = sm90_backward.options(config, problem, TUNINGS[tuning])
+    options = sm90_backward.options(config, problem, {**TUNINGS, **TRANSPOSED_DQ_TUNINGS}[tuning])
     backward = jax.jit(lambda *a: sm90_backward.run(options, *a, None, {})[:3])
     first = [np.asarray(g.astype(jnp.float32)) for g in backward(query, key, value, out, lse, d_out)]
     for _ in range(9):

@@ -6,8 +6,9 @@ memory and its dK, dV accumulators in registers while it walks the query blocks 
 of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE, dP^T = V dO^T,
 dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and dK += dS^T Q with
 P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in shared memory for
-dQ = dS K, and stages dQ in shared memory for the dQ writer warp, which adds it into the fp32
-accumulator in global memory with TMA bulk reduce-adds.
+dQ = dS K (with 80-row query blocks dQ^T = K^T dS^T, `Tuning.query_rows`), and stages dQ in shared
+memory for the dQ writer warp, which adds it into the fp32 accumulator in global memory with TMA
+bulk reduce-adds.
 
 Warp roles: warp group 0 is the producer (warp 0 issues the TMA loads of K, V once and of Q, dO per
 query block into a two-deep ring of mbarrier-guarded buffers; warp 1, the dQ writer, issues the dQ
@@ -97,7 +98,13 @@ class Tuning:
     query_rows: query rows per block (the GEMMs' N for S^T / dP^T, K for dV / dK, M for dQ): 64, or
       128 where registers and shared memory allow it (D = 64 without softcap, segment ids or head
       splits), which halves the per-block fixed costs (barrier hand-offs, pipeline waits, row
-      statistics) per FLOP. None: `query_rows_for` chooses (in `options`).
+      statistics) per FLOP. None: `query_rows_for` chooses (in `options`). 80 (D = 128 without a
+      mask, softcap, segment ids or head splits; a candidate, never chosen): S^T and dP^T as m64n80
+      wgmmas, which read 4.5 KB of shared memory per 40 tensor cycles where m64n64 reads 4 KB per 32,
+      above the 128 B / cycle the SS GEMMs of 64 rows are held to (docs/sm90_backward_tuning.md, "The
+      stall profile"); wgmma's M being a multiple of 64, dQ is then computed transposed (dQ^T = K^T
+      dS^T: M = D, 64 per warp group, N = the 80 queries) and staged through one buffer, as two do
+      not fit shared memory.
     flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
       by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
       takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
@@ -143,7 +150,8 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
 # ----------------------------------------------------------------------------------------------------
 
 DS_READY_BARRIER = 1
-DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
+DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp (at most)
+WGMMA_M = 64               # wgmma's M per warp group: the query rows are N of S^T, M of dQ unless transposed
 DETERMINISTIC_HEAD_SPLITS = 2   # fp32 partial sums that add onto zero in an order-free way
 
 
@@ -163,12 +171,19 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # configurations take none of them.
         register_bound = options.softcap is not None or options.has_segment_ids
         self.tile_m = tuning.query_rows or backward_common.TILE_M
+        masked = options.causal or options.window_left is not None or options.window_right is not None
+        reason = query_rows_reason(self.tile_m, self.head_dim, options.head_splits, register_bound, masked,
+                                   tuning.flat_dq)
+        if reason is not None:
+            raise ValueError(reason)
+        # wgmma's M is a multiple of 64: a query block of another size (80) computes dQ transposed,
+        # dQ^T = K^T dS^T, with the head dim as M (64 per warp group) and the query rows as N.
+        self.dq_transposed = self.tile_m % WGMMA_M != 0
         # At 128 query rows S^T, dP^T, dK and dV take 192 registers already: early dV's live P^T
         # operand on top makes ptxas serialize the wgmmas (and spill), so it waits for dS there.
         self.early_dv = tuning.early_dv and not register_bound and self.tile_m == backward_common.TILE_M
         # dQ staged while dK runs keeps dQ, dS^T and dK, dV live together: ptxas spills 8 bytes
         # (the sm_90a compile grid) with softcap or segment ids, and with head splits and no mask.
-        masked = options.causal or options.window_left is not None or options.window_right is not None
         self.stage_dq_under_dk = not register_bound and (options.head_splits == 1 or masked)
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
@@ -176,6 +191,12 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.head_splits = options.head_splits
         self.tile_n = TILE_N
         self.stages = QUERY_STAGES
+        # Two dQ staging buffers, or one where two do not fit (80 query rows at D = 128): the writer's
+        # bulk reduce of block i then has the whole of block i + 1's GEMMs to read the buffer before
+        # the consumers stage again, and the dQ pipeline's one stage keeps them from overwriting it.
+        self.dq_buffers = DQ_BUFFERS
+        if self.shared_memory_bytes() > backward_common.SHARED_MEMORY_BYTES:
+            self.dq_buffers = 1
         self.check_shared_memory()
         if self.head_splits != 1:
             self._check_head_splits()
@@ -202,16 +223,16 @@ class Sm90BackwardKernel(Sm90BackwardBase):
 
     def shared_memory_bytes(self):
         """What `SharedStorage` takes, member by member with its alignment: the mbarriers, Q and dO
-        rings, K, V, two dS buffers, the two dQ staging buffers, the staged row statistics;
+        rings, K, V, two dS buffers, the dQ staging buffers, the staged row statistics;
         the whole rounded up to its largest alignment."""
         element = self.dtype.width // 8
         q_ring = self.stages * self.tile_m * self.head_dim * element
         key_tile = self.tile_n * self.head_dim * element
         members = [(q_ring, 1024), (q_ring, 1024), (key_tile, 1024), (key_tile, 1024),
                    (2 * self.tile_m * self.tile_n * element, 1024),
-                   (self.tile_m * self.head_dim * 4 * DQ_BUFFERS, 1024),
+                   (self.tile_m * self.head_dim * 4 * self.dq_buffers, 1024),
                    (self._row_stats_floats() * 4, 128), (self._row_stats_floats() * 4, 128)]
-        offset = 8 * (2 * self.stages + 2 + 2 * DQ_BUFFERS)
+        offset = 8 * (2 * self.stages + 2 + 2 * self.dq_buffers)
         for size, alignment in members:
             offset = host.ceil_div(offset, alignment) * alignment + size
         return host.ceil_div(offset, 1024) * 1024
@@ -233,21 +254,27 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # dQ = dS K: A = dS (query rows contiguous), B = K read MN-major; warp groups split D.
         mma_dq = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, d // 2))
+        if const_expr(self.dq_transposed):
+            # dQ^T = K^T dS^T: A = K viewed (D, keys), B = dS^T viewed (queries, keys), both with their
+            # M / N contiguous (D in K's rows, the queries in sdS); warp groups split D (M).
+            mma_dq = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (WGMMA_M, self.tile_m))
         return mma_sdp, mma_dkv, mma_dq
 
     def _smem_layouts(self):
         d = self.head_dim
         q_layout = k_major_layout(self.dtype, self.tile_m, d, self.stages, swizzle_columns(d, 64))
-        # K is read MN-major by dQ with N = D / 2 per warp group: its swizzle atom must fit that.
+        # K is read MN-major by dQ with N (transposed: M) = D / 2 per warp group: its swizzle atom
+        # must fit that.
         k_layout = k_major_layout(self.dtype, self.tile_n, d, None, swizzle_columns(d // 2, 64))
         v_layout = k_major_layout(self.dtype, self.tile_n, d, None, swizzle_columns(d, 64))
         ds_layout = mn_major_layout(self.dtype, self.tile_m, self.tile_n, 2)
         # dQ staging for the TMA reduce: (rows, D/2, warp group, buffer) fp32 tiles, swizzled
         # (128 bytes where D/2 allows) so the accumulator stores do not conflict on banks.
-        dq_layout = k_major_layout(Float32, self.tile_m, d // 2, (2, DQ_BUFFERS),
+        dq_layout = k_major_layout(Float32, self.tile_m, d // 2, (2, self.dq_buffers),
                                    swizzle_columns(d // 2, 32))
         if const_expr(self.tuning.flat_dq):
-            dq_layout = cute.make_layout((self.tile_m * d, DQ_BUFFERS))
+            dq_layout = cute.make_layout((self.tile_m * d, self.dq_buffers))
         return q_layout, k_layout, v_layout, ds_layout, dq_layout
 
     def _dkv_partial_layout(self):
@@ -318,7 +345,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         class SharedStorage:
             query_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             key_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            dq_barriers: cute.struct.MemRange[cutlass.Int64, 2 * DQ_BUFFERS]
+            dq_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.dq_buffers]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], align]
@@ -395,7 +422,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             producer_group=producer, consumer_group=consumers,
             tx_count=self.key_block_bytes, defer_sync=True)
         dq_pipe = pipeline.PipelineAsync.create(
-            barrier_storage=storage.dq_barriers.data_ptr(), num_stages=DQ_BUFFERS,
+            barrier_storage=storage.dq_barriers.data_ptr(), num_stages=self.dq_buffers,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
             defer_sync=True)
@@ -461,8 +488,13 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         tdPrdO = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sdO))
         tdVrdO = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sdO)))
         tdKrQ = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sQ)))
-        tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
-        tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
+        if const_expr(self.dq_transposed):     # dQ^T = K^T dS^T: sdS is already (queries, keys) = (N, K)
+            tdQrK = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(transpose_view(sK)))
+            tdQrdS = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(sdS))
+        else:
+            tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
+            tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
+        shape_dq = (d, self.tile_m) if self.dq_transposed else (self.tile_m, d)
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
         if const_expr(self.tuning.ds_stmatrix):
             ds_store = self._ds_store_copy(mma_sdp)
@@ -495,7 +527,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                                                    self.stages)
         ds_barrier = pipeline.NamedBarrier(barrier_id=DS_READY_BARRIER,
                                            num_threads=self.consumer_threads)
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DQ_BUFFERS)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.dq_buffers)
         q_head, m_block = self._first_head(kv_head), m_lo
         for it in cutlass.range(iterations, unroll=1):
             row_base = m_block * self.tile_m
@@ -568,8 +600,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             # dS complete in shared memory (both warp groups) before dQ = dS K reads it.
             cute.arch.fence_view_async_shared()
             ds_barrier.arrive_and_wait()
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, d)), Float32)
-            gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(shape_dq), Float32)
+            if const_expr(self.dq_transposed):
+                gemm(mma_dq, acc_dq, tdQrK, tdQrdS[None, None, None, ds_stage], True)
+            else:
+                gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
             warpgroup.commit_group()
             if const_expr(self.stage_dq_under_dk):
                 # dK after dQ, so that dQ is staged for the writer warp while the tensor cores compute
@@ -668,7 +703,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         copy engine has read it. Deterministic: in the tile's turn, highest key block first
         (`ordered_reduction`)."""
         lane = cute.arch.lane_idx()
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_BUFFERS)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.dq_buffers)
         q_head, m_block = self._first_head(kv_head), m_lo
         for it in cutlass.range(iterations, unroll=1):
             tdQsdQ, tdQgdQ = None, None
@@ -783,8 +818,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     kernel or CUDA's grid cannot take raises ValueError."""
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
-    if head_splits is None and (tuning.query_rows or backward_common.TILE_M) > backward_common.TILE_M:
-        head_splits = 1        # wide query blocks stage no fp32 dK / dV partials (query_rows_reason)
+    if head_splits is None and (tuning.query_rows or backward_common.TILE_M) != backward_common.TILE_M:
+        head_splits = 1        # 80 or 128 query rows stage no fp32 dK / dV partials (query_rows_reason)
     if head_splits is None:
         head_splits = head_splits_for(problem.batch, problem.kv_heads, problem.group, problem.q_len,
                                       problem.kv_len, host.sm_count(DEFAULT_SM_COUNT), config.deterministic,
@@ -797,7 +832,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     query_rows = tuning.query_rows
     if query_rows is None:
         query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
-    reason = query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound)
+    masked = config.causal or config.window_left is not None or config.window_right is not None
+    reason = query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, masked, tuning.flat_dq)
     if reason is not None:
         raise ValueError(reason)
     return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows),
@@ -805,8 +841,13 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
 
 
 WIDE_QUERY_ROWS = 128
-QUERY_ROWS = (backward_common.TILE_M, WIDE_QUERY_ROWS)
+# No multiple of wgmma's M = 64: S^T / dP^T are m64n80 wgmmas and dQ is computed transposed.
+TRANSPOSED_DQ_QUERY_ROWS = 80
+QUERY_ROWS = (backward_common.TILE_M, TRANSPOSED_DQ_QUERY_ROWS, WIDE_QUERY_ROWS)
 WIDE_QUERY_HEAD_DIMS = (64,)     # where 128 query rows fit: [128 x 128] S^T and dP^T beside dK, dV
+# Where 80 query rows are meant to pay: D = 128, whose N = 64 GEMMs run at the shared-memory bandwidth
+# limit (docs/sm90_backward_tuning.md, "The stall profile"); it fits with one dQ staging buffer.
+TRANSPOSED_DQ_HEAD_DIMS = (128,)
 
 
 def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int:
@@ -818,17 +859,31 @@ def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int
     return backward_common.TILE_M
 
 
-def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool) -> Optional[str]:
-    """Why the kernel cannot take `query_rows` query rows per block, or None."""
+def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool,
+                      masked: bool = False, flat_dq: bool = True) -> Optional[str]:
+    """Why the kernel cannot take `query_rows` query rows per block, or None (`masked`: a causal mask or
+    a window; `flat_dq`: `Tuning.flat_dq`)."""
     if query_rows not in QUERY_ROWS:
         return f"query_rows={query_rows} must be one of {QUERY_ROWS}"
-    if query_rows > backward_common.TILE_M and register_bound:
+    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and register_bound:
+        return (f"query_rows={query_rows} does not combine with softcap or segment ids: with softcap ptxas "
+                "spills (D = 128: 88 bytes), and neither is tested at 80 rows")
+    if query_rows != backward_common.TILE_M and register_bound:
         return (f"query_rows={query_rows} does not combine with softcap or segment ids: their per-row "
                 "statistics in registers make ptxas spill (D = 64: 352 bytes)")
-    if query_rows > backward_common.TILE_M and head_dim not in WIDE_QUERY_HEAD_DIMS:
+    if query_rows == WIDE_QUERY_ROWS and head_dim not in WIDE_QUERY_HEAD_DIMS:
         return (f"query_rows={query_rows} fits registers and shared memory at head dims {WIDE_QUERY_HEAD_DIMS} "
                 f"only (got {head_dim})")
-    if query_rows > backward_common.TILE_M and head_splits > 1:
+    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and head_dim not in TRANSPOSED_DQ_HEAD_DIMS:
+        return (f"query_rows={query_rows} is built for head dims {TRANSPOSED_DQ_HEAD_DIMS} only (got {head_dim}): "
+                "its transposed dQ gives each warp group 64 of the head dim")
+    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and masked:
+        return (f"query_rows={query_rows} is the candidate for attention without a mask: with a causal mask or "
+                "a window it is neither tested nor timed (FA4 keeps 64 rows under a causal mask)")
+    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and not flat_dq:
+        return (f"query_rows={query_rows} needs flat_dq=True: its transposed dQ fragment is staged in the "
+                "register order only")
+    if query_rows != backward_common.TILE_M and head_splits > 1:
         return (f"query_rows={query_rows} does not combine with head_splits={head_splits}: the fp32 dK / dV "
                 "partials are staged over Q / dO rings sized for 64 rows")
     return None
@@ -904,6 +959,6 @@ def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, opt
     accumulator_shape, dq_rows = dq_accumulator_shape, _dq_rows
     if options.tuning.flat_dq:
         accumulator_shape = backward_common.flat_dq_accumulator_shape(kernel.tile_m)
-        dq_rows = backward_common.dq_from_fragments(kernel.tile_m)
+        dq_rows = backward_common.dq_from_fragments(kernel.tile_m, kernel.dq_transposed)
     return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,
                              accumulator_shape, dq_rows, kernel.tile_m)

@@ -223,19 +223,29 @@ def flat_dq_accumulator_shape(tile_m):
     return lambda batch, padded_rows, q_heads, head_dim: (batch, q_heads, padded_rows // tile_m, tile_m * head_dim)
 
 
-def dq_from_fragments(tile_m):
+def dq_from_fragments(tile_m, transposed=False):
     """The reader of that accumulator: the accumulator [B, Hq, query block, tile_m x D] as [B, q_len, Hq, D].
 
     Within a block, consumer warp group g (columns g D/2 ...) puts thread t = 32 w + 4 q + r's chunk
     k = m D/16 + j (rows 64 m ..., columns 8 j ... of its half) at ((g K + k) 128 + t) 4, K = tile_m D
     / 256 chunks a thread; the chunk's 4 values are (row half h, column c) = (0, 0), (0, 1), (1, 0),
     (1, 1). That value is row 64 m + 16 w + 8 h + q, column g D/2 + 8 j + 2 r + c of the block (the
-    PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m)."""
+    PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m).
+
+    `transposed` (backward.py's 80-row blocks, which compute dQ^T = K^T dS^T): the fragment is of
+    dQ^T, warp group g holding head-dim rows g 64 ... (one 64-row atom, so D = 128) and all tile_m
+    query columns; chunk k = j is then head-dim row 64 g + 16 w + 8 h + q, query 8 j + 2 r + c."""
     def rows(dq_accum, q_len: int):
         batch, heads, blocks, flat = dq_accum.shape
         head_dim = flat // tile_m
-        fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 64, head_dim // 16, 4, 8, 4, 2, 2)
-        #             axes:          0      1      2       g  m            j              w  q  r  h  c
-        rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
+        if transposed:
+            assert head_dim == 128, "one 64-row atom of the head dim per warp group"
+            fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 8, 4, 8, 4, 2, 2)
+            #             axes:          0      1      2       g  j            w  q  r  h  c
+            rows_columns = fragments.transpose(0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
+        else:
+            fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 64, head_dim // 16, 4, 8, 4, 2, 2)
+            #             axes:          0      1      2       g  m            j              w  q  r  h  c
+            rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
         return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
     return rows
