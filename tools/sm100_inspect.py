@@ -10,6 +10,7 @@ benchmarks/sm100_report.py.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -175,11 +176,24 @@ def find_ptxas() -> Optional[str]:
     return shutil.which("ptxas")
 
 
+# ptxas -v reports by PTX text: a test session asks about the same kernel more than once (the quick and
+# the whole compile report), and an sm_100a kernel takes seconds to assemble.
+_RESOURCES = {}
+
+
 def ptxas_resources(ptx_path: str) -> Optional[dict]:
     """Registers, spills and stack from `ptxas -v`, or None where ptxas is not installed."""
     ptxas = find_ptxas()
     if ptxas is None:
         return None
+    with open(ptx_path, "rb") as handle:
+        key = (ptxas, hashlib.sha256(handle.read()).hexdigest())
+    if key not in _RESOURCES:
+        _RESOURCES[key] = _run_ptxas(ptxas, ptx_path)
+    return dict(_RESOURCES[key])
+
+
+def _run_ptxas(ptxas: str, ptx_path: str) -> dict:
     result = subprocess.run([ptxas, f"-arch={TARGET}", "-v", ptx_path, "-o", os.devnull],
                             capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
