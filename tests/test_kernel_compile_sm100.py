@@ -8,7 +8,8 @@ with TMA (`cp.async.bulk.tensor`), exponentiate both on MUFU (`ex2.approx`) and 
 polynomial on the FMA pipe, split registers per role (`setmaxnreg`), and use no local memory; ptxas,
 where installed, must report no spills (a few bytes are tolerated with a sliding window, see
 `spill_allowance`). The numerics of the shared blocks are tested on the H200 through
-the sm90 kernel (docs/blackwell.md lists which tests cover which block).
+the sm90 kernel (docs/blackwell.md lists which tests cover which block). Every kernel the selected
+tests check compiles in one subprocess (the `compiled` fixture); each test checks its own.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import re
 
 import pytest
 
+import ptx_checks
 from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm100 import forward as sm100_forward  # noqa: E402
 from tools import sm100_inspect  # noqa: E402
+
+pytestmark = ptx_checks.one_worker(__name__)
 
 # Representative configurations, compiled in CI: every head dim, causal, GQA, fp16 and each feature.
 CASES = {
@@ -90,13 +94,11 @@ def check_kernel(name: str, spec: dict, compiled: dict):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_compiles_to_the_fa4_design(name, tmp_path):
-    compiled = sm100_inspect.compile_kernels({name: CASES[name]}, str(tmp_path))[name]
-    check_kernel(name, CASES[name], compiled)
+def test_compiles_to_the_fa4_design(compiled, name):
+    check_kernel(name, CASES[name], compiled.record(f"CASES.{name}"))
 
 
-# Exhaustive: head dims x causal x GQA x dtype, plus each head dim with the feature paths; one
-# subprocess per head dim.
+# Exhaustive: head dims x causal x GQA x dtype, plus each head dim with the feature paths.
 FEATURES = {
     "window-softcap-sinks": dict(window_left=300, window_right=20, softcap=30.0, has_sinks=True),
     "segments-lengths-causal": dict(causal=True, has_segment_ids=True, has_q_seq_lengths=True,
@@ -117,18 +119,39 @@ GRID = {
 }
 
 
+# The report's configuration the quick test compares (the slow one compares them all).
+QUICK_REPORT = ["d128-causal"]
+
+
+@pytest.fixture(scope="module")
+def compiled(request, tmp_path_factory):
+    """What the selected tests check, compiled in one subprocess: "CASES.<name>", "GRID.<name>" (every
+    head dim a selected grid test takes) and "REPORT.<name>" (REPORT_SPECS)."""
+    specs = {f"CASES.{name}": CASES[name] for name in ptx_checks.selected(request, "name")}
+    for head_dim in ptx_checks.selected(request, "head_dim"):
+        specs.update({f"GRID.{name}": spec for name, spec in GRID[head_dim].items()})
+    tests = ptx_checks.selected_tests(request)
+    report = sm100_inspect.REPORT_SPECS if "test_whole_report_is_current" in tests else \
+        QUICK_REPORT if "test_report_is_current" in tests else []
+    specs.update({f"REPORT.{name}": sm100_inspect.REPORT_SPECS[name] for name in report})
+    return ptx_checks.CompiledBatch(sm100_inspect.compile_kernels(
+        dict(sorted(specs.items())), str(tmp_path_factory.mktemp("sm100_forward_ptx")), keep_going=True))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim", sm100_forward.SUPPORTED_HEAD_DIMS)
-def test_grid_compiles(head_dim, tmp_path):
-    compiled = sm100_inspect.compile_kernels(GRID[head_dim], str(tmp_path))
-    assert sorted(compiled) == sorted(GRID[head_dim])
+def test_grid_compiles(compiled, head_dim):
     for name, spec in GRID[head_dim].items():
-        check_kernel(name, spec, compiled[name])
+        check_kernel(name, spec, compiled.record(f"GRID.{name}"))
 
 
 def _committed_report():
     with open(sm100_inspect.REPORT_PATH) as handle:
         return json.load(handle)
+
+
+def _report(compiled, names) -> dict:
+    return sm100_inspect.report_of({name: compiled.record(f"REPORT.{name}") for name in names})
 
 
 def _assert_matches(fresh: dict, committed: dict):
@@ -141,7 +164,7 @@ def _assert_matches(fresh: dict, committed: dict):
             "`python benchmarks/sm100_report.py` and commit the JSON")
 
 
-def test_report_is_current(tmp_path):
+def test_report_is_current(compiled):
     """benchmarks/results/sm100_compile_report.json matches what the sources compile to now (one
     configuration here; all of them in the slow test)."""
     committed = _committed_report()
@@ -150,12 +173,12 @@ def test_report_is_current(tmp_path):
         assert record["spec"] == sm100_inspect.REPORT_SPECS[name]
         assert record["tmem_columns_used"] <= 512 and record["shared_memory_bytes"] <= SMEM_CAPACITY
         assert record["tcgen05_and_tma_issued_by_one_thread"] and not record["local_memory"]
-    _assert_matches(sm100_inspect.build_report(str(tmp_path), ["d128-causal"]), committed)
+    _assert_matches(_report(compiled, QUICK_REPORT), committed)
 
 
 @pytest.mark.slow
-def test_whole_report_is_current(tmp_path):
-    _assert_matches(sm100_inspect.build_report(str(tmp_path)), _committed_report())
+def test_whole_report_is_current(compiled):
+    _assert_matches(_report(compiled, sm100_inspect.REPORT_SPECS), _committed_report())
 
 
 @pytest.mark.parametrize("shapes, dtype, config, fragment", [

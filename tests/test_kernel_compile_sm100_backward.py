@@ -10,7 +10,8 @@ synchronises (`barrier.cluster`) and exchanges dS through distributed shared mem
 TMA (`cp.async.bulk.tensor ... cta_group::2`), dQ is added with fp32 atomics, and ptxas reports no
 spills. Its numerics are the sm90 backward's (docs/blackwell.md). Every compile here also checks the
 kernel's barrier protocol against its schedule (sm100/backward_schedule.py) while the kernel is traced;
-tests/test_sm100_protocol.py replays the schedule.
+tests/test_sm100_protocol.py replays the schedule. Every kernel the selected tests check compiles in one
+subprocess (the `compiled` fixture); each test checks its own.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import re
 
 import pytest
 
+import ptx_checks
 from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm100 import backward as sm100_backward  # noqa: E402
 from tools import sm100_inspect  # noqa: E402
+
+pytestmark = ptx_checks.one_worker(__name__)
 
 SMEM_CAPACITY = 227 * 1024
 
@@ -92,18 +96,37 @@ def check_kernel(name: str, compiled: dict):
         assert resources["spill_store_bytes"] == 0 and resources["stack_frame_bytes"] == 0, (name, resources)
 
 
+# The report's configuration the quick test compares (the slow one compares them all).
+QUICK_REPORT = ["d128-causal"]
+
+
+@pytest.fixture(scope="module")
+def compiled(request, tmp_path_factory):
+    """What the selected tests check, compiled in one subprocess: "CASES.<name>", "GRID.<name>" and
+    "REPORT.<name>" (BACKWARD_REPORT_SPECS)."""
+    tests = ptx_checks.selected_tests(request)
+    specs = {f"CASES.{name}": CASES[name] for name in ptx_checks.selected(request, "name")}
+    if "test_grid_compiles" in tests:
+        specs.update({f"GRID.{name}": spec for name, spec in GRID.items()})
+    report = sm100_inspect.BACKWARD_REPORT_SPECS if "test_whole_report_is_current" in tests else \
+        QUICK_REPORT if "test_report_is_current" in tests else []
+    specs.update({f"REPORT.{name}": sm100_inspect.BACKWARD_REPORT_SPECS[name] for name in report})
+    return ptx_checks.CompiledBatch(sm100_inspect.compile_kernels(
+        dict(sorted(specs.items())), str(tmp_path_factory.mktemp("sm100_backward_ptx")), direction="backward",
+        keep_going=True))
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_compiles_to_the_2cta_design(name, tmp_path):
-    compiled = sm100_inspect.compile_kernels({name: CASES[name]}, str(tmp_path), direction="backward")[name]
-    check_kernel(name, {**compiled, "deterministic": CASES[name]["config"].get("deterministic", False)})
+def test_compiles_to_the_2cta_design(compiled, name):
+    record = compiled.record(f"CASES.{name}")
+    check_kernel(name, {**record, "deterministic": CASES[name]["config"].get("deterministic", False)})
 
 
 @pytest.mark.slow
-def test_grid_compiles(tmp_path):
-    compiled = sm100_inspect.compile_kernels(GRID, str(tmp_path), direction="backward")
-    assert sorted(compiled) == sorted(GRID)
+def test_grid_compiles(compiled):
     for name in GRID:
-        check_kernel(name, {**compiled[name], "deterministic": GRID[name]["config"].get("deterministic", False)})
+        record = compiled.record(f"GRID.{name}")
+        check_kernel(name, {**record, "deterministic": GRID[name]["config"].get("deterministic", False)})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -144,6 +167,10 @@ def _committed_report():
         return json.load(handle)
 
 
+def _report(compiled, names) -> dict:
+    return sm100_inspect.report_of({name: compiled.record(f"REPORT.{name}") for name in names}, direction="backward")
+
+
 def _assert_matches(fresh: dict, committed: dict):
     for name, record in fresh["configs"].items():
         expected = committed["configs"][name]
@@ -154,7 +181,7 @@ def _assert_matches(fresh: dict, committed: dict):
             "`python benchmarks/sm100_report.py --direction backward` and commit the JSON")
 
 
-def test_report_is_current(tmp_path):
+def test_report_is_current(compiled):
     """The committed backward report matches what the sources compile to now (one configuration here;
     all of them in the slow test)."""
     committed = _committed_report()
@@ -164,12 +191,12 @@ def test_report_is_current(tmp_path):
         assert record["tmem_columns_used"] <= 512 and record["shared_memory_bytes"] <= SMEM_CAPACITY
         assert record["tcgen05_and_tma_issued_by_one_thread"] and not record["local_memory"]
         assert record.get("spill_store_bytes", 0) == 0
-    _assert_matches(sm100_inspect.build_report(str(tmp_path), ["d128-causal"], direction="backward"), committed)
+    _assert_matches(_report(compiled, QUICK_REPORT), committed)
 
 
 @pytest.mark.slow
-def test_whole_report_is_current(tmp_path):
-    _assert_matches(sm100_inspect.build_report(str(tmp_path), direction="backward"), _committed_report())
+def test_whole_report_is_current(compiled):
+    _assert_matches(_report(compiled, sm100_inspect.BACKWARD_REPORT_SPECS), _committed_report())
 
 
 _LOWER = r"""

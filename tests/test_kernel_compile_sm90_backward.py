@@ -6,7 +6,8 @@ reductions that add dQ into global memory (with head splits, dK and dV too, and 
 the query ring's empty mbarriers must expect the
 arrivals the tuning makes (one lane per consumer warp, or every consumer thread); and ptxas (when
 installed) must report no spills.
-Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import.
+The DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import, so the cases compile in one subprocess
+(tests/ptx_checks.compile_batch); each test checks its own case.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import re
 
 import pytest
 
-from ptx_checks import assert_no_spills, compile_ptx
+import ptx_checks
+from ptx_checks import assert_no_spills
 
 from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
@@ -26,7 +28,7 @@ from fa4_jax.kernels.sm90 import backward_common  # noqa: E402
 from fa4_jax.kernels.sm90.wgmma import swizzle_columns  # noqa: E402
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, ptx_checks.one_worker(__name__)]
 
 
 _COMPILE = r"""
@@ -188,9 +190,16 @@ def _query_release_counts(ptx):
     return counts
 
 
+@pytest.fixture(scope="module")
+def compiled(request, tmp_path_factory):
+    names = ptx_checks.selected(request, "name")
+    return ptx_checks.compile_batch(_COMPILE, {name: {"dtype": "bfloat16", **CASES[name]} for name in sorted(names)},
+                                    tmp_path_factory.mktemp("sm90_backward_ptx"))
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_compiles_to_wgmma_tma_and_reductions(name, tmp_path):
-    path, ptx = compile_ptx(name, _COMPILE, {"dtype": "bfloat16", **CASES[name]}, tmp_path)
+def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
+    path, ptx = compiled[name]
     kernel = _kernel(CASES[name])
     # Who releases a query stage: every consumer thread, or one lane per consumer warp.
     releasers = kernel.consumer_threads

@@ -5,7 +5,8 @@ dQ: 4 each), TMA loads, the producer / consumer register split, the TMA bulk red
 TMA stores of dK / dV, and no local memory; ptxas (when installed) must report no spills. The
 `Tuning` candidates compile the same way; where one does not apply (diagonal_first without
 deterministic mode, stagger in deterministic mode) the PTX is the default's, byte for byte.
-Each compile runs in a subprocess because the DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import.
+The DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import, so the cases compile in one subprocess
+(tests/ptx_checks.compile_batch); each test checks its own case.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import re
 
 import pytest
 
-from ptx_checks import assert_no_spills, compile_ptx
+import ptx_checks
+from ptx_checks import assert_no_spills
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, ptx_checks.one_worker(__name__)]
 
 
 _COMPILE = r"""
@@ -80,9 +82,21 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def compiled(request, tmp_path_factory):
+    """The selected CASES by name, and each selected INAPPLICABLE_TUNING parameter's default and tuned
+    kernel as "<parameter>/default" and "<parameter>/tuned"."""
+    specs = {name: {"dtype": "bfloat16", **CASES[name]} for name in sorted(ptx_checks.selected(request, "name"))}
+    for parameter in sorted(ptx_checks.selected(request, "parameter")):
+        spec, inapplicable = INAPPLICABLE_TUNING[parameter]
+        specs[f"{parameter}/default"] = {"dtype": "bfloat16", **spec}
+        specs[f"{parameter}/tuned"] = {"dtype": "bfloat16", **spec, "tuning": inapplicable}
+    return ptx_checks.compile_batch(_COMPILE, specs, tmp_path_factory.mktemp("sm90_large_heads_ptx"))
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_compiles_to_wgmma_tma_without_spills(name, tmp_path):
-    path, ptx = compile_ptx(name, _COMPILE, {"dtype": "bfloat16", **CASES[name]}, tmp_path)
+def test_compiles_to_wgmma_tma_without_spills(compiled, name):
+    path, ptx = compiled[name]
     head_dim = CASES[name]["shape"][-1]
     assert ".target sm_90a" in ptx
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * head_dim // 16 + 12
@@ -114,12 +128,9 @@ INAPPLICABLE_TUNING = {
 
 
 @pytest.mark.parametrize("parameter", sorted(INAPPLICABLE_TUNING))
-def test_inapplicable_tuning_leaves_the_ptx_unchanged(parameter, tmp_path):
+def test_inapplicable_tuning_leaves_the_ptx_unchanged(compiled, parameter):
     """diagonal_first orders deterministic turns only, the stagger is the non-deterministic walk's
     only: each setting outside its mode must give the default kernel, byte for byte."""
-    spec, inapplicable = INAPPLICABLE_TUNING[parameter]
-    (tmp_path / "default").mkdir()
-    (tmp_path / "tuned").mkdir()
-    _, default = compile_ptx("default", _COMPILE, {"dtype": "bfloat16", **spec}, tmp_path / "default")
-    _, tuned = compile_ptx("inapplicable", _COMPILE, {"dtype": "bfloat16", **spec, "tuning": inapplicable}, tmp_path / "tuned")
+    _, default = compiled[f"{parameter}/default"]
+    _, tuned = compiled[f"{parameter}/tuned"]
     assert tuned == default

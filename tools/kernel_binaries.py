@@ -28,7 +28,7 @@ variants each tree produced.
 Configurations are read from the tree's own test modules (imported with the tree and its tests/ first
 on sys.path), through the names those tests expose: `CONFIGS` and `_COMPILE` (tests/test_kernel_compile_sm90.py,
 one JSON dict of configurations on argv), `CASES` and `_COMPILE` (the two sm90 backward tests, one JSON
-spec on argv, as tests/ptx_checks.compile_ptx passes it), `CASES`, `GRID` and the module's
+spec on argv, as tests/ptx_checks.compile_batch passes it to each case), `CASES`, `GRID` and the module's
 `sm100_inspect` (`compile_kernels`, `REPORT_SPECS`) for sm100, and the `_LOWER*` scripts that lower a
 jitted call for CUDA (tests/test_compile_cache.py, tests/test_kernel_compile_sm100.py). Each
 configuration compiles in its own subprocess with its own empty dump directory; one that fails, or
