@@ -29,7 +29,10 @@ from tools.sm100_inspect import find_ptxas  # noqa: E402
 pytestmark = ptx_checks.one_worker(__name__)
 
 # name -> (AttentionConfig fields, [B, Sq, Hq, Hkv, D, max_blocks], dtype, page size, arch[, DecodeOptions
-# overrides])
+# overrides]). The cases compile the fused combine (`fused_combine=True`: its arrival protocol is what the
+# PTX checks and the PTX interpreter below are about) unless their overrides say otherwise; the default,
+# the XLA combine, is the "d128-xla-combine" case.
+FUSED = {"fused_combine": True}
 CONFIGS = {
     "d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a"),
     "d128-q4-page64-sinks": ({"has_sinks": True}, [8, 4, 32, 8, 128, 32], "bfloat16", 64, "sm_90a"),
@@ -68,7 +71,8 @@ for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
     logical = (B, max_blocks * page, Hkv, D)
     problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
     assert decode.unsupported_reason(config, problem) is None
-    options = decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
+    overrides = {"fused_combine": True, **(overrides[0] if overrides else {})}   # FUSED, then the case's
+    options = decode.options(config, problem, sm_count=132, **overrides)
     cute.compile(decode.Sm90DecodeKernel(options), make_fake_stream(),
                  *decode.fake_arguments(options, B, Hkv, 50, max_blocks, fields.get("has_sinks", False)))
     (new,) = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
@@ -142,7 +146,7 @@ def _compiled_options(name):
     config = AttentionConfig(scale=D ** -0.5, causal=True, has_kv_seq_lengths=True, **fields)
     logical = (B, max_blocks * page, Hkv, D)
     problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
-    return decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
+    return decode.options(config, problem, sm_count=132, **{**FUSED, **(overrides[0] if overrides else {})})
 
 
 def _shapes(options, name):

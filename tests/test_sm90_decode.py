@@ -85,9 +85,9 @@ def test_paged_decode_matches_oracle(case, rng):
 
 FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits": 40}, {"num_splits": 128},
           {"tile_n": 128, "num_stages": 2}, {"num_stages": 4}, {"tile_n": 128, "num_stages": 2, "num_splits": 3},
-          # The XLA combine (combine_partials) instead of the last CTA's.
-          {"fused_combine": False}, {"fused_combine": False, "num_splits": 1},
-          {"fused_combine": False, "num_splits": 40}]
+          # The last CTA's combine instead of the XLA pass (combine_partials, the default).
+          {"fused_combine": True}, {"fused_combine": True, "num_splits": 1},
+          {"fused_combine": True, "num_splits": 40}, {"fused_combine": True, "num_splits": 128}]
 
 
 @gpu
@@ -177,8 +177,8 @@ def test_fused_combine_calls_in_a_row(num_splits, rng):
                                      has_kv_seq_lengths=True)
     drawn = paged_cases.build(case, rng)
     arguments = paged_cases.arguments(drawn)
-    options = decode.options(config, paged.paged_problem(*arguments[:4]), num_splits=num_splits)
-    assert options.fused_combine
+    options = decode.options(config, paged.paged_problem(*arguments[:4]), num_splits=num_splits,
+                             fused_combine=True)
     call = jax.jit(lambda *a: decode.run(options, *a))
     reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
                                                return_lse=True)

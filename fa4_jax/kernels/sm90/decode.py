@@ -12,13 +12,13 @@ kernel is built to keep that read at the memory-bandwidth limit:
   quarter of every key block and keeps its own online softmax, so no warp waits on another in the
   key loop; at the end the 4 warps merge their (O, LSE) through shared memory (the K/V ring is free
   by then) into the split's one.
-- Fused combine (the default; measured ~1 us slower than the XLA pass, below): each split writes its
+- Fused combine (`fused_combine=True`; measured ~1 us slower than the XLA pass, below): each split writes its
   normalised partial O (fp32, only the tile's real rows) and LSE, fences (device scope), and one thread adds 1 to the (batch, head tile)'s int32
   counter with an acq_rel atomic; the CTA that sees splits - 1 is the last, zeroes the counter again,
   and merges every split's partial (just written, so read from L2) with the sinks into the final O
   (output dtype, [B, Sq, Hq, Dv]) and LSE [B, Hq, Sq]. One split writes them directly. The counters
-  come zeroed from XLA (aliased in and out, so the kernel owns the buffer). `fused_combine=False`
-  leaves the merge to `combine_partials`, one fused XLA pass.
+  come zeroed from XLA (aliased in and out, so the kernel owns the buffer). The default,
+  `fused_combine=False`, leaves the merge to `combine_partials`, one fused XLA pass.
 
   Why (B = 1, Hq / Hkv = 32 / 8, D = 128, bf16; benchmarks/results/decode_h200.json, rev d309c5e): K/V
   is 4 KiB per token (8 heads x 2 x 128 x 2 bytes): 4 MiB at 1k, 32 MiB at 8k, 128 MiB at 32k, i.e.
@@ -34,8 +34,7 @@ kernel is built to keep that read at the memory-bandwidth limit:
   8.2 / 7.4 us (Pallas 9.2), 8k 15.4 / 14.3 us (2.2 / 2.4 TB/s of 3.37 copy), 32k 41.9 / 40.8, 128k
   133 / 132; B = 8: equal within 0.5 %. The gain is the split count and the warp merge (17.9 -> 7.4 us
   at 1k, 26.1 -> 14.3 at 8k); the last CTA's merge costs ~1 us more than the XLA pass, so the XLA
-  combine should become the default (the compile, PTX-interpreter and GPU tests that assume the fused
-  path by default must then ask for it). Short of the bar still: B = 1 at 1k (1.24x Pallas, 1.5x
+  combine is the default. Short of the bar still: B = 1 at 1k (1.24x Pallas, 1.5x
   asked) and 8k (71 % of copy, 75 % asked).
 - Pages through cp.async with per-row addresses: a token's page comes from the block table, its
   address is computed per 16-byte chunk, so any page size works (1 .. the whole sequence; the
@@ -100,7 +99,7 @@ class DecodeOptions:
     num_splits: int
     tile_n: int               # keys per block (each warp takes tile_n / 4)
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
-    fused_combine: bool = True  # the last split's CTA merges the splits (False: combine_partials in XLA)
+    fused_combine: bool = False  # True: the last split's CTA merges the splits (measured ~1 us slower)
     rescale_threshold: float = 8.0
 
     @property
