@@ -336,6 +336,22 @@ def run(args):
     return report
 
 
+def measure_rows(report, row_list, measure_row, out, max_seconds=0.0):
+    """Append `measure_row(row)` to report["rows"] for each row, printing it as a `row {json}` line and
+    rewriting `out` after every row (a run stopped by a timeout keeps what it measured); with
+    `max_seconds`, no new row starts after that long (report["stopped_early"] says when)."""
+    start = time.time()
+    for row in row_list:
+        if max_seconds and time.time() - start > max_seconds:
+            report["stopped_early"] = f"after {time.time() - start:.0f} s (--max-seconds)"
+            break
+        record = measure_row(row)
+        report["rows"].append(record)
+        print("row " + json.dumps(record), flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        _write(report, out)
+
+
 def _write(report, path):
     with open(path, "w") as handle:
         json.dump(report, handle, indent=1)

@@ -23,11 +23,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -144,17 +142,8 @@ def main(argv=None):
                   versions=versions, git_revision=attention.git_revision(), host=platform.node(), dtype="bfloat16",
                   timing="CUPTI kernel time of one call, median (jax.experimental.mosaic.gpu.profiler.measure)",
                   rows=[])
-    start = time.time()
-    for row in rows(args.quick, tuple(args.head_dims)):
-        if args.max_seconds and time.time() - start > args.max_seconds:
-            report["stopped_early"] = f"after {time.time() - start:.0f} s (--max-seconds)"
-            break
-        record = measure(row, args.iterations, peer)
-        report["rows"].append(record)
-        print("row " + json.dumps(record), flush=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
+    attention.measure_rows(report, rows(args.quick, tuple(args.head_dims)),
+                           lambda row: measure(row, args.iterations, peer), args.out, args.max_seconds)
 
 
 if __name__ == "__main__":

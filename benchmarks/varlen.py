@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
-import time
 
 import numpy as np
 
@@ -151,17 +149,8 @@ def main(argv=None):
                   dtype="bfloat16", mixes={mix: lengths_of(mix).tolist() for mix in (args.mixes or MIXES)},
                   timing="CUPTI kernel time of one call, median (jax.experimental.mosaic.gpu.profiler.measure)",
                   rows=[])
-    start = time.time()
-    for row in rows(args.quick, args.mixes):
-        if args.max_seconds and time.time() - start > args.max_seconds:
-            report["stopped_early"] = f"after {time.time() - start:.0f} s (--max-seconds)"
-            break
-        record = measure(row, args.iterations)
-        report["rows"].append(record)
-        print("row " + json.dumps(record), flush=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
+    attention.measure_rows(report, rows(args.quick, args.mixes), lambda row: measure(row, args.iterations),
+                           args.out, args.max_seconds)
 
 
 if __name__ == "__main__":
