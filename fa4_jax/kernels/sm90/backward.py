@@ -832,7 +832,7 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     query_rows = tuning.query_rows
     if query_rows is None:
         query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
-    masked = config.causal or config.window_left is not None or config.window_right is not None
+    masked = config.causal or config.has_window
     reason = query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, masked, tuning.flat_dq)
     if reason is not None:
         raise ValueError(reason)
