@@ -51,11 +51,11 @@ REFERENCE_MAX_BYTES = 2 ** 30   # K/V bytes up to which the reference runs (it g
 COPY_BYTES = 4 * 2 ** 30
 
 
-def rows(batches=BATCHES, contexts=CONTEXTS, quick=False):
+def rows(batches=BATCHES, contexts=CONTEXTS, quick=False, page_sizes=PAGE_SIZES):
     if quick:
         batches, contexts = [b for b in batches if b in (1, 64)], [c for c in contexts if c in (8192, 32768)]
     return [dict(batch=b, context=c, q_len=q, page_size=p)
-            for b in batches for c in contexts for p in PAGE_SIZES for q in Q_LENS]
+            for b in batches for c in contexts for p in page_sizes for q in Q_LENS]
 
 
 def kv_bytes(row) -> int:
@@ -233,7 +233,9 @@ def run(args):
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT
 
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else BATCHES
-    row_list = rows(batches, quick=args.quick)
+    contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else CONTEXTS
+    pages = tuple(int(p) for p in args.page_sizes.split(",")) if args.page_sizes else PAGE_SIZES
+    row_list = rows(batches, contexts, quick=args.quick, page_sizes=pages)
     device = jax.devices()[0]
     report = dict(device=device.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   versions=attention._versions(), git_revision=attention.git_revision(),
@@ -311,6 +313,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out")
     parser.add_argument("--batches", help="comma-separated subset of 1,8,64")
+    parser.add_argument("--contexts", help="comma-separated subset of 1024,8192,32768,131072")
+    parser.add_argument("--page-sizes", help="comma-separated subset of 16,64")
     parser.add_argument("--quick", action="store_true", help="B in {1, 64}, contexts 8k and 32k")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--fused-combine", action="store_true",
