@@ -256,17 +256,18 @@ def test_options_are_checked():
 
 
 # The split counts of the decode benchmark's rows (benchmarks/decode.py: Hq / Hkv 32 / 8, D 128, bf16;
-# the same for pages of 16 and 64 and for q_len 1 and 4, both one 16-row tile), on 132 SMs, one CTA per
-# SM (choose_num_splits says why):
+# the same for pages of 16 and 64 and for q_len 1 and 4, both one 16-row tile), on 132 SMs with 2 CTAs
+# of 64-key blocks per SM (264 slots):
 #   batch  context  CTAs without splits  key blocks  splits  blocks per split  CTAs
 #   1      1k       8                    16          16      1                 128
-#   1      8k       8                    128         16      8                 128
-#   1      32k      8                    512         16      32                128
-#   1      128k     8                    2048        16      128               128
-#   8      any      64                   >= 16       2       >= 8              128
-#   64     any      512 (>= 132)         -           1       all               512
-BENCHMARK_SPLITS = {(1, 1024): 16, (1, 8192): 16, (1, 32768): 16, (1, 131072): 16,
-                    (8, 1024): 2, (8, 8192): 2, (8, 32768): 2, (8, 131072): 2,
+#   1      8k       8                    128         32      4                 256
+#   1      32k      8                    512         32      16                256
+#   1      128k     8                    2048        33      63 (last: 32)     264
+#   8      1k       64                   16          4       4                 256
+#   8      8k+      64                   >= 128      4       >= 32             256
+#   64     any      512 (>= 264)         -           1       all               512
+BENCHMARK_SPLITS = {(1, 1024): 16, (1, 8192): 32, (1, 32768): 32, (1, 131072): 33,
+                    (8, 1024): 4, (8, 8192): 4, (8, 32768): 4, (8, 131072): 4,
                     (64, 1024): 1, (64, 8192): 1, (64, 32768): 1, (64, 131072): 1}
 
 
@@ -281,25 +282,22 @@ def test_split_heuristic_on_the_benchmark_shapes(q_len, page):
         blocks = context // options.tile_n
         per_split = -(-blocks // splits)
         assert (splits - 1) * per_split < blocks, f"an idle split at {(batch, context)}"
-        assert splits == 1 or batch * 8 * splits <= 132, f"more than one CTA per SM at {(batch, context)}"
+        assert splits == 1 or batch * 8 * splits <= 264, f"splits past one wave at {(batch, context)}"
 
 
 def test_split_heuristic():
-    """One split when the CTAs give every SM one; more for small batches (at most one CTA per SM),
-    bounded by the key blocks, and as few as give each split the same number of blocks."""
-    fill = lambda batch, context: decode.choose_num_splits(batch, 8, 1, context, 64, 132)
-    assert fill(64, 8192) == 1                       # 512 CTAs >= 132 SMs
-    assert fill(17, 8192) == 1                       # 136 CTAs: one each already
-    assert fill(16, 8192) == 1                       # 128 CTAs: 132 // 128 = 1
-    assert fill(8, 8192) == 2                        # 64 CTAs: 132 // 64
-    assert fill(1, 8192) == 16                       # 132 // 8 = 16 splits of 8 blocks
+    """One split when the CTAs fill the GPU; more for small batches, bounded by the key blocks, and as
+    few as give each split the same number of blocks."""
+    fill = lambda batch, context: decode.choose_num_splits(batch, 8, 1, context, 64, 132, 2)
+    assert fill(64, 8192) == 1                       # 512 CTAs >= 264 slots
+    assert fill(33, 8192) == 1                       # 264 CTAs: exactly one wave
+    assert fill(8, 8192) == 4                        # 64 CTAs: 264 // 64, one wave of 256
+    assert fill(1, 8192) == 32                       # 264 // 8 = 33 splits of 4 blocks leave one idle
     assert fill(1, 1024) == 16                       # one block each
-    assert fill(1, 960) == 15                        # 15 blocks: no more splits than blocks
     assert fill(1, 64) == 1
     assert fill(1, 100) == 2                         # a partial second block is a block
-    assert fill(1, 1088) == 9                        # 17 blocks on 16 wanted: 2 a split, so 9 splits
-    assert decode.choose_num_splits(1, 1, 1, 10 ** 8, 64, 132) == decode.MAX_SPLITS
-    assert decode.choose_num_splits(1, 8, 4, 8192, 64, 132) == 4     # 32 CTAs: 132 // 32
+    assert decode.choose_num_splits(1, 1, 1, 10 ** 8, 64, 132, 2) == decode.MAX_SPLITS
+    assert decode.choose_num_splits(1, 8, 4, 8192, 64, 132, 2) == 8     # 32 CTAs: 264 // 32
 
 
 def _problem(q_len=1, q_heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", page=16, batch=2):

@@ -147,32 +147,30 @@ def shared_layouts(dtype, head_dim: int, tile_n: int, num_stages: int):
 
 
 def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int, tile_n: int,
-                      sm_count: int) -> int:
+                      sm_count: int, ctas_per_sm: int) -> int:
     """How many CTAs share one sequence's key blocks (flash-decoding's num_splits).
 
-    One split when batch · kv_heads · row_tiles CTAs already give every SM one; otherwise as many
-    splits as give each SM at most one CTA (floor: one more would start a second CTA on some SMs while
-    others idle), but no more than leaves MIN_BLOCKS_PER_SPLIT key blocks of the longest sequence per
-    split and no more than MAX_SPLITS; then as few splits as give each the same number of blocks.
+    One split when batch · kv_heads · row_tiles CTAs already fill every SM's CTA slots; otherwise as
+    many splits as fit in one wave of the slots (floor: one more would start a second, mostly empty
+    wave, e.g. 5 x 64 CTAs on 264 slots), but no more than leaves MIN_BLOCKS_PER_SPLIT key blocks of
+    the longest sequence per split and no more than MAX_SPLITS; then as few splits as give each the
+    same number of blocks (128 blocks on 33 splits is 4 a split: 32 splits, no idle CTA).
 
-    Why one CTA per SM although two fit in shared memory: measured on the H200 (rev e963197,
-    benchmarks/results/decode_splits_h200.json, D 128, Hkv 8, 64-key blocks, 3 stages) 128 CTAs beat
-    256 of half the blocks at B = 1 8k (13.3 against 14.1 us), 32k (38.9 / 40.4) and B = 8 1k (12.2 /
-    13.1), and tie at B = 1 128k and B = 8 8k: a second CTA on an SM adds its fixed costs (block table,
-    Q, the first blocks' latency, its partial) and a partial for the combine to read, but no
-    bandwidth, which one CTA's three stages in flight already draw.
-
-    Why one block per split is enough: a split's fixed costs run in parallel with every other split's
-    while the CTAs fit in one wave: at B = 1 and 1k keys 16 blocks per head become 16 CTAs of one
-    block (128 CTAs on 132 SMs, 7.3 us) instead of 8 of two (9.2 us) or 4 of four (9.1 us). The table
-    for the decode benchmark's shapes (Hkv 8, D 128, tile_n 64, 132 SMs; q_len 1 and 4 are both one
-    row tile) is BENCHMARK_SPLITS in tests/test_kernel_compile_decode.py.
+    Why one block per split is enough: a split's fixed costs (block table, Q and its first blocks in
+    flight together, then its partial and the arrival) run in parallel with every other split's while
+    the CTAs fit in one wave, and the fused combine reads one row-sized partial per split (B = 1, one
+    token, 8 kv heads: 2 KB per split per head), so more splits cost the last CTA little next to what
+    they spread: at B = 1 and 1k keys 16 blocks per head become 16 CTAs of one block (128 CTAs on 132
+    SMs) instead of 8 of two (64 SMs idle). The table for the decode benchmark's shapes (Hkv 8, D 128,
+    tile_n 64, 2 CTAs per SM on 132 SMs; q_len 1 and 4 are both one row tile) is BENCHMARK_SPLITS in
+    tests/test_kernel_compile_decode.py.
     """
     ctas = batch * kv_heads * row_tiles
-    if ctas >= sm_count:
+    slots = sm_count * ctas_per_sm
+    if ctas >= slots:
         return 1
     blocks = -(-max_kv_len // tile_n)
-    wanted = max(1, min(sm_count // max(ctas, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    wanted = max(1, min(slots // max(ctas, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
     per_split = -(-blocks // wanted)
     return max(1, -(-blocks // per_split))
 
@@ -561,10 +559,12 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
     tile_n, stages = _TILE_N_AND_STAGES[problem.head_dim]
     tile_n, stages = overrides.get("tile_n", tile_n), overrides.get("num_stages", stages)
     row_tiles = -(-problem.q_len * problem.group // TILE_M)
+    per_cta = _shared_memory_bytes(problem.head_dim, tile_n, stages)
     # With a symbolic batch (jax.export) the splits are sized for one sequence: correct for any batch.
     batch = problem.batch if isinstance(problem.batch, int) else 1
     num_splits = choose_num_splits(batch, problem.kv_heads, row_tiles, problem.kv_len, tile_n,
-                                   host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count)
+                                   host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
+                                   max(1, SHARED_MEMORY_LIMIT // per_cta))
     fields = dict(dtype_name=problem.dtype, head_dim=problem.head_dim, group=problem.group, q_len=problem.q_len,
                   page_size=page_size, scale=float(config.scale), mask=masking.MaskShape.from_config(config),
                   softcap=None if config.softcap is None else float(config.softcap), num_splits=num_splits,
