@@ -148,8 +148,11 @@ def paged_attention(
         raise ValueError(f"softcap must be a positive number within float32's range or None; got {softcap!r}.")
     max_kv_len = block_tables.shape[1] * key_cache.shape[1]
     window_left, window_right = _window(window, query.shape[1], max_kv_len)
-    # Lengths wider than int32 or past the table still mean the whole table, below 0 nothing.
-    kv_seq_lengths = jnp.clip(kv_seq_lengths, 0, max_kv_len).astype(jnp.int32)
+    # Lengths past the table mean the whole table, below 0 nothing: int32 lengths go to the primitive as
+    # they are and the kernel and the reference clamp them (a clip here would be one more kernel per
+    # decode step); wider ones are clipped before they are narrowed.
+    if kv_seq_lengths.dtype != jnp.int32:
+        kv_seq_lengths = jnp.clip(kv_seq_lengths, 0, max_kv_len).astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     operands = [query, key_cache, value_cache, block_tables, kv_seq_lengths]
     if sinks is not None:
@@ -246,6 +249,7 @@ def reference_paged_forward(query, key_cache, value_cache, block_tables, kv_seq_
 
 def reference_lowering(*operands, config: AttentionConfig):
     query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks = split_paged_operands(operands)
+    kv_seq_lengths = jnp.clip(kv_seq_lengths, 0, block_tables.shape[1] * key_cache.shape[1])
     return reference_paged_forward(query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks, config)
 
 

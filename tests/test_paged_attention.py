@@ -140,6 +140,7 @@ def test_no_gradient(rng):
     assert not np.any(np.asarray(grad))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="lowers for the CPU: on a GPU 'cute' runs")
 def test_cute_needs_a_gpu(rng):
     drawn = paged_cases.build(PagedCase(dtype=jnp.bfloat16), rng)
     with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
@@ -192,3 +193,19 @@ def test_wide_integer_tables_and_lengths(enable_x64, rng):
     wide = fa4_jax.paged_attention(query, key_cache, value_cache, tables.astype(jnp.int64),
                                    lengths.astype(jnp.int64))
     np.testing.assert_array_equal(np.asarray(narrow), np.asarray(wide))
+
+
+def test_int32_lengths_out_of_range_mean_the_clipped_ones(rng):
+    """int32 lengths reach the primitive unclipped (no XLA kernel for the clip); a negative length
+    still means an empty sequence and one past the table the whole table, as the clipped lengths do."""
+    case = PagedCase(batch=3, q_len=1)
+    drawn = paged_cases.build(case, rng)
+    query, key_cache, value_cache, tables, lengths = paged_cases.arguments(drawn)
+    table_len = tables.shape[1] * key_cache.shape[1]
+    wild = jnp.asarray([-5, table_len + 1000, int(lengths[2])], jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda n: fa4_jax.paged_attention(query, key_cache, value_cache, tables, n))(wild)
+    assert "name=clip" not in str(jaxpr)
+    out = fa4_jax.paged_attention(query, key_cache, value_cache, tables, wild, implementation="reference")
+    clipped = fa4_jax.paged_attention(query, key_cache, value_cache, tables, jnp.clip(wild, 0, table_len),
+                                      implementation="reference")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clipped))

@@ -202,3 +202,23 @@ def test_fused_combine_calls_in_a_row(num_splits, rng):
                                                     sinks=drawn["sinks"], implementation="reference",
                                                     return_lse=True)
         _check(case, outs[index], lses[index], drawn_here, reference_here)
+
+
+@gpu
+def test_kernel_clamps_int32_lengths(rng):
+    """The kernel clamps the lengths itself (the API passes int32 ones unclipped): negative means no
+    key, past the table the whole table; the same output as the clipped lengths and as the reference."""
+    case = PagedCase(batch=3, q_len=2, q_heads=16, kv_heads=4, head_dim=128, block_size=16, max_blocks=60,
+                     dtype=BF16)
+    drawn = paged_cases.build(case, rng)
+    query, key_cache, value_cache, tables, lengths = paged_cases.arguments(drawn)
+    table_len = tables.shape[1] * key_cache.shape[1]
+    wild = jnp.asarray([-5, table_len + 1000, int(lengths[2])], jnp.int32)
+    run = lambda n, implementation: fa4_jax.paged_attention(query, key_cache, value_cache, tables, n,
+                                                            implementation=implementation)
+    out = np.asarray(run(wild, "cute").astype(jnp.float32))
+    clipped = np.asarray(run(jnp.clip(wild, 0, table_len), "cute").astype(jnp.float32))
+    reference = np.asarray(run(wild, "reference").astype(jnp.float32))
+    assert not np.any(np.isnan(out))
+    np.testing.assert_array_equal(out, clipped)
+    np.testing.assert_allclose(out, reference, atol=2e-2, rtol=0)
