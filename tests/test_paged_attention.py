@@ -198,7 +198,7 @@ def test_wide_integer_tables_and_lengths(enable_x64, rng):
 def test_int32_lengths_out_of_range_mean_the_clipped_ones(rng):
     """int32 lengths reach the primitive unclipped (no XLA kernel for the clip); a negative length
     still means an empty sequence and one past the table the whole table, as the clipped lengths do."""
-    case = PagedCase(batch=3, q_len=1)
+    case = PagedCase(batch=3, q_len=1, lengths=(7, 144, 50))   # sequence 1 fills its table (9 x 16)
     drawn = paged_cases.build(case, rng)
     query, key_cache, value_cache, tables, lengths = paged_cases.arguments(drawn)
     table_len = tables.shape[1] * key_cache.shape[1]
@@ -208,4 +208,5 @@ def test_int32_lengths_out_of_range_mean_the_clipped_ones(rng):
     out = fa4_jax.paged_attention(query, key_cache, value_cache, tables, wild, implementation="reference")
     clipped = fa4_jax.paged_attention(query, key_cache, value_cache, tables, jnp.clip(wild, 0, table_len),
                                       implementation="reference")
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(clipped))

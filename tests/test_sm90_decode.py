@@ -208,8 +208,10 @@ def test_fused_combine_calls_in_a_row(num_splits, rng):
 def test_kernel_clamps_int32_lengths(rng):
     """The kernel clamps the lengths itself (the API passes int32 ones unclipped): negative means no
     key, past the table the whole table; the same output as the clipped lengths and as the reference."""
+    # Sequence 1 fills its table (entries past a length may point at NaN-poisoned blocks, and "past the
+    # table" reads every entry); sequence 0's length goes negative.
     case = PagedCase(batch=3, q_len=2, q_heads=16, kv_heads=4, head_dim=128, block_size=16, max_blocks=60,
-                     dtype=BF16)
+                     dtype=BF16, lengths=(7, 960, 333))
     drawn = paged_cases.build(case, rng)
     query, key_cache, value_cache, tables, lengths = paged_cases.arguments(drawn)
     table_len = tables.shape[1] * key_cache.shape[1]
