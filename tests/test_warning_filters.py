@@ -28,7 +28,7 @@ pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Li
 from ptx_checks import REPO  # noqa: E402
 
 _LOWER = r"""
-import json, sys, warnings
+import json, re, sys, warnings
 import jax, jax.numpy as jnp
 import fa4_jax
 from cutlass.cutlass_dsl import CuTeDSL
@@ -53,8 +53,10 @@ functions = {"forward": attention, "decode": attention, "backward": jax.grad(los
 calls = {}
 for name in spec["passes"]:
     text = jax.jit(functions[name]).trace(query, key, key).lower(lowering_platforms=("cuda",)).as_text()
-    calls[name] = sorted({line.split("fa4_jax_")[1].split("_")[1] for line in text.splitlines()
-                          if "stablehlo.custom_call" in line and "fa4_jax_" in line})
+    # fa4_jax_<arch>_<pass>: matched whole, since the embedded kernel binary may hold other (mangled)
+    # strings that start with fa4_jax_ too.
+    calls[name] = sorted({match for line in text.splitlines() if "stablehlo.custom_call" in line
+                          for match in re.findall(r"fa4_jax_sm[0-9]+a?_([a-z]+)", line)})
 print("LOWERED " + json.dumps(calls))
 """
 
