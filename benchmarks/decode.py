@@ -232,10 +232,9 @@ def run(args):
     from fa4_jax.kernels import host
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT
 
-    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else BATCHES
-    contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else CONTEXTS
-    pages = tuple(int(p) for p in args.page_sizes.split(",")) if args.page_sizes else PAGE_SIZES
-    row_list = rows(batches, contexts, quick=args.quick, page_sizes=pages)
+    subset = lambda text, default: tuple(int(n) for n in text.split(",")) if text else default
+    row_list = rows(subset(args.batches, BATCHES), subset(args.contexts, CONTEXTS), quick=args.quick,
+                    page_sizes=subset(args.page_sizes, PAGE_SIZES))
     device = jax.devices()[0]
     report = dict(device=device.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   versions=attention._versions(), git_revision=attention.git_revision(),

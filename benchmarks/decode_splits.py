@@ -49,7 +49,7 @@ def main(argv=None):
         arguments = decode_bench._inputs(row, jax.random.PRNGKey(context + batch))
         default = decode_bench._options(row, sm_count)
         base_out = None
-        for index, overrides in enumerate([{}] + variants + [{}]):   # the default first and again last (noise)
+        for overrides in [{}] + variants + [{}]:   # the default first and again last (noise)
             options = decode_bench._options(row, sm_count, **overrides)
             record = dict(batch=batch, context=context, overrides=overrides, num_splits=options.num_splits,
                           tile_n=options.tile_n, num_stages=options.num_stages, is_default=options == default)

@@ -146,7 +146,7 @@ def paged_attention(
     if softcap is not None and (not isinstance(softcap, numbers.Real)
                                 or not _FLOAT32_SMALLEST_NORMAL <= softcap <= _FLOAT32_MAX):
         raise ValueError(f"softcap must be a positive number within float32's range or None; got {softcap!r}.")
-    max_kv_len = block_tables.shape[1] * key_cache.shape[1]
+    max_kv_len = table_length(block_tables, key_cache)
     window_left, window_right = _window(window, query.shape[1], max_kv_len)
     # Lengths past the table mean the whole table, below 0 nothing: int32 lengths go to the primitive as
     # they are and the kernel and the reference clamp them (a clip here would be one more kernel per
@@ -249,7 +249,7 @@ def reference_paged_forward(query, key_cache, value_cache, block_tables, kv_seq_
 
 def reference_lowering(*operands, config: AttentionConfig):
     query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks = split_paged_operands(operands)
-    kv_seq_lengths = jnp.clip(kv_seq_lengths, 0, block_tables.shape[1] * key_cache.shape[1])
+    kv_seq_lengths = jnp.clip(kv_seq_lengths, 0, table_length(block_tables, key_cache))
     return reference_paged_forward(query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks, config)
 
 
@@ -265,12 +265,17 @@ def _refuse_cute_off_gpu(ctx, *operands, config):
 mlir.register_lowering(paged_attention_p, _refuse_cute_off_gpu)
 
 
+def table_length(block_tables, key_cache) -> int:
+    """Tokens a block table addresses: max_blocks_per_seq * block_size (the bound of every length)."""
+    return block_tables.shape[1] * key_cache.shape[1]
+
+
 def paged_problem(query, key_cache, value_cache, block_tables) -> host.Problem:
     """The `Problem` a paged call poses to the kernels: key and value as the logical
     [B, max_blocks_per_seq * block_size, Hkv, D] with the page size."""
-    batch, max_blocks = block_tables.shape
+    batch = block_tables.shape[0]
     _, block_size, kv_heads, head_dim = key_cache.shape
-    length = max_blocks * block_size
+    length = table_length(block_tables, key_cache)
     return host.Problem(tuple(query.shape), (batch, length, kv_heads, head_dim),
                         (batch, length, kv_heads, value_cache.shape[3]), jnp.dtype(query.dtype).name,
                         page_size=block_size)
