@@ -111,14 +111,14 @@ SECTIONS = {"forward": forward_section}
 # name -> (KernelOptions overrides, head dims, causal settings).
 def sm90_forward_variants():
     from fa4_jax.kernels.sm90 import forward as sm90_forward
-    return {"default": ({}, (64, 128, 256), (False, True)), **sm90_forward.TUNING_CANDIDATES}
+    return {"default": ({}, (64, 128, 192, 256), (False, True)), **sm90_forward.TUNING_CANDIDATES}
 
 
-# (head_dim, causal, seq_len) rows below or near the bar after the rev 50d127d benchmark
-# (benchmarks/results/forward_h200.json): D = 256 causal 1k (0.885x cuDNN) and 2k, where the candidate
-# aims, plus 4k as a guard row. Ordered by priority, so that a run cut short by --max-seconds still
-# covers the 1k row.
-VARIANT_ROWS = [(256, True, 1024), (256, True, 2048), (256, True, 4096)]
+# (head_dim, causal, seq_len) rows below the bar in benchmarks/results/hopper_vs_peers_h200.json (rev
+# a0caa14): D = 192, never tuned (0.78-0.95x FA4's kernel), full and causal at 2k and 8k, then D = 256
+# causal 1k (0.86x) for warpgroup-key-range. Ordered by priority, so that a run cut short by
+# --max-seconds still covers the first rows.
+VARIANT_ROWS = [(192, True, 2048), (192, False, 2048), (192, True, 8192), (192, False, 8192), (256, True, 1024)]
 
 
 def variants_for(head_dim: int, causal: bool, excluded=()):

@@ -42,6 +42,8 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
 - zigzag_tiles: the persistent CTAs take their tiles in alternating order, wave by wave
   (tile_scheduler.zigzag_tile), so with longest-first causal tiles no CTA gets the longest tile of
   every wave;
+- key_block: keys per K / V block instead of the head dim's default (D = 192: 96 -> 112 fills the
+  shared memory FA3 fills there, 16 % fewer blocks per tile for the same per-block overheads);
 - warpgroup_key_range: with a right reach (causal, right window) each consumer warpgroup walks only
   the key blocks its own 64 rows can see: at D = 256 (64-key blocks) the first warpgroup skips the top
   block of every tile, releasing its K/V stages unread and still taking its ping-pong turn.
@@ -114,6 +116,7 @@ class KernelOptions:
     schedule_first_block: bool = False
     zigzag_tiles: bool = False
     warpgroup_key_range: bool = False
+    key_block: int = 0  # keys per K/V block; 0: the head dim's default (_TILE_N_AND_STAGES)
 
     @property
     def tile_m(self) -> int:
@@ -125,7 +128,7 @@ class KernelOptions:
 
     @property
     def tile_n(self) -> int:
-        return _TILE_N_AND_STAGES[self.head_dim][0]
+        return self.key_block or _TILE_N_AND_STAGES[self.head_dim][0]
 
     @property
     def num_stages(self) -> int:
@@ -153,6 +156,9 @@ class KernelOptions:
         if self.store_chunks > 1 and self.v_head_dim % (64 * self.store_chunks):
             raise ValueError(f"store_chunks {self.store_chunks}: each chunk must be a multiple of 64 columns "
                              f"(one 128-byte swizzle atom) of Dv = {self.v_head_dim}")
+        if self.key_block and (self.key_block % 16 or not 16 <= self.key_block <= 256):
+            # The key block is P V's K dimension (k16 steps) and Q K^T's N (at most 256).
+            raise ValueError(f"key_block {self.key_block} must be a multiple of 16 in [16, 256]")
         if self.q_stages not in (1, 2):
             raise ValueError("q_stages must be 1 or 2")
         if self.packed and self.tma_store:
@@ -187,6 +193,21 @@ TUNING_CANDIDATES: dict = {
     # D = 256 causal: the first consumer warpgroup skips the top key block of each tile (invisible to its
     # rows with 64-key blocks), saving half a block of tensor-core time per tile.
     "warpgroup-key-range": ({"warpgroup_key_range": True}, (256,), (True,)),
+    # D = 192 (never tuned: the KernelOptions defaults, 0.78-0.95x FA4's kernel on the H200). Ping-pong
+    # turns for the two consumers (as D = 256 causal); 112-key blocks (the shared memory FA3's 128 x 112
+    # tile takes: 222 KB); the TMA-store epilogue in three 64-column chunks with early Q release (the
+    # 16 KB chunk buffer fits next to 96-key blocks, not next to 112); the causal order options of
+    # D = 128 / 256.
+    "d192-pingpong": ({"pingpong_max_head_dim": 256}, (192,), (False, True)),
+    "d192-n112": ({"key_block": 112}, (192,), (False, True)),
+    "d192-n112-pingpong": ({"key_block": 112, "pingpong_max_head_dim": 256}, (192,), (False, True)),
+    "d192-pingpong-store3": ({"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3,
+                              "early_q_release": True}, (192,), (False, True)),
+    "d192-pingpong-store3-zigzag": ({"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3,
+                                     "early_q_release": True, "zigzag_tiles": True, "split_masked_loop": True},
+                                    (192,), (True,)),
+    "d192-n112-pingpong-zigzag": ({"key_block": 112, "pingpong_max_head_dim": 256, "early_q_release": True,
+                                   "zigzag_tiles": True, "split_masked_loop": True}, (192,), (True,)),
 }
 
 
