@@ -114,11 +114,9 @@ def sm90_forward_variants():
     return {"default": ({}, (64, 128, 192, 256), (False, True)), **sm90_forward.TUNING_CANDIDATES}
 
 
-# (head_dim, causal, seq_len) rows below the bar in benchmarks/results/hopper_vs_peers_h200.json (rev
-# a0caa14): D = 192, never tuned (0.78-0.95x FA4's kernel), full and causal at 2k and 8k, then D = 256
-# causal 1k (0.86x) for warpgroup-key-range. Ordered by priority, so that a run cut short by
-# --max-seconds still covers the first rows.
-VARIANT_ROWS = [(192, True, 2048), (192, False, 2048), (192, True, 8192), (192, False, 8192), (256, True, 1024)]
+# (head_dim, causal, seq_len) rows for the candidates (sm90.forward.TUNING_CANDIDATES): D = 192 full at
+# 8k and 2k. Ordered by priority, so that a run cut short by --max-seconds still covers the first rows.
+VARIANT_ROWS = [(192, False, 8192), (192, False, 2048)]
 
 
 def variants_for(head_dim: int, causal: bool, excluded=()):

@@ -2,7 +2,8 @@
 
 One command sweeps every variant over the grid (by default the whole one: D 128, 64, 256 x S 1k-16k x
 causal or not, B*S = 16k tokens; `--shapes gqa`: issue 12's GQA 4, GQA 8 and MQA rows at D 128, causal
-first, where the head-split variants differ) and writes one JSON (rewritten after every row, so a run cut short
+first, where the head-split variants differ; `--shapes d192`: hopper_vs_peers.py's D 192 rows, 16 heads,
+S 2k / 8k, which the grid does not have) and writes one JSON (rewritten after every row, so a run cut short
 by a time limit still leaves its rows). Per shape it times, with CUPTI (all kernels of the call,
 median of iterations):
 - each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`run(options(config, problem, tuning), ...)`
@@ -31,7 +32,7 @@ order that deadlocks or a wrong result is not timed; `variants_passing` says wha
 
 Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
        [--variants default deterministic ...] [--head-dims 128 64 256] [--seq-lens 1024 4096] [--quick]
-       [--shapes grid|gqa]
+       [--shapes grid|gqa|d192]
        [--iterations N] [--precompile-only] [--variants-passing PYTEST_LOG]
 The git revision comes from $FA4_GIT_REVISION when set (the device copy has no .git), else `git`.
 """
@@ -157,6 +158,12 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=80), deterministic, (128,),
             ("test_sm90_backward.py", "query_rows_80"), masks=("full",))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
+        # Three consumer warp groups at D = 192 (96 keys a CTA, dK / dV computed transposed;
+        # docs/sm90_backward_tuning.md, "D = 192: three consumer warp groups"), default and deterministic.
+        **{f"{prefix}three_warpgroups": Variant(
+            large_heads, large_heads.Tuning(three_warpgroups=True), deterministic,
+            (large_heads.THREE_WARPGROUPS_HEAD_DIM,), ("test_sm90_backward_large_heads.py", f"{prefix}three_warpgroups"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
         "deterministic_head_splits_1": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=1), True,
             small_heads.SUPPORTED_HEAD_DIMS),
@@ -176,6 +183,12 @@ HEAD_SPLITS = (1, 2, 4, 8, 16)
 GQA_SHAPES = [dict(batch=batch, seq_len=length, heads=heads, kv_heads=kv_heads, head_dim=128, causal=causal)
               for causal in (True, False)
               for batch, length, heads, kv_heads in ((1, 8192, 32, 8), (2, 4096, 64, 8), (8, 2048, 16, 1))]
+
+# --shapes d192: benchmarks/hopper_vs_peers.py's D = 192 rows (16 heads, B*S = 16k tokens, S 2k and 8k,
+# causal first), where the backward trails FA4's own kernel; the grid's head dims are 64, 128, 256.
+D192_SHAPES = [dict(batch=attention.TOKENS // length, seq_len=length, heads=16, head_dim=192, causal=causal)
+               for causal in (True, False) for length in (2048, 8192)]
+SHAPE_SETS = {"gqa": GQA_SHAPES, "d192": D192_SHAPES}
 
 
 def variants_passing(test_log: str):
@@ -381,7 +394,7 @@ def run(args):
     import jax
 
     # In the order of --head-dims, so a run cut short has measured the first ones whole.
-    grid = GQA_SHAPES if args.shapes == "gqa" else list(attention.shapes(args.quick))
+    grid = SHAPE_SETS[args.shapes] if args.shapes in SHAPE_SETS else list(attention.shapes(args.quick))
     shapes = [shape for head_dim in args.head_dims for shape in grid
               if shape["head_dim"] == head_dim and shape["seq_len"] in args.seq_lens]
     names = args.variants or list(_variants())
@@ -463,8 +476,9 @@ def main(argv=None):
     parser.add_argument("--seq-lens", nargs="+", type=int, default=list(attention.SEQUENCE_LENGTHS))
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
-    parser.add_argument("--shapes", choices=("grid", "gqa"), default="grid",
-                        help="grid: B*S = 16k tokens, H*D = 2048; gqa: the GQA / MQA rows (GQA_SHAPES)")
+    parser.add_argument("--shapes", choices=("grid", *SHAPE_SETS), default="grid",
+                        help="grid: B*S = 16k tokens, H*D = 2048; gqa: the GQA / MQA rows (GQA_SHAPES); "
+                             "d192: 16 heads at D = 192, S 2k / 8k (D192_SHAPES)")
     parser.add_argument("--precompile-workers", type=int, default=0,
                         help="lower every kernel in this many CPU processes first (on-disk cache)")
     parser.add_argument("--variants-passing", metavar="PYTEST_LOG",

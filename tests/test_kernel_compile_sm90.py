@@ -59,13 +59,6 @@ CONFIGS = {
         {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
         {"tma_store": True, "store_chunks": 2, "early_q_release": True, "zigzag_tiles": True}),
     "d128-causal-zigzag": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"zigzag_tiles": True}),
-    # Candidate: each warpgroup walks only its own rows' key blocks (D = 256 causal defaults + it), and with
-    # a right window and Sq > Sk at D = 128, where the skip can cover a warpgroup's whole range.
-    "d256-causal-warpgroup-key-range": ({"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
-                                        {"warpgroup_key_range": True}),
-    "d128-window-warpgroup-key-range-lengths": (
-        {"window_left": 200, "window_right": 40, "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
-        [2, 900, 700, 4, 2, 128], "bfloat16", {"warpgroup_key_range": True}),
     # The D = 256 causal defaults with every feature that adds registers or shared memory.
     "d256-causal-all-features": (
         {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True, "window_left": 300,
@@ -76,18 +69,15 @@ CONFIGS = {
         {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True,
          "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
         [2, 300, 400, 4, 2, 192], "bfloat16", {}),
-    # D = 192 tuning candidates (sm90.forward.TUNING_CANDIDATES): 112-key blocks with ping-pong and the
-    # causal order options; the three-chunk TMA store with lengths (its clipping) in fp16.
-    "d192-causal-n112-pingpong-zigzag": (
-        {"causal": True}, [2, 1000, 1000, 4, 4, 192], "bfloat16",
-        {"key_block": 112, "pingpong_max_head_dim": 256, "early_q_release": True, "zigzag_tiles": True,
-         "split_masked_loop": True}),
-    "d192-n112-pingpong": ({}, [2, 1000, 1000, 4, 4, 192], "bfloat16",
-                           {"key_block": 112, "pingpong_max_head_dim": 256}),
-    "d192-causal-pingpong-store3-lengths-fp16": (
+    # D = 192 (D192 / D192_CAUSAL: ping-pong, the TMA store in three chunks, early Q release; zigzag and
+    # the split key loop when causal), here with lengths (the store's clipping) in fp16, and the
+    # candidate's 112-key blocks.
+    "d192": ({}, [2, 1000, 1000, 4, 4, 192], "bfloat16", {}),
+    "d192-causal-lengths-fp16": (
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 192],
-        "float16", {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3, "early_q_release": True,
-                    "zigzag_tiles": True, "split_masked_loop": True}),
+        "float16", {}),
+    "d192-n112-pingpong": ({}, [2, 1000, 1000, 4, 4, 192], "bfloat16",
+                           {"key_block": 112, "tma_store": False, "store_chunks": 1}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
     # D = 128 causal with lengths in fp16: Q double buffer + TMA store + split key loop.
     "d128-causal-lengths-fp16": (

@@ -5,7 +5,7 @@ Same harness as tests/test_sm90_backward.py (its Case, problem builder, oracle a
 the kernel gets the oracle's out and LSE rounded to the kernel's types, so the forward kernel is not
 involved, and the tolerance is the same 4 roundings of the inputs' type relative to max |expected|.
 Every case runs with the default kernel and with each `Tuning` candidate in the mode it applies to
-(VARIANTS); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than
+(VARIANTS; `three_warpgroups`, D = 192 only, on its own cases: THREE_WARPGROUPS_*); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than
 the GPU holds at once (a turn order that waited for a CTA launched later would hang there).
 """
 
@@ -62,6 +62,38 @@ def test_backward_matches_oracle(case: Case, variant, inputs):
     _check_against_oracle(case, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
+# `Tuning(three_warpgroups=True)` (D = 192 only: 96 keys a CTA, three consumer warp groups, dK / dV
+# computed transposed), unordered and deterministic: the D = 192 cases above and the other masks and
+# features at D = 192, with lengths off the 64-row and the 96-key blocks (333 x 300, 197 x 333, 700 x
+# 900), on them (384 = 6 x 64 = 4 x 96), fewer keys than one block (77), GQA and MQA. Select with
+# `-k three_warpgroups`.
+THREE_WARPGROUPS_VARIANTS = {   # name -> (Tuning, deterministic)
+    "three_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=True), False),
+    "deterministic_three_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=True), True),
+}
+THREE_WARPGROUPS_CASES = [case for case in CASES if case.head_dim == 192] + [
+    Case("aligned-d192", head_dim=192, q_len=384, kv_len=384),
+    Case("causal-gqa-odd-d192", head_dim=192, q_heads=8, kv_heads=2, causal=True, q_len=333, kv_len=300),
+    Case("causal-more-queries-d192", head_dim=192, causal=True, q_len=300, kv_len=150),
+    Case("mqa-causal-d192", head_dim=192, q_heads=4, kv_heads=1, causal=True, q_len=400, kv_len=400),
+    Case("window-d192", head_dim=192, window=(32, 16), q_len=300, kv_len=300),
+    Case("softcap-d192", head_dim=192, softcap=5.0, scale=1.0),
+    Case("sinks-dlse-d192", head_dim=192, sinks=True, d_lse=True),
+    Case("segments-d192", head_dim=192, segments=True, q_len=300, kv_len=300),
+    Case("lengths-causal-d192", head_dim=192, q_lengths=True, kv_lengths=True, causal=True),
+    Case("single-row-d192", head_dim=192, q_len=1, kv_len=77),
+    Case("gqa-long-d192", head_dim=192, q_heads=8, kv_heads=2, q_len=700, kv_len=900),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(THREE_WARPGROUPS_VARIANTS))
+@pytest.mark.parametrize("case", THREE_WARPGROUPS_CASES, ids=lambda case: case.name)
+def test_three_warpgroups_matches_oracle(case: Case, variant, inputs):
+    tuning, deterministic = THREE_WARPGROUPS_VARIANTS[variant]
+    _check_against_oracle(case, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
+
+
 # Sequence-sharded queries (q_start), as context parallelism calls the kernel: each shard's rows at their
 # global offset against the whole keys, checked as in tests/test_sm90_backward.py (`_check_query_shards`:
 # the unsharded oracle's gradients with d_out and d_lse zeroed outside the shard's rows). Causal shard 0
@@ -95,21 +127,42 @@ def test_query_shard_backward_matches_oracle(case: Case, shards, variant, inputs
     _check_query_shards(case, shards, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(THREE_WARPGROUPS_VARIANTS))
+@pytest.mark.parametrize("case,shards", [(case, shards) for case, shards in Q_START_CASES if case.head_dim == 192],
+                         ids=[case.name for case, _ in Q_START_CASES if case.head_dim == 192])
+def test_three_warpgroups_query_shards_match_oracle(case: Case, shards, variant, inputs):
+    tuning, deterministic = THREE_WARPGROUPS_VARIANTS[variant]
+    _check_query_shards(case, shards, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
+
+
 DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()
                          if deterministic}
 DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.DEFAULT_TUNING
+DETERMINISTIC_TUNINGS["three_warpgroups"] = sm90_backward_large_heads.Tuning(three_warpgroups=True)
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tuning", list(DETERMINISTIC_TUNINGS))
-@pytest.mark.parametrize("shape", [
+REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),
     # 4 x 4 KV heads x 32 key blocks = 512 CTAs, about four waves on an H200 (one CTA per SM).
     (4, 2048, 8, 4, 256),
-], ids=lambda shape: "x".join(map(str, shape)))
+]
+# D = 192 only; 4 x 4 KV heads x 22 key blocks of 96 = 352 CTAs, between two and three waves.
+THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES = [(1, 1024, 4, 4, 192), (4, 2048, 8, 4, 192)]
+
+
+def _reproducibility_parameters():
+    """(shape, tuning name) for each deterministic tuning on the shapes it is built for."""
+    return [pytest.param(shape, name, id=f"{'x'.join(map(str, shape))}-{name}")
+            for name, tuning in DETERMINISTIC_TUNINGS.items()
+            for shape in (THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES if tuning.three_warpgroups
+                          else REPRODUCIBILITY_SHAPES)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,tuning", _reproducibility_parameters())
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_is_bitwise_reproducible(causal, shape, tuning, inputs):
-    """deterministic=True: five runs give identical bits (16 or 32 key blocks add into each dQ
+    """deterministic=True: five runs give identical bits (11 to 32 key blocks add into each dQ
     tile), close to the unordered sums. Out and LSE from the reference forward (on the GPU)."""
     batch, length, heads, kv_heads, head_dim = shape
     query, d_out = (inputs.normal((batch, length, heads, head_dim), jnp.bfloat16) for _ in range(2))
@@ -133,26 +186,30 @@ def test_deterministic_is_bitwise_reproducible(causal, shape, tuning, inputs):
         np.testing.assert_allclose(a, np.asarray(b.astype(jnp.float32)), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("head_dim", [192, 256])
-def test_dq_accumulator_order(head_dim):
+@pytest.mark.parametrize("head_dim,three_warpgroups", [(192, False), (256, False), (192, True)],
+                         ids=["d192", "d256", "d192-three_warpgroups"])
+def test_dq_accumulator_order(head_dim, three_warpgroups):
     """Each (warp group, chunk, thread, value) slot of a block lands on the row and column the wgmma
-    accumulator layout gives it: thread t = 32 w + 4 q + r, value 4 j + 2 h + c of group g holds
-    row 16 w + 8 h + q, column g D/2 + 8 j + 2 r + c."""
+    accumulator layout gives it: thread t = 32 w + 4 q + r, value 4 j + 2 h + c of group g of G holds
+    row 16 w + 8 h + q, column g D/G + 8 j + 2 r + c (G = 2, or 3 with `three_warpgroups`)."""
     batch, heads, blocks, q_len = 2, 3, 2, 100
+    groups = 3 if three_warpgroups else 2
+    columns = head_dim // groups
     expected = np.zeros((batch, blocks * 64, heads, head_dim), np.float32)
     accumulator = np.zeros((batch, heads, blocks, 64 * head_dim), np.float32)
     rng = np.random.default_rng(0)
     values = rng.standard_normal(accumulator.shape).astype(np.float32)
-    for g in range(2):
-        for j in range(head_dim // 16):
+    for g in range(groups):
+        for j in range(columns // 8):
             for t in range(128):
                 w, q, r = t // 32, (t % 32) // 4, t % 4
                 for h in range(2):
                     for c in range(2):
-                        flat = ((g * head_dim // 16 + j) * 128 + t) * 4 + 2 * h + c
-                        row, column = 16 * w + 8 * h + q, g * head_dim // 2 + 8 * j + 2 * r + c
+                        flat = ((g * columns // 8 + j) * 128 + t) * 4 + 2 * h + c
+                        row, column = 16 * w + 8 * h + q, g * columns + 8 * j + 2 * r + c
                         for block in range(blocks):
                             expected[:, block * 64 + row, :, column] = values[:, :, block, flat]
     accumulator[:] = values
-    actual = sm90_backward_large_heads.dq_from_accumulator(jnp.asarray(accumulator), q_len)
+    reader = sm90_backward_large_heads.dq_reader(sm90_backward_large_heads.Tuning(three_warpgroups=three_warpgroups))
+    actual = reader(jnp.asarray(accumulator), q_len)
     np.testing.assert_array_equal(np.asarray(actual), expected[:, :q_len])

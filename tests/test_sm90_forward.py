@@ -61,6 +61,18 @@ CASES = [
     Case("window-causal-left-d64-long", head_dim=64, causal=True, window=(300, None), q_len=1600, kv_len=1600),
     Case("sinks-gqa-causal-d64-long", head_dim=64, causal=True, q_len=1555, kv_len=1555, q_heads=8, kv_heads=2,
          sinks=True),
+    # D = 192's tuned sets (ping-pong, three-chunk TMA store, early Q release; zigzag and the split key
+    # loop when causal) with what changes their paths: clipped stores (odd lengths, sequence lengths),
+    # Sq > Sk, GQA, a left window, softcap, sinks, segments, several tiles per CTA.
+    Case("lengths-causal-gqa-fp16-d192", head_dim=192, q_lengths=True, kv_lengths=True, causal=True, q_heads=8,
+         kv_heads=2, q_len=333, kv_len=300, dtype=jnp.float16),
+    Case("causal-more-queries-d192", head_dim=192, causal=True, q_len=300, kv_len=150),
+    Case("window-causal-left-sinks-d192", head_dim=192, window=(70, None), causal=True, sinks=True, q_len=400,
+         kv_len=400),
+    Case("softcap-segments-d192", head_dim=192, softcap=20.0, segments=True, q_len=300, kv_len=300),
+    Case("persistent-many-tiles-d192", batch=2, q_len=1024, kv_len=1024, q_heads=16, kv_heads=16, head_dim=192),
+    Case("persistent-many-tiles-causal-d192", batch=2, q_len=1024, kv_len=1024, q_heads=16, kv_heads=16,
+         head_dim=192, causal=True),
     # D = 64 with a softcap, window or segments keeps two warpgroups at any length.
     Case("softcap-segments-causal-d64-long", head_dim=64, causal=True, q_len=1555, kv_len=1555, softcap=20.0,
          segments=True),

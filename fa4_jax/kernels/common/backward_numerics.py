@@ -33,12 +33,13 @@ class BackwardNumerics:
 
     @cute.jit
     def probabilities(self, acc_s, scores, coords, lse, n_block, row_start, row_base, key_base, kv_len, q_len,
-                      offset, mQSegmentIds, mKVSegmentIds, batch):
+                      offset, mQSegmentIds, mKVSegmentIds, batch, kv_segment_columns=None):
         """P recomputed in place over the S accumulator `acc_s` (`scores`: its query-major view,
         `coords` that view's (query, key) coordinates within the block): softcap, the mask where key
         block `n_block` is partial for the query block starting at `row_start` (its first row's
         position; `row_base` its first local row, `key_base` the first key of `coords`), then
-        exp2(S * scale * log2 e - LSE_log2) with the stored LSE (`lse[r]` for row r of the view)."""
+        exp2(S * scale * log2 e - LSE_log2) with the stored LSE (`lse[r]` for row r of the view).
+        `kv_segment_columns`: the KV segment ids of the view's columns, preloaded (`masking.apply_mask`)."""
         if const_expr(self.softcap is not None):
             apply_softcap(acc_s, self.softcap, self.scale)
         if masking.block_is_partial(self.mask, n_block, row_start, self.tile_m, self.tile_n,
@@ -49,7 +50,7 @@ class BackwardNumerics:
                 q_segments = mQSegmentIds[batch, None]
                 kv_segments = mKVSegmentIds[batch, None]
             masking.apply_mask(scores, coords, self.mask, row_start, key_base, kv_len, q_len,
-                               offset, row_base, q_segments, kv_segments)
+                               offset, row_base, q_segments, kv_segments, kv_segment_columns=kv_segment_columns)
         logit_scale = self.scale_log2              # with softcap the scale is already applied
         if const_expr(self.softcap is not None):
             logit_scale = LOG2_E

@@ -159,6 +159,7 @@ def apply_mask(
     q_segments: Optional[cute.Tensor] = None,
     kv_segments: Optional[cute.Tensor] = None,
     rows_per_position: cutlass.Constexpr = 1,
+    kv_segment_columns: Optional[cute.Tensor] = None,
 ):
     """Set scores of invisible (row, key) pairs to -inf, in place.
 
@@ -169,6 +170,9 @@ def apply_mask(
     rows_per_position: tile rows that share one query position (the decode kernel packs the G query
     heads of one key/value head into consecutive rows, row = position * G + head); row_start then
     counts packed rows.
+    kv_segment_columns: with segments, the KV segment id of each column of the view, loaded once by a
+    kernel whose columns stay the same keys over its loop (kv_segments is then not read): 32-bit ids
+    in registers where the per-column addresses into kv_segments would be 64 bits each.
     """
     for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
         row = row_start + coords_mn[r, 0][0]
@@ -194,7 +198,11 @@ def apply_mask(
             if cutlass.const_expr(shape.window_left is not None):
                 visible = visible and col >= col_first
             if cutlass.const_expr(shape.has_segments):
-                visible = visible and kv_segments[cutlass.min(col, kv_segments.shape[0] - 1)] == row_segment
+                if cutlass.const_expr(kv_segment_columns is None):
+                    col_segment = kv_segments[cutlass.min(col, kv_segments.shape[0] - 1)]
+                else:
+                    col_segment = kv_segment_columns[c]
+                visible = visible and col_segment == row_segment
             if not visible:
                 scores_mn[r, c] = -Float32.inf
 

@@ -15,7 +15,8 @@ Three stages, one obvious place each:
 
 A subclass of `Sm90BackwardBase` sets, besides what the base's __init__ sets: `tile_n` (keys per CTA),
 `stages` (Q / dO ring depth), `staged_row_stats` (whether the producer copies LSE / dPsum into the
-ring), `consumer_threads`, and `_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head,
+ring), `consumer_threads`, `dkv_transposed` when its dK / dV accumulators are of dK^T / dV^T (class
+default False), and `_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head,
 query block) of iteration `it` of a CTA's walk; `_produce` reads those.
 """
 
@@ -33,7 +34,7 @@ from cutlass.cute.nvgpu import cpasync
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import backward_numerics, masking
-from fa4_jax.kernels.sm90.wgmma import WARP_GROUP
+from fa4_jax.kernels.sm90.wgmma import WARP_GROUP, transpose_view
 
 TILE_M = 64                    # query rows per block unless a kernel's options say otherwise
 SHARED_MEMORY_BYTES = 232448   # per CTA on sm_90 (227 KiB)
@@ -83,8 +84,8 @@ def unsupported_reason(kernel_name: str, config: AttentionConfig, problem: host.
 
 
 def register_order_staging(buffer_iterator, consumer_tidx, chunks: int):
-    """Where consumer thread `consumer_tidx` (0 .. 255) stages its dQ accumulator, `chunks` 4-value
-    chunks in register order: thread t of warp group g puts chunk k at ((g K + k) 128 + t) 4 (K =
+    """Where consumer thread `consumer_tidx` (0 .. 128 x warp groups - 1) stages its dQ accumulator,
+    `chunks` 4-value chunks in register order: thread t of warp group g puts chunk k at ((g K + k) 128 + t) 4 (K =
     `chunks`), so a warp stores 512 contiguous bytes per chunk, without bank conflicts
     (`dq_from_fragments` reads the accumulator this fills)."""
     return cute.make_tensor(
@@ -94,6 +95,9 @@ def register_order_staging(buffer_iterator, consumer_tidx, chunks: int):
 
 class Sm90BackwardBase:
     """The static configuration and the device code both sm90 backward kernels run."""
+
+    # Whether the dK / dV accumulators hold dK^T / dV^T ([D, keys]; `_store_dkv_tma` transposes them).
+    dkv_transposed = False
 
     def __init__(self, options: BackwardOptions):
         self.options = options
@@ -178,16 +182,20 @@ class Sm90BackwardBase:
     def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
                        kv_head, batch, tidx):
         """dK (scaled) and dV rounded into the K and V tiles' shared memory, then one TMA bulk store
-        each; the copy engine clips the rows past the sequence end."""
+        each; the copy engine clips the rows past the sequence end. With `dkv_transposed` the
+        accumulators are of dK^T / dV^T and land through [D, keys] views of the same tiles."""
         consumers = pipeline.NamedBarrier(barrier_id=DKV_STORE_BARRIER,
                                           num_threads=self.consumer_threads)
-        consumers.arrive_and_wait()        # both warp groups' last GEMMs have read K and V
+        consumers.arrive_and_wait()        # every warp group's last GEMMs have read K and V
+        dk_tile, dv_tile = sK, sV
+        if const_expr(self.dkv_transposed):
+            dk_tile, dv_tile = transpose_view(sK), transpose_view(sV)
         rounded_dk = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
         rounded_dk.store((acc_dK.load() * self.scale).to(self.dtype))
-        cute.autovec_copy(rounded_dk, thr_dkv.partition_C(sK))
+        cute.autovec_copy(rounded_dk, thr_dkv.partition_C(dk_tile))
         rounded_dv = cute.make_rmem_tensor(acc_dV.layout, self.dtype)
         rounded_dv.store(acc_dV.load().to(self.dtype))
-        cute.autovec_copy(rounded_dv, thr_dkv.partition_C(sV))
+        cute.autovec_copy(rounded_dv, thr_dkv.partition_C(dv_tile))
         cute.arch.fence_proxy("async.shared", space="cta")
         consumers.arrive_and_wait()
         self._copy_dkv_tiles(tma_dk, sK, mdK, tma_dv, sV, mdV, n_block, kv_head, batch, tidx)
@@ -223,14 +231,15 @@ def flat_dq_accumulator_shape(tile_m):
     return lambda batch, padded_rows, q_heads, head_dim: (batch, q_heads, padded_rows // tile_m, tile_m * head_dim)
 
 
-def dq_from_fragments(tile_m, transposed=False):
+def dq_from_fragments(tile_m, transposed=False, column_groups=2):
     """The reader of that accumulator: the accumulator [B, Hq, query block, tile_m x D] as [B, q_len, Hq, D].
 
-    Within a block, consumer warp group g (columns g D/2 ...) puts thread t = 32 w + 4 q + r's chunk
-    k = m D/16 + j (rows 64 m ..., columns 8 j ... of its half) at ((g K + k) 128 + t) 4, K = tile_m D
-    / 256 chunks a thread; the chunk's 4 values are (row half h, column c) = (0, 0), (0, 1), (1, 0),
-    (1, 1). That value is row 64 m + 16 w + 8 h + q, column g D/2 + 8 j + 2 r + c of the block (the
-    PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m).
+    Within a block, consumer warp group g of `column_groups` G (columns g D/G ...) puts thread t = 32 w
+    + 4 q + r's chunk k = m D/(8 G) + j (rows 64 m ..., columns 8 j ... of its D/G) at ((g K + k) 128 +
+    t) 4, K = tile_m D / (128 G) chunks a thread; the chunk's 4 values are (row half h, column c) =
+    (0, 0), (0, 1), (1, 0), (1, 1). That value is row 64 m + 16 w + 8 h + q, column g D/G + 8 j + 2 r +
+    c of the block (the PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m). G = 2
+    (backward.py, backward_large_heads.py's default) or 3 (its `three_warpgroups`: 64 columns each).
 
     `transposed` (backward.py's 80-row blocks, which compute dQ^T = K^T dS^T): the fragment is of
     dQ^T, warp group g holding head-dim rows g 64 ... (one 64-row atom, so D = 128) and all tile_m
@@ -239,13 +248,14 @@ def dq_from_fragments(tile_m, transposed=False):
         batch, heads, blocks, flat = dq_accum.shape
         head_dim = flat // tile_m
         if transposed:
-            assert head_dim == 128, "one 64-row atom of the head dim per warp group"
+            assert head_dim == 128 and column_groups == 2, "one 64-row atom of the head dim per warp group"
             fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 8, 4, 8, 4, 2, 2)
             #             axes:          0      1      2       g  j            w  q  r  h  c
             rows_columns = fragments.transpose(0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
         else:
-            fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 64, head_dim // 16, 4, 8, 4, 2, 2)
-            #             axes:          0      1      2       g  m            j              w  q  r  h  c
+            fragments = dq_accum.reshape(batch, heads, blocks, column_groups, tile_m // 64,
+                                         head_dim // (8 * column_groups), 4, 8, 4, 2, 2)
+            # axes: 0 batch, 1 heads, 2 blocks, 3 g, 4 m, 5 j, 6 w, 7 q, 8 r, 9 h, 10 c
             rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
         return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
     return rows

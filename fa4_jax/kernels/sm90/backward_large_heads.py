@@ -20,7 +20,7 @@ layout FA3 uses for large heads:
   producer warp group issues (deterministic: in key block order, waited for by the writer alone;
   the turns are common/ordered_reduction.py's, as in backward.py).
   The accumulator is therefore kept in that order, [B, Hq, query block, 64 x D], and the
-  postprocess (`dq_from_accumulator`) puts rows and columns back while it scales and casts. A
+  postprocess (`dq_reader`) puts rows and columns back while it scales and casts. A
   swizzled [64, D/2] staging tile for a TMA tensor reduce would need 16 swizzled addresses per
   thread held across the loop: 96 bytes of spills at D = 256 with segment ids;
 - dK and dV leave through shared memory (over K and V) and TMA stores.
@@ -35,10 +35,13 @@ each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the 
 Preprocess (dPsum, the LSE in the exp2 domain) and postprocess (dQ scale and cast, the sinks
 gradient) are kernels/host.py's, shared with backward.py and the sm100 backward.
 
-`Tuning` holds two candidates, both off by default so that what ships is what was measured:
+`Tuning` holds three candidates, all off by default so that what ships is what was measured:
 `diagonal_first` (backward.py's deterministic turn order; here deterministic dQ turns still go
-lowest key block first) and `stagger=False` (backward.py walks without a stagger). Their predictions and the device command that measures them are in
-docs/sm90_backward_tuning.md, section "Large head dims: the prepared candidates".
+lowest key block first), `stagger=False` (backward.py walks without a stagger) and
+`three_warpgroups` (D = 192 only: the layout above with 96 keys per CTA and three consumer warp
+groups of 64 head-dim columns each, dK / dV computed transposed; see `Tuning`). Their predictions and
+the device commands that measure them are in docs/sm90_backward_tuning.md, sections "Large head dims:
+the prepared candidates" and "D = 192: three consumer warp groups".
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives
 from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
@@ -66,6 +70,8 @@ from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, accumulat
 
 SUPPORTED_HEAD_DIMS = (192, 256)
 TILE_N = 64                     # keys per CTA
+THREE_WARPGROUPS_TILE_N = 96    # keys per CTA with `Tuning.three_warpgroups`
+THREE_WARPGROUPS_HEAD_DIM = 192
 PDS_READY_BARRIER = 1           # both groups' halves of P and dS are in shared memory
 PDS_BUFFERS = 2
 
@@ -85,9 +91,18 @@ class Tuning:
     stagger: key block n starts its walk n query blocks in, so the CTAs running together add into
       different dQ tiles (ignored in deterministic mode, which walks in plain order). Whether it pays
       here is open: backward.py walks without one (docs/sm90_backward_tuning.md has its measurement).
+    three_warpgroups: D = 192 only (construction raises otherwise). 96 keys per CTA and three consumer
+      warp groups (160 registers each, producer 24), one Q / dO stage: S and dP split by keys (32
+      each), dQ = dS K by head dim (64 columns each), and dK / dV computed transposed, dK^T = Q^T dS
+      and dV^T = dO^T P with M = the group's 64 head-dim columns, N = the 96 keys (96 fp32
+      accumulator registers a thread). Q / dO / LSE / dPsum are loaded and dQ reduce-added once per
+      96 keys instead of per 64, a third less of that traffic per FLOP, and the dK / dV GEMMs get
+      N = 96; prediction +10 to +20 % on the D = 192 rows (docs/sm90_backward_tuning.md, "D = 192:
+      three consumer warp groups").
     """
     diagonal_first: bool = False
     stagger: bool = True
+    three_warpgroups: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -98,10 +113,19 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
     return backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
 
 
-def query_stages(head_dim: int) -> int:
+def query_stages(head_dim: int, three_warpgroups: bool = False) -> int:
     """Depth of the Q / dO ring: what is left of shared memory after K, V, P, dS and the dQ staging
-    (two stages at D = 192, one at D = 256)."""
-    return 2 if head_dim <= 192 else 1
+    (two stages at D = 192, one at D = 256, one with `Tuning.three_warpgroups`' 96-key K and V)."""
+    return 2 if head_dim <= 192 and not three_warpgroups else 1
+
+
+def tuning_reason(tuning: Tuning, head_dim: int) -> Optional[str]:
+    """Why `tuning` cannot build the kernel at `head_dim`, or None."""
+    if tuning.three_warpgroups and head_dim != THREE_WARPGROUPS_HEAD_DIM:
+        return (f"Tuning(three_warpgroups=True) is the D = {THREE_WARPGROUPS_HEAD_DIM} layout (three warp "
+                f"groups of 64 head-dim columns, 96 keys a CTA); at D = {head_dim} it fits neither the "
+                f"registers nor the shared memory: use the default Tuning")
+    return None
 
 
 class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
@@ -116,17 +140,27 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         super().__init__(options)
         if options.head_splits != 1:
             raise ValueError(f"the large-head backward does not split heads (head_splits={options.head_splits})")
-        self.half_dim = self.head_dim // 2
+        reason = tuning_reason(options.tuning, self.head_dim)
+        if reason is not None:
+            raise ValueError(reason)
+        three_warpgroups = options.tuning.three_warpgroups
+        # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dK, dV and
+        # dQ, and keys [g tile_n / groups, ...) of S and dP.
+        self.consumer_groups = 3 if three_warpgroups else 2
+        self.group_dim = self.head_dim // self.consumer_groups
+        # Transposed (dK^T = Q^T dS, dV^T = dO^T P): M = the group's head-dim columns, N = the keys.
+        self.dkv_transposed = three_warpgroups
         # Deterministic mode needs the plain walk (with a stagger the turns would wait).
         self.stagger = options.tuning.stagger and not self.deterministic
         self.diagonal_first = self.deterministic and options.tuning.diagonal_first
-        self.tile_n = TILE_N
-        self.stages = query_stages(self.head_dim)
+        self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups else TILE_N
+        self.stages = query_stages(self.head_dim, three_warpgroups)
         self.check_shared_memory()
-        self.num_threads = WARP_GROUP * 3
-        self.consumer_threads = WARP_GROUP * 2
+        self.num_threads = WARP_GROUP * (1 + self.consumer_groups)
+        self.consumer_threads = WARP_GROUP * self.consumer_groups
+        # 24 x 128 + 160 x 384 <= 65536 with three consumer groups.
         self.producer_registers = 24
-        self.consumer_registers = 240
+        self.consumer_registers = 160 if three_warpgroups else 240
 
     def shared_memory_bytes(self):
         """What `SharedStorage` takes, member by member with its alignment (mbarriers first)."""
@@ -146,30 +180,42 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
     # -------------------------------------------------------------------------------- host side
     def _tiled_mmas(self):
-        # S = Q K^T, dP = dO V^T: M = 64 query rows, N = keys, 32 per warp group.
+        groups = self.consumer_groups
+        # S = Q K^T, dP = dO V^T: M = 64 query rows, N = keys, tile_n / groups per warp group.
         mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 2, 1),
-            (self.tile_m, self.tile_n // 2))
-        # dV += P^T dO, dK += dS^T Q: A = P^T / dS^T (keys contiguous), B = dO / Q read as
-        # [D, rows] (D contiguous); each warp group N = its half of D.
-        mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1),
-            (self.tile_n, self.half_dim))
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, groups, 1),
+            (self.tile_m, self.tile_n // groups))
+        if self.dkv_transposed:
+            # dV^T += dO^T P, dK^T += Q^T dS: A = dO^T / Q^T read as [D, rows] (D contiguous), B = P
+            # / dS read as [keys, rows] (keys contiguous); each warp group M = its columns of D.
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (groups, 1, 1),
+                (self.group_dim, self.tile_n))
+        else:
+            # dV += P^T dO, dK += dS^T Q: A = P^T / dS^T (keys contiguous), B = dO / Q read as
+            # [D, rows] (D contiguous); each warp group N = its columns of D.
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, groups, 1),
+                (self.tile_n, self.group_dim))
         # dQ = dS K: A = dS (keys contiguous = K-major), B = K read as [D, keys].
         mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 2, 1),
-            (self.tile_m, self.half_dim))
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, groups, 1),
+            (self.tile_m, self.group_dim))
         return mma_sdp, mma_dkv, mma_dq
+
+    def _dkv_tile(self):
+        """The (rows, columns) of the dK / dV accumulators: [keys, D], or [D, keys] transposed."""
+        return (self.head_dim, self.tile_n) if self.dkv_transposed else (self.tile_n, self.head_dim)
 
     def _smem_layouts(self):
         d = self.head_dim
-        # Q, dO and K are also read MN-major with N = D / 2 per warp group, and dK / dV are written
-        # over K / V by halves of D: the swizzle atom must tile that half (64 columns at D = 256,
-        # 32 at D = 192).
-        half_atom = swizzle_columns(self.half_dim, 64)
-        q_layout = k_major_layout(self.dtype, self.tile_m, d, self.stages, half_atom)
-        k_layout = k_major_layout(self.dtype, self.tile_n, d, None, half_atom)
-        v_layout = k_major_layout(self.dtype, self.tile_n, d, None, half_atom)
+        # Q, dO and K are also read MN-major with MN = a warp group's columns of D, and dK / dV are
+        # written over K / V by those columns: the swizzle atom must tile them (64 columns at D = 256
+        # and with three warp groups, 32 at D = 192 with two).
+        group_atom = swizzle_columns(self.group_dim, 64)
+        q_layout = k_major_layout(self.dtype, self.tile_m, d, self.stages, group_atom)
+        k_layout = k_major_layout(self.dtype, self.tile_n, d, None, group_atom)
+        v_layout = k_major_layout(self.dtype, self.tile_n, d, None, group_atom)
         # P and dS as [rows, keys], keys contiguous: what the S accumulator writes pairwise, the
         # K-major A of dQ and (transposed) the MN-major A of dV / dK.
         pds_layout = k_major_layout(self.dtype, self.tile_m, self.tile_n, PDS_BUFFERS,
@@ -180,7 +226,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
     def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
                  mQStart, mdQacc, mSemaphores, mdK, mdV):
         # Logical views: rows, head dim, head, batch (JAX arrays are [B, S, H, D] row-major).
-        # mdQacc stays [B, Hq, query block, 64 x D] (see `dq_from_accumulator`).
+        # mdQacc stays [B, Hq, query block, 64 x D] (see `dq_reader`).
         qkv_order = [1, 3, 2, 0]
         mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=qkv_order))
@@ -327,21 +373,38 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
         tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
         tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
-        tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sP)))
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdO)))
-        tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sdS)))
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sQ)))
+        # P^T / dS^T [keys, rows] and dO / Q read as [D, rows]: A and B of dV, dK, or B and A of the
+        # transposed dV^T, dK^T.
+        if const_expr(self.dkv_transposed):
+            tdVrP = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sP)))
+            tdVrdO = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sdO)))
+            tdKrdS = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdS)))
+            tdKrQ = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sQ)))
+        else:
+            tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sP)))
+            tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdO)))
+            tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sdS)))
+            tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sQ)))
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
         tPsP = thr_sdp.partition_C(sP)          # where this thread's P and dS values go
         tdSsdS = thr_sdp.partition_C(sdS)
+        pds_store = None                        # plain stores, or (stmatrix copy, this thread's slice)
+        if const_expr(self.dkv_transposed):
+            # stmatrix (four 8x8 matrices, one address a thread per 4 registers): 2 swizzled addresses
+            # per tile where the 32-bit stores take 8, which 160 registers cannot hold across the loop.
+            pds_copy = cute.make_tiled_copy_C(
+                sm90_helpers.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), mma_sdp)
+            thread_pds_copy = pds_copy.get_slice(tidx)
+            tPsP = thread_pds_copy.partition_D(sP)
+            tdSsdS = thread_pds_copy.partition_D(sdS)
+            pds_store = (pds_copy, thread_pds_copy)
         # This thread's dQ values in shared memory, in register order.
-        dq_chunks = self.head_dim // 16         # 64 x D/2 values / 128 threads / 4 per chunk
+        dq_chunks = self.tile_m * self.group_dim // (4 * WARP_GROUP)   # 4-value chunks a thread
         tdQsdQ = backward_common.register_order_staging(sdQ.iterator, tidx, dq_chunks)
 
-        tile_kd = (self.tile_n, self.head_dim)
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_kd), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_kd), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self._dkv_tile()), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self._dkv_tile()), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
@@ -350,6 +413,14 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             cute.make_identity_tensor((self.tile_m, self.tile_n))))
         rows = cute.size(coords, mode=[0])
         key_base = n_block * self.tile_n
+        key_segments = None
+        if const_expr(self.dkv_transposed and self.mask.has_segments):
+            # This thread's 8 keys' segment ids, loaded once: at 160 registers the 8 64-bit addresses
+            # that the mask would otherwise keep across the loop spill.
+            key_segments = cute.make_rmem_tensor(cute.make_layout(cute.size(coords, mode=[1])), Int32)
+            last_key = cute.size(mKVSegmentIds, mode=[1]) - 1
+            for c in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+                key_segments[c] = mKVSegmentIds[batch, cutlass.min(key_base + coords[0, c][1], last_key)]
 
         key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         key_pipe.consumer_wait(key_state)
@@ -383,29 +454,42 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             warpgroup.wait_group(1)
             scores = accumulator_mn(acc_s)
             self.numerics.probabilities(acc_s, scores, coords, lse, n_block, q_start + row_base, row_base, key_base,
-                                        kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch)
-            self._round_into(acc_s, tPsP[None, None, None, buffer])
+                                        kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch, key_segments)
+            self._round_into(acc_s, tPsP[None, None, None, buffer], pds_store)
 
             warpgroup.wait_group(0)
             self.numerics.ds_over_dp(scores, accumulator_mn(acc_dp), dpsum, lse)
-            self._round_into(acc_dp, tdSsdS[None, None, None, buffer])
+            self._round_into(acc_dp, tdSsdS[None, None, None, buffer], pds_store)
 
-            # Both groups' halves of P and dS in shared memory before either reads the whole tile.
+            # Every group's keys of P and dS in shared memory before any reads the whole tile.
             cute.arch.fence_view_async_shared()
             pds_ready.arrive_and_wait()
             warpgroup.fence()
-            gemm(mma_dkv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, stage],
-                 False)
-            gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage],
-                 False)
+            if const_expr(self.dkv_transposed):
+                gemm(mma_dkv, acc_dV, tdVrdO[None, None, None, stage], tdVrP[None, None, None, buffer],
+                     False)
+                gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer],
+                     False)
+            else:
+                gemm(mma_dkv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, stage],
+                     False)
+                gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage],
+                     False)
             warpgroup.commit_group()
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)),
-                                           Float32)   # ((2 columns, 2 row halves, D/16), 1, 1)
+                                           Float32)   # ((2 columns, 2 row halves, group_dim / 8), 1, 1)
             assert cute.size(acc_dq) == 4 * dq_chunks
             gemm(mma_dq, acc_dq, tdQrdS[None, None, None, buffer], tdQrK, True)
             warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            query_pipe.consumer_release(query_state)
+            if const_expr(self.dkv_transposed):
+                # One Q / dO stage: free it once dK and dV have read it, so the next block's load
+                # runs under the dQ GEMM (which reads only dS and K).
+                warpgroup.wait_group(1)
+                query_pipe.consumer_release(query_state)
+                warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(0)
+                query_pipe.consumer_release(query_state)
             query_state.advance()
 
             # Stage dQ for the writer warp (waits only if it has not read the last block yet).
@@ -420,11 +504,16 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                             tidx)
 
     @cute.jit
-    def _round_into(self, accumulator, destination):
-        """Round an fp32 S-shaped accumulator to the input type and store it into shared memory."""
+    def _round_into(self, accumulator, destination, stmatrix=None):
+        """Round an fp32 S-shaped accumulator to the input type and store it into shared memory:
+        with plain stores, or `stmatrix` = (tiled copy, thread slice) that partitioned `destination`."""
         rounded = cute.make_rmem_tensor(accumulator.layout, self.dtype)
         rounded.store(accumulator.load().to(self.dtype))
-        cute.autovec_copy(rounded, destination)
+        if const_expr(stmatrix is None):
+            cute.autovec_copy(rounded, destination)
+        else:
+            copy, thread_copy = stmatrix
+            cute.copy(copy, thread_copy.retile(rounded), destination)
 
     @cute.jit
     def _write_dq(self, dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
@@ -468,7 +557,12 @@ OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_l
 # The fp32 dQ accumulator in the kernel's staging order, [B, Hq, query block, 64 x D], and its reader
 # (`backward_common.dq_from_fragments` says where each element sits).
 dq_accumulator_shape = backward_common.flat_dq_accumulator_shape(TILE_M)
-dq_from_accumulator = backward_common.dq_from_fragments(TILE_M)
+
+
+def dq_reader(tuning: Tuning):
+    """The reader of that accumulator for `tuning`: the consumer warp groups' column groups, two of
+    D/2 (three of 64 with `three_warpgroups`)."""
+    return backward_common.dq_from_fragments(TILE_M, column_groups=3 if tuning.three_warpgroups else 2)
 
 
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
@@ -484,4 +578,5 @@ def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
     return host.run_backward(Sm90LargeHeadBackwardKernel(options), options, query, key, value, out, lse, d_out,
-                             d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape, dq_from_accumulator, TILE_M)
+                             d_lse, optional, OPTIONAL_INPUTS, dq_accumulator_shape, dq_reader(options.tuning),
+                             TILE_M)

@@ -44,9 +44,6 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
   every wave;
 - key_block: keys per K / V block instead of the head dim's default (D = 192: 96 -> 112 fills the
   shared memory FA3 fills there, 16 % fewer blocks per tile for the same per-block overheads);
-- warpgroup_key_range: with a right reach (causal, right window) each consumer warpgroup walks only
-  the key blocks its own 64 rows can see: at D = 256 (64-key blocks) the first warpgroup skips the top
-  block of every tile, releasing its K/V stages unread and still taking its ping-pong turn.
 """
 
 from __future__ import annotations
@@ -115,7 +112,6 @@ class KernelOptions:
     split_masked_loop: bool = False
     schedule_first_block: bool = False
     zigzag_tiles: bool = False
-    warpgroup_key_range: bool = False
     key_block: int = 0  # keys per K/V block; 0: the head dim's default (_TILE_N_AND_STAGES)
 
     @property
@@ -182,6 +178,11 @@ Q_DOUBLE_BUFFER_TMA_STORE = {"q_stages": 2, "tma_store": True}
 # 256 causal, the zigzag tile order (D = 256 4k: 0.99 -> 1.11x, D = 128 4k: 1.00 -> 1.08x, 2k +1 %).
 LARGE_HEAD_CAUSAL = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 2,
                      "early_q_release": True, "zigzag_tiles": True}
+# D = 192 (fourth sweep, rev 74443c7): ping-pong turns and the TMA-store epilogue in three 64-column
+# chunks with early Q release (full 2k: 0.99 -> 1.05x cuDNN), with the zigzag order and the split key
+# loop when causal (2k 0.85 -> 0.96x, 8k 0.97 -> 1.10x).
+D192 = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3, "early_q_release": True}
+D192_CAUSAL = dict(D192, zigzag_tiles=True, split_masked_loop=True)
 # D = 64 causal: wg3-all was 8 % slower than q2-tma at Sq = 1024 and 8 % faster at 2048; the cut sits
 # at the geometric middle, ~1448, rounded to the next multiple of 64 rows.
 THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
@@ -190,24 +191,11 @@ THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
 # --variants` and checked against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md
 # has the predictions): name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
 TUNING_CANDIDATES: dict = {
-    # D = 256 causal: the first consumer warpgroup skips the top key block of each tile (invisible to its
-    # rows with 64-key blocks), saving half a block of tensor-core time per tile.
-    "warpgroup-key-range": ({"warpgroup_key_range": True}, (256,), (True,)),
-    # D = 192 (never tuned: the KernelOptions defaults, 0.78-0.95x FA4's kernel on the H200). Ping-pong
-    # turns for the two consumers (as D = 256 causal); 112-key blocks (the shared memory FA3's 128 x 112
-    # tile takes: 222 KB); the TMA-store epilogue in three 64-column chunks with early Q release (the
-    # 16 KB chunk buffer fits next to 96-key blocks, not next to 112); the causal order options of
-    # D = 128 / 256.
-    "d192-pingpong": ({"pingpong_max_head_dim": 256}, (192,), (False, True)),
-    "d192-n112": ({"key_block": 112}, (192,), (False, True)),
-    "d192-n112-pingpong": ({"key_block": 112, "pingpong_max_head_dim": 256}, (192,), (False, True)),
-    "d192-pingpong-store3": ({"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3,
-                              "early_q_release": True}, (192,), (False, True)),
-    "d192-pingpong-store3-zigzag": ({"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3,
-                                     "early_q_release": True, "zigzag_tiles": True, "split_masked_loop": True},
-                                    (192,), (True,)),
-    "d192-n112-pingpong-zigzag": ({"key_block": 112, "pingpong_max_head_dim": 256, "early_q_release": True,
-                                   "zigzag_tiles": True, "split_masked_loop": True}, (192,), (True,)),
+    # D = 192: 112-key blocks (FA3's 128 x 112 tile, 222 KB of shared memory) on top of ping-pong; no room
+    # for the TMA-store buffer next to them. Full 8k +1 % over the 96-key blocks, causal 2k -9 % (the
+    # fourth sweep): kept to be measured against the promoted set.
+    "d192-n112-pingpong": ({"key_block": 112, "pingpong_max_head_dim": 256, "tma_store": False, "store_chunks": 1},
+                           (192,), (False,)),
 }
 
 
@@ -256,7 +244,6 @@ class Sm90ForwardKernel:
         # With segments every block is masked: there is no unmasked middle to split off.
         self.split_masked_loop = options.split_masked_loop and not options.mask.has_segments
         # Only a right reach makes the visible key range end earlier for a tile's first rows.
-        self.warpgroup_key_range = options.warpgroup_key_range and options.mask.right_reach is not None
         # With a softcap the logits are capped before the softmax, so the exp2 scale is just log2(e).
         logit_scale = 1.0 if options.softcap is not None else options.scale
         self.scale_log2 = logit_scale * online_softmax.LOG2_E
@@ -571,11 +558,6 @@ class Sm90ForwardKernel:
                 block_arguments = (tiled_mma_qk, tiled_mma_pv, frag_q_tile, frag_k, frag_vt, frag_p, acc_o, acc_o_mn,
                                    row_max, row_sum, row_scale, coords_s, pipeline_k, pipeline_v)
                 num_blocks = end - first
-                if cutlass.const_expr(self.warpgroup_key_range):
-                    kv_state, v_state, end = self.skip_blocks_above_warpgroup(
-                        pipeline_k, pipeline_v, kv_state, v_state, row_start, kv_len, offset, first, end,
-                        warpgroup_index)
-                    num_blocks = end - first
                 if num_blocks > 0:
                     # First block: S = Q K^T alone, then its probabilities become the P of the next step.
                     acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
@@ -653,35 +635,6 @@ class Sm90ForwardKernel:
             # Shared memory must outlive the last TMA store's reads of it.
             if tidx % wgmma.WARP_GROUP == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def skip_blocks_above_warpgroup(self, pipeline_k, pipeline_v, kv_state, v_state, row_start: Int32,
-                                    kv_len: Int32, offset: Int32, first: Int32, end: Int32,
-                                    warpgroup_index: Int32):
-        """warpgroup_key_range: release, unread, the tile's top key blocks that none of this warpgroup's
-        64 rows can see, and take the ping-pong turns their steady steps would have taken (every
-        warpgroup must take the same number of turns, or the round robin stalls). Returns the advanced
-        (kv_state, v_state) and this warpgroup's end block."""
-        _, rows_end = masking.key_block_range(self.mask, row_start + warpgroup_index * ROWS_PER_WARPGROUP,
-                                              ROWS_PER_WARPGROUP, self.tile_n, kv_len, offset)
-        own_end = cutlass.min(end, rows_end)
-        # The producer's order within a tile is K_last, (K_j, V_j+1) pairs, V_first: the skipped top
-        # blocks' K and V are each the next stage of their ring.
-        for _ in cutlass.range(end - own_end, unroll=1):
-            pipeline_k.consumer_wait(kv_state)
-            pipeline_k.consumer_release(kv_state)
-            kv_state = advanced(kv_state)
-            pipeline_v.consumer_wait(v_state)
-            pipeline_v.consumer_release(v_state)
-            v_state = advanced(v_state)
-        turns_skipped = end - own_end
-        if cutlass.const_expr(not self.options.schedule_first_block):
-            # Without a turn for the first block a warpgroup takes one turn per block after its first.
-            turns_skipped = cutlass.max(end - first - 1, 0) - cutlass.max(own_end - first - 1, 0)
-        for _ in cutlass.range(turns_skipped, unroll=1):
-            self.scheduler_wait(warpgroup_index)
-            self.scheduler_signal(warpgroup_index)
-        return kv_state, v_state, own_end
 
     @cute.jit
     def steady_block(self, i: Int32, masked: cutlass.Constexpr, tiled_mma_qk: cute.TiledMma,
@@ -892,6 +845,8 @@ def _measured_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape,
         return dict(Q_DOUBLE_BUFFER_TMA_STORE)
     if head_dim <= 128:
         return dict(Q_DOUBLE_BUFFER_TMA_STORE, split_masked_loop=mask.causal, zigzag_tiles=mask.causal)
+    if head_dim == 192:
+        return dict(D192_CAUSAL if mask.causal else D192)
     if head_dim == 256 and mask.causal:
         return dict(LARGE_HEAD_CAUSAL)
     return {}
