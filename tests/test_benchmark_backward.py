@@ -99,8 +99,8 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
                         "ds_plain_store", "deterministic_ds_plain_store", *wide, *rows_80,
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
-        # Three consumer warp groups at D = 192 only.
-        three = ["three_warpgroups", "deterministic_three_warpgroups"] if head_dim == 192 else []
+        # D = 192's former two-warp-group layout, for comparison.
+        three = ["two_warpgroups", "deterministic_two_warpgroups"] if head_dim == 192 else []
         assert runs == [*SHIPPED, "no_stagger", "deterministic_diagonal_first", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(

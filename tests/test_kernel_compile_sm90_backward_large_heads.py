@@ -79,14 +79,17 @@ CASES = {
         config=dict(scale=192 ** -0.5, deterministic=True, window_left=70, window_right=20, has_q_start=True,
                     q_total=900, has_kv_seq_lengths=True),
         tuning=dict(diagonal_first=True), shape=[2, 300, 333, 4, 2, 192]),
-    # `Tuning(three_warpgroups=True)` (D = 192: 96 keys a CTA, three consumer warp groups of 160 registers,
-    # dK^T / dV^T): full and causal, deterministic, GQA, lengths off the 64-row and 96-key blocks, fp16,
-    # softcap, windows, segments, sequence lengths, q_start, and the other candidates on top.
+    # D = 192's default, `Tuning.three_warpgroups` (96 keys a CTA, three consumer warp groups of 160
+    # registers, dK^T / dV^T; the D = 192 cases above without segment ids resolve to it too): full and
+    # causal, deterministic, GQA, lengths off the 64-row and 96-key blocks, fp16, softcap, windows,
+    # segments (forced: the default takes two groups there), sequence lengths, q_start, and the other
+    # candidates on top; and the two-group layout at D = 192, for comparison.
+    "d192-two-warpgroups-causal-gqa-fp16": dict(config=dict(scale=192 ** -0.5, causal=True),
+                                                shape=[2, 300, 333, 8, 2, 192], dtype="float16",
+                                                tuning=dict(three_warpgroups=False)),
     **{f"d192-three-warpgroups{suffix}": dict(config=dict(scale=192 ** -0.5, **config), shape=shape,
                                               tuning=dict(three_warpgroups=True, **tuning), **extra)
        for suffix, config, shape, tuning, extra in [
-           ("", dict(), [2, 300, 300, 4, 4, 192], dict(), dict()),
-           ("-causal-gqa-odd-fp16", dict(causal=True), [2, 333, 300, 8, 2, 192], dict(), dict(dtype="float16")),
            ("-deterministic", dict(deterministic=True), [1, 333, 300, 4, 4, 192], dict(), dict()),
            ("-deterministic-causal-gqa", dict(causal=True, deterministic=True), [2, 333, 300, 8, 2, 192], dict(),
             dict()),
@@ -102,6 +105,19 @@ CASES = {
                  has_kv_seq_lengths=True), [2, 300, 333, 4, 2, 192], dict(diagonal_first=True), dict()),
        ]},
 }
+
+
+def _resolved(spec):
+    """The kernel a case builds (its layout after `resolved_tuning`), constructed without compiling."""
+    from fa4_jax.config import AttentionConfig
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
+
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
+    problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+                           (batch, kv_len, kv_heads, head_dim), spec.get("dtype", "bfloat16"))
+    return large_heads.Sm90LargeHeadBackwardKernel(large_heads.options(
+        AttentionConfig(**spec["config"]), problem, large_heads.Tuning(**spec.get("tuning", {}))))
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +144,7 @@ KNOWN_SPILLS = {"d192-three-warpgroups-segments-lengths": "8 bytes: a dS stmatri
 def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     path, ptx = compiled[name]
     head_dim = CASES[name]["shape"][-1]
-    keys = 96 if CASES[name].get("tuning", {}).get("three_warpgroups") else 64
+    keys = _resolved(CASES[name]).tile_n
     assert ".target sm_90a" in ptx
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * head_dim // 16 + 8 + keys // 16
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
@@ -165,6 +181,18 @@ def test_inapplicable_tuning_leaves_the_ptx_unchanged(compiled, parameter):
     _, default = compiled[f"{parameter}/default"]
     _, tuned = compiled[f"{parameter}/tuned"]
     assert tuned == default
+
+
+@pytest.mark.parametrize("head_dim,segments,expected", [(192, False, True), (192, True, False), (256, False, False)])
+def test_default_layout_by_head_dim(head_dim, segments, expected):
+    """`Tuning()` resolves to the measured layout: three warp groups at D = 192 (not with segment ids,
+    which spill there), two at D = 256; an explicit choice is kept."""
+    from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
+
+    assert large_heads.resolved_tuning(large_heads.Tuning(), head_dim, segments).three_warpgroups is expected
+    assert large_heads.resolved_tuning(large_heads.Tuning(three_warpgroups=False), 192).three_warpgroups is False
+    spec = dict(config=dict(scale=0.1, has_segment_ids=segments), shape=[1, 128, 128, 2, 2, head_dim])
+    assert _resolved(spec).consumer_groups == (3 if expected else 2)
 
 
 def test_three_warpgroups_refuses_other_head_dims():

@@ -35,13 +35,16 @@ each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the 
 Preprocess (dPsum, the LSE in the exp2 domain) and postprocess (dQ scale and cast, the sinks
 gradient) are kernels/host.py's, shared with backward.py and the sm100 backward.
 
-`Tuning` holds three candidates, all off by default so that what ships is what was measured:
+D = 192 runs a variant of this layout by default (`Tuning.three_warpgroups`, measured 3-9 % faster,
+and 1.4-1.5x in deterministic mode): 96 keys per CTA and three consumer warp groups of 64 head-dim
+columns each (160 registers), one Q / dO stage, dK / dV computed transposed (dK^T = Q^T dS, M = the
+group's columns), P and dS stored with stmatrix. D = 256 keeps the two groups above.
+
+`Tuning` also holds two candidates, both off by default so that what ships is what was measured:
 `diagonal_first` (backward.py's deterministic turn order; here deterministic dQ turns still go
-lowest key block first), `stagger=False` (backward.py walks without a stagger) and
-`three_warpgroups` (D = 192 only: the layout above with 96 keys per CTA and three consumer warp
-groups of 64 head-dim columns each, dK / dV computed transposed; see `Tuning`). Their predictions and
-the device commands that measure them are in docs/sm90_backward_tuning.md, sections "Large head dims:
-the prepared candidates" and "D = 192: three consumer warp groups".
+lowest key block first) and `stagger=False` (backward.py walks without a stagger). Their predictions
+and the device commands are in docs/sm90_backward_tuning.md, sections "Large head dims: the prepared
+candidates" and "D = 192: three consumer warp groups".
 """
 
 from __future__ import annotations
@@ -91,18 +94,23 @@ class Tuning:
     stagger: key block n starts its walk n query blocks in, so the CTAs running together add into
       different dQ tiles (ignored in deterministic mode, which walks in plain order). Whether it pays
       here is open: backward.py walks without one (docs/sm90_backward_tuning.md has its measurement).
-    three_warpgroups: D = 192 only (construction raises otherwise). 96 keys per CTA and three consumer
+    three_warpgroups: None (the default) takes the layout that measured faster at the head dim:
+      three warp groups at D = 192 (two with segment ids, which spill at 160 registers), two at
+      D = 256; `options` resolves it (`resolved_tuning`). True: D = 192 only
+      (construction raises otherwise). 96 keys per CTA and three consumer
       warp groups (160 registers each, producer 24), one Q / dO stage: S and dP split by keys (32
       each), dQ = dS K by head dim (64 columns each), and dK / dV computed transposed, dK^T = Q^T dS
       and dV^T = dO^T P with M = the group's 64 head-dim columns, N = the 96 keys (96 fp32
       accumulator registers a thread). Q / dO / LSE / dPsum are loaded and dQ reduce-added once per
       96 keys instead of per 64, a third less of that traffic per FLOP, and the dK / dV GEMMs get
-      N = 96; prediction +10 to +20 % on the D = 192 rows (docs/sm90_backward_tuning.md, "D = 192:
-      three consumer warp groups").
+      N = 96. Measured on the H200 (rev 162be91, cuDNN ms / ours, 2k / 8k): 1.25 / 1.27 -> 1.31 / 1.38
+      causal, 1.31 / 1.34 -> 1.35 / 1.39 full; deterministic 0.43 / 0.46 -> 0.64 / 0.70 causal,
+      0.74 / 0.88 -> 1.04 / 1.35 full (docs/sm90_backward_tuning.md, "D = 192: three consumer warp
+      groups"). False keeps the two-group layout at D = 192, for comparison.
     """
     diagonal_first: bool = False
     stagger: bool = True
-    three_warpgroups: bool = False
+    three_warpgroups: Optional[bool] = None
 
 
 DEFAULT_TUNING = Tuning()
@@ -117,6 +125,16 @@ def query_stages(head_dim: int, three_warpgroups: bool = False) -> int:
     """Depth of the Q / dO ring: what is left of shared memory after K, V, P, dS and the dQ staging
     (two stages at D = 192, one at D = 256, one with `Tuning.three_warpgroups`' 96-key K and V)."""
     return 2 if head_dim <= 192 and not three_warpgroups else 1
+
+
+def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False) -> Tuning:
+    """`tuning` with the measured layout in place of `three_warpgroups=None`: three warp groups at
+    D = 192 except with segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix
+    address a query block), two otherwise."""
+    if tuning.three_warpgroups is None:
+        three = head_dim == THREE_WARPGROUPS_HEAD_DIM and not has_segment_ids
+        return dataclasses.replace(tuning, three_warpgroups=three)
+    return tuning
 
 
 def tuning_reason(tuning: Tuning, head_dim: int) -> Optional[str]:
@@ -143,7 +161,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         reason = tuning_reason(options.tuning, self.head_dim)
         if reason is not None:
             raise ValueError(reason)
-        three_warpgroups = options.tuning.three_warpgroups
+        three_warpgroups = resolved_tuning(options.tuning, self.head_dim,
+                                           options.has_segment_ids).three_warpgroups
         # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dK, dV and
         # dQ, and keys [g tile_n / groups, ...) of S and dP.
         self.consumer_groups = 3 if three_warpgroups else 2
@@ -562,12 +581,13 @@ dq_accumulator_shape = backward_common.flat_dq_accumulator_shape(TILE_M)
 def dq_reader(tuning: Tuning):
     """The reader of that accumulator for `tuning`: the consumer warp groups' column groups, two of
     D/2 (three of 64 with `three_warpgroups`)."""
+    assert tuning.three_warpgroups is not None, "dq_reader takes a resolved Tuning (resolved_tuning)"
     return backward_common.dq_from_fragments(TILE_M, column_groups=3 if tuning.three_warpgroups else 2)
 
 
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
     """The static kernel configuration for one call (`tuning`: this kernel's speed choices)."""
-    return BackwardOptions.of(config, problem, tuning)
+    return BackwardOptions.of(config, problem, resolved_tuning(tuning, problem.head_dim, config.has_segment_ids))
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
