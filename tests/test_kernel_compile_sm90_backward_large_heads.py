@@ -191,6 +191,9 @@ def test_default_layout_by_head_dim(head_dim, segments, expected):
 
     assert large_heads.resolved_tuning(large_heads.Tuning(), head_dim, segments).three_warpgroups is expected
     assert large_heads.resolved_tuning(large_heads.Tuning(three_warpgroups=False), 192).three_warpgroups is False
+    # Diagonal-first dQ turns: measured at D = 192 only.
+    assert large_heads.resolved_tuning(large_heads.Tuning(), head_dim, segments).diagonal_first is (head_dim == 192)
+    assert large_heads.resolved_tuning(large_heads.Tuning(diagonal_first=False), 192).diagonal_first is False
     spec = dict(config=dict(scale=0.1, has_segment_ids=segments), shape=[1, 128, 128, 2, 2, head_dim])
     assert _resolved(spec).consumer_groups == (3 if expected else 2)
 

@@ -90,7 +90,10 @@ class Tuning:
       key blocks of a head launch highest first (backward.py's order). Under a causal mask key
       block n + 1 reaches every tile one step before key block n, so the turn order is the arrival
       order; lowest first, key block n waits ~n steps at its first tile. A CTA still waits only for
-      CTAs launched before it.
+      CTAs launched before it. None (the default): on at D = 192, where it measured 1.9x faster in
+      deterministic causal mode (cuDNN ms / ours 0.64 / 0.70 -> 1.26 / 1.32 at 2k / 8k, full rows
+      unchanged; rev d94ae72, benchmarks/results/backward_d192_diagonal_first_h200.json), off at
+      D = 256, where it is not measured yet.
     stagger: key block n starts its walk n query blocks in, so the CTAs running together add into
       different dQ tiles (ignored in deterministic mode, which walks in plain order). Whether it pays
       here is open: backward.py walks without one (docs/sm90_backward_tuning.md has its measurement).
@@ -108,7 +111,7 @@ class Tuning:
       0.74 / 0.88 -> 1.04 / 1.35 full (docs/sm90_backward_tuning.md, "D = 192: three consumer warp
       groups"). False keeps the two-group layout at D = 192, for comparison.
     """
-    diagonal_first: bool = False
+    diagonal_first: Optional[bool] = None
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
 
@@ -128,12 +131,14 @@ def query_stages(head_dim: int, three_warpgroups: bool = False) -> int:
 
 
 def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False) -> Tuning:
-    """`tuning` with the measured layout in place of `three_warpgroups=None`: three warp groups at
-    D = 192 except with segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix
-    address a query block), two otherwise."""
+    """`tuning` with the measured choices in place of None: three warp groups at D = 192 except with
+    segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block),
+    two otherwise; the diagonal-first dQ turns at D = 192."""
     if tuning.three_warpgroups is None:
         three = head_dim == THREE_WARPGROUPS_HEAD_DIM and not has_segment_ids
-        return dataclasses.replace(tuning, three_warpgroups=three)
+        tuning = dataclasses.replace(tuning, three_warpgroups=three)
+    if tuning.diagonal_first is None:
+        tuning = dataclasses.replace(tuning, diagonal_first=head_dim == THREE_WARPGROUPS_HEAD_DIM)
     return tuning
 
 
@@ -161,8 +166,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         reason = tuning_reason(options.tuning, self.head_dim)
         if reason is not None:
             raise ValueError(reason)
-        three_warpgroups = resolved_tuning(options.tuning, self.head_dim,
-                                           options.has_segment_ids).three_warpgroups
+        tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids)
+        three_warpgroups = tuning.three_warpgroups
         # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dK, dV and
         # dQ, and keys [g tile_n / groups, ...) of S and dP.
         self.consumer_groups = 3 if three_warpgroups else 2
@@ -170,8 +175,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         # Transposed (dK^T = Q^T dS, dV^T = dO^T P): M = the group's head-dim columns, N = the keys.
         self.dkv_transposed = three_warpgroups
         # Deterministic mode needs the plain walk (with a stagger the turns would wait).
-        self.stagger = options.tuning.stagger and not self.deterministic
-        self.diagonal_first = self.deterministic and options.tuning.diagonal_first
+        self.stagger = tuning.stagger and not self.deterministic
+        self.diagonal_first = self.deterministic and tuning.diagonal_first
         self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups else TILE_N
         self.stages = query_stages(self.head_dim, three_warpgroups)
         self.check_shared_memory()
