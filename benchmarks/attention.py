@@ -114,9 +114,11 @@ def sm90_forward_variants():
     return {"default": ({}, (64, 128, 192, 256), (False, True)), **sm90_forward.TUNING_CANDIDATES}
 
 
-# (head_dim, causal, seq_len) rows for the candidates (sm90.forward.TUNING_CANDIDATES): D = 192 full at
-# 8k and 2k. Ordered by priority, so that a run cut short by --max-seconds still covers the first rows.
-VARIANT_ROWS = [(192, False, 8192), (192, False, 2048)]
+# (head_dim, causal, seq_len) rows for the candidates (sm90.forward.TUNING_CANDIDATES): D = 64 full and
+# causal at 16k and 1k (the polynomial exp2), then D = 192 full at 8k and 2k. Ordered by priority, so that
+# a run cut short by --max-seconds still covers the first rows.
+VARIANT_ROWS = [(64, False, 16384), (64, True, 16384), (64, False, 1024), (64, True, 1024),
+                (192, False, 8192), (192, False, 2048)]
 
 
 def variants_for(head_dim: int, causal: bool, excluded=()):

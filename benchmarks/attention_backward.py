@@ -123,6 +123,11 @@ def _variants():
         "per_thread_release": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, per_thread_query_release=True),
             False, small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "per_thread_release")),
+        # Every 4th (D 96 / 128; at D = 64's 128 rows it spills) or 6th exp2 of P on the FMA pipe.
+        **{f"poly_exp2_{every}": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, poly_exp2_every=every), False, head_dims,
+            ("test_sm90_backward.py", f"poly_exp2_{every}"))
+           for every, head_dims in ((4, (96, 128)), (6, small_heads.SUPPORTED_HEAD_DIMS))},
         "no_stagger": Variant(large_heads, large_heads.Tuning(stagger=False), False,
                               large_heads.SUPPORTED_HEAD_DIMS,
                               ("test_sm90_backward_large_heads.py", "no_stagger")),

@@ -150,6 +150,15 @@ CASES = {
     "d96-segments-ds-plain-store-fp16": dict(config=dict(scale=96 ** -0.5, has_segment_ids=True),
                                              shape=[1, 300, 300, 4, 4, 96], dtype="float16",
                                              tuning=dict(ds_stmatrix=False)),
+    # P with every 4th (6th at D = 64, whose 128 rows spill 16 bytes with every 4th) of a thread's exp2
+    # on the FMA pipe (`Tuning.poly_exp2_every`, a candidate): D 128 causal GQA at 64 rows, D 64
+    # deterministic at 128 rows, and softcap (whose slope reads P back).
+    "d128-causal-gqa-poly-exp2": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 300, 333, 8, 2, 128],
+                                      tuning=dict(poly_exp2_every=4)),
+    "d64-deterministic-poly-exp2": dict(config=dict(scale=0.125, deterministic=True), shape=[2, 300, 300, 4, 4, 64],
+                                        tuning=dict(poly_exp2_every=6)),
+    "d96-softcap-poly-exp2-fp16": dict(config=dict(scale=1.0, softcap=5.0), shape=[1, 300, 300, 4, 4, 96],
+                                       dtype="float16", tuning=dict(poly_exp2_every=4)),
 }
 
 
@@ -239,6 +248,8 @@ def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
     # has its own; this kernel has none else).
     stmatrix = re.findall(r"stmatrix\.sync\.aligned[.\w]*", ptx)
     assert set(stmatrix) == ({"stmatrix.sync.aligned.m8n8.x4.shared.b16"} if kernel.tuning.ds_stmatrix else set())
+    # The FMA-pipe exp2 (a floor by rounded add, no conversion-pipe instruction) with the candidate only.
+    assert ("add.rm.f32" in ptx) == bool(kernel.tuning.poly_exp2_every)
     assert ".local" not in ptx, "local memory in the PTX"
     ptxas = find_ptxas()
     if ptxas is None:

@@ -57,8 +57,9 @@ CASES = [
 # (docs/sm90_backward_tuning.md, "racecheck"); the grid launched key block slowest (longest walks
 # first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
 # accumulator's register order); dS^T staged with plain 32-bit stores (the default uses stmatrix,
-# docs/sm90_backward_tuning.md, "SASS budget"). Select their tests with `-k per_thread_release`,
-# `-k key_blocks_outer`, `-k tiled_dq` or `-k ds_plain_store`.
+# docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe. Select their
+# tests with `-k per_thread_release`, `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store` or
+# `-k poly_exp2`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
@@ -66,6 +67,8 @@ TUNINGS = {
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
     "tiled_dq": dataclasses.replace(sm90_backward.DEFAULT_TUNING, flat_dq=False),
     "ds_plain_store": dataclasses.replace(sm90_backward.DEFAULT_TUNING, ds_stmatrix=False),
+    "poly_exp2_4": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=4),
+    "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
 }
 
 # Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.

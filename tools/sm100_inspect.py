@@ -134,8 +134,8 @@ INSTRUCTIONS = {
     "tcgen05.commit.mbarrier": r"tcgen05\.commit\.[^\n]*mbarrier::arrive",  # MMA completion -> mbarrier
     "cp.async.bulk.tensor": r"cp\.async\.bulk\.tensor",   # TMA
     "ex2.approx": r"ex2\.approx",                         # exp2 on MUFU
-    # floor, then a Horner chain of FMAs, then the integer part added to the exponent field
-    "exp2 polynomial": r"cvt\.rmi\.f32\.f32[^}]*?(?:fma\.rn\.f32[^}]*?){3}shl\.b32[^}]*?add\.s32",
+    # floor by a rounded add, then a Horner chain of FMAs, then the integer part added to the exponent field
+    "exp2 polynomial": r"add\.rm\.f32[^}]*?(?:fma\.rn\.f32[^}]*?){3}shl\.b32[^}]*?add\.s32",
     "setmaxnreg": r"setmaxnreg\.",                        # per-role register split
 }
 

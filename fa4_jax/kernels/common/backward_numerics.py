@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from fa4_jax.kernels.common import masking
+from fa4_jax.kernels.common import exp2_polynomial, masking
 from fa4_jax.kernels.common.softcap import apply_softcap
 
 LOG2_E = math.log2(math.e)
@@ -23,8 +23,13 @@ class BackwardNumerics:
     """The static part (mask rules, softcap, scale, the (query, key) block a partial-block test is
     about) of the per-score backward arithmetic."""
 
-    def __init__(self, mask: masking.MaskShape, softcap: Optional[float], scale: float, tile_m: int, tile_n: int):
+    def __init__(self, mask: masking.MaskShape, softcap: Optional[float], scale: float, tile_m: int, tile_n: int,
+                 poly_exp2_every: int = 0):
         self.mask = mask
+        # Every `poly_exp2_every`-th of a thread's scores takes the FMA-pipe exp2 (0: all on MUFU.EX2).
+        # Counted over the thread's scores, not along a row: an sm90 thread holds only two keys of a
+        # query row of S^T.
+        self.poly_exp2_every = poly_exp2_every
         self.softcap = softcap
         self.scale = scale
         self.scale_log2 = scale * LOG2_E
@@ -54,9 +59,15 @@ class BackwardNumerics:
         logit_scale = self.scale_log2              # with softcap the scale is already applied
         if const_expr(self.softcap is not None):
             logit_scale = LOG2_E
+        columns = cute.size(scores, mode=[1])
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                scores[r, c] = cute.math.exp2(scores[r, c] * logit_scale - lse[r], fastmath=True)
+            for c in cutlass.range_constexpr(columns):
+                x = scores[r, c] * logit_scale - lse[r]
+                if const_expr(self.poly_exp2_every > 0
+                              and (r * columns + c) % self.poly_exp2_every == self.poly_exp2_every - 1):
+                    scores[r, c] = exp2_polynomial.exp2(x)
+                else:
+                    scores[r, c] = cute.math.exp2(x, fastmath=True)
 
     @cute.jit
     def ds_over_dp(self, probabilities, grads, dpsum, lse):

@@ -119,6 +119,11 @@ class Tuning:
       values at the same places (`_ds_store_copy`, checked on the CPU by
       tests/test_kernel_compile_sm90_backward.py). Measured 1.008-1.017x at D = 128 and 1.024-1.043x
       at D = 64 (H200, rev 4bfbbaa, docs/sm90_backward_tuning.md); False keeps the plain stores.
+    poly_exp2_every: every this many key columns of a thread's P, one exp2 runs as a polynomial on the
+      FMA pipe (common/exp2_polynomial.py) instead of MUFU.EX2 (0: none). MUFU issues 16 exp2 per
+      clock per SM; at D = 128 a 64 x 128 block's 8192 exponentials take 512 of its ~2560 tensor
+      cycles, at D = 64 (128 rows, half the FLOPs per score) 1024, and only dP^T runs on the tensor
+      cores meanwhile. A candidate, off until measured (docs/sm90_backward_tuning.md).
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -135,6 +140,7 @@ class Tuning:
     query_rows: Optional[int] = None
     flat_dq: bool = True
     ds_stmatrix: bool = True
+    poly_exp2_every: int = 0
 
 
 DEFAULT_TUNING = Tuning()
@@ -188,6 +194,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
+        self.poly_exp2_every = tuning.poly_exp2_every
         self.head_splits = options.head_splits
         self.tile_n = TILE_N
         self.stages = QUERY_STAGES

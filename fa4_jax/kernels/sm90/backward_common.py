@@ -16,7 +16,7 @@ Three stages, one obvious place each:
 A subclass of `Sm90BackwardBase` sets, besides what the base's __init__ sets: `tile_n` (keys per CTA),
 `stages` (Q / dO ring depth), `staged_row_stats` (whether the producer copies LSE / dPsum into the
 ring), `consumer_threads`, `dkv_transposed` when its dK / dV accumulators are of dK^T / dV^T (class
-default False), and `_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head,
+default False), `poly_exp2_every` where its P takes the FMA-pipe exp2 for some columns (class default 0), and `_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head,
 query block) of iteration `it` of a CTA's walk; `_produce` reads those.
 """
 
@@ -98,6 +98,8 @@ class Sm90BackwardBase:
 
     # Whether the dK / dV accumulators hold dK^T / dV^T ([D, keys]; `_store_dkv_tma` transposes them).
     dkv_transposed = False
+    # Every how many key columns of P one exp2 runs on the FMA pipe (`numerics`; 0: none).
+    poly_exp2_every = 0
 
     def __init__(self, options: BackwardOptions):
         self.options = options
@@ -176,7 +178,8 @@ class Sm90BackwardBase:
     @property
     def numerics(self) -> backward_numerics.BackwardNumerics:
         """P from the stored LSE and dS with the softcap slope: the functions the sm100 backward shares."""
-        return backward_numerics.BackwardNumerics(self.mask, self.softcap, self.scale, self.tile_m, self.tile_n)
+        return backward_numerics.BackwardNumerics(self.mask, self.softcap, self.scale, self.tile_m, self.tile_n,
+                                                  self.poly_exp2_every)
 
     @cute.jit
     def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,

@@ -196,6 +196,12 @@ TUNING_CANDIDATES: dict = {
     # fourth sweep): kept to be measured against the promoted set.
     "d192-n112-pingpong": ({"key_block": 112, "pingpong_max_head_dim": 256, "tma_store": False, "store_chunks": 1},
                            (192,), (False,)),
+    # D = 64: every 4th / 8th score of a row exponentiated on the FMA pipe (common/exp2_polynomial.py,
+    # now a floor by rounded add: no conversion-pipe instruction). At D = 64 a score costs 256 MMA
+    # FLOPs, 16 scores per clock per SM, exactly MUFU's exp2 rate, so the exp2 unit is as busy as the
+    # tensor cores; a quarter of the scores moved off it leaves it 25 % of slack.
+    "d64-poly4": ({"poly_exp2_every": 4}, (64,), (False, True)),
+    "d64-poly8": ({"poly_exp2_every": 8}, (64,), (False, True)),
 }
 
 
