@@ -159,6 +159,11 @@ CASES = {
                                         tuning=dict(poly_exp2_every=6)),
     "d96-softcap-poly-exp2-fp16": dict(config=dict(scale=1.0, softcap=5.0), shape=[1, 300, 300, 4, 4, 96],
                                        dtype="float16", tuning=dict(poly_exp2_every=4)),
+    # dQ split by query rows between the warp groups (`Tuning.dq_row_split`, a candidate at D = 64's 128
+    # rows): odd lengths, and causal GQA deterministic.
+    "d64-dq-row-split": dict(config=dict(scale=0.125), shape=[2, 300, 333, 4, 4, 64], tuning=dict(dq_row_split=True)),
+    "d64-causal-gqa-deterministic-dq-row-split": dict(config=dict(scale=0.125, causal=True, deterministic=True),
+                                                      shape=[2, 300, 300, 8, 2, 64], tuning=dict(dq_row_split=True)),
 }
 
 
@@ -248,6 +253,12 @@ def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
     # has its own; this kernel has none else).
     stmatrix = re.findall(r"stmatrix\.sync\.aligned[.\w]*", ptx)
     assert set(stmatrix) == ({"stmatrix.sync.aligned.m8n8.x4.shared.b16"} if kernel.tuning.ds_stmatrix else set())
+    # dQ's wgmmas: N = D / 2 (warp groups split the head dim), or N = D with the row split.
+    dq_columns = kernel.head_dim if kernel.tuning.dq_row_split else kernel.head_dim // 2
+    if not kernel.dq_transposed:
+        assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dq_columns}k16", ptx), "no dQ wgmma"
+        if kernel.tuning.dq_row_split:
+            assert not re.search(rf"m64n{kernel.head_dim // 2}k16", ptx), "dQ still split by columns"
     # The FMA-pipe exp2 (a floor by rounded add, no conversion-pipe instruction) with the candidate only.
     assert ("add.rm.f32" in ptx) == bool(kernel.tuning.poly_exp2_every)
     assert ".local" not in ptx, "local memory in the PTX"
@@ -312,6 +323,20 @@ def test_query_rows_the_kernel_cannot_take_are_refused(head_dim, extra, match):
     with pytest.raises(ValueError, match="head_splits"):
         sm90_backward.options(AttentionConfig(scale=0.125), _problem([1, 256, 256, 8, 2, 64]),
                               sm90_backward.Tuning(query_rows=128, head_splits=2))
+
+
+@pytest.mark.parametrize("head_dim,tuning,match", [
+    (128, dict(dq_row_split=True), "needs 128 query rows"), (64, dict(dq_row_split=True, query_rows=64), "needs 128"),
+    (64, dict(dq_row_split=True, flat_dq=False), "flat_dq=True")])
+def test_dq_row_split_is_refused_where_no_warp_group_has_64_rows_of_its_own(head_dim, tuning, match):
+    """The row split gives each warp group 64 of 128 query rows, staged in the register order: other row
+    counts and the tiled dQ staging are refused by `options`, before anything compiles."""
+    with pytest.raises(ValueError, match=match):
+        sm90_backward.options(AttentionConfig(scale=head_dim ** -0.5), _problem([1, 256, 256, 4, 4, head_dim]),
+                              sm90_backward.Tuning(**tuning))
+    split = sm90_backward.options(AttentionConfig(scale=0.125), _problem([1, 256, 256, 4, 4, 64]),
+                                  sm90_backward.Tuning(dq_row_split=True))
+    assert split.tuning.query_rows == 128 and split.tuning.dq_row_split
 
 
 @pytest.mark.parametrize("head_dim,extra,tuning,match", [
@@ -463,8 +488,8 @@ spec = json.loads(sys.argv[1])
 head_dim = spec["head_dim"]
 query = (1, 256, 4, head_dim)
 problem = host.Problem(query, query, query, "bfloat16")
-kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(
-    AttentionConfig(scale=head_dim ** -0.5), problem, sm90_backward.Tuning(query_rows=spec["query_rows"])))
+tuning = sm90_backward.Tuning(query_rows=spec["query_rows"], dq_row_split=spec["row_split"])
+kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(AttentionConfig(scale=head_dim ** -0.5), problem, tuning))
 placed = {}
 
 @cute.jit
@@ -486,24 +511,27 @@ print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m, "transposed": kernel.dq
 """
 
 
-@pytest.mark.parametrize("head_dim,query_rows", [(128, 64), (64, 128), (128, 80)])
-def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, tmp_path):
+@pytest.mark.parametrize("head_dim,query_rows,row_split", [(128, 64, False), (64, 128, False), (128, 80, False),
+                                                            (64, 128, True)])
+def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_split, tmp_path):
     """The dQ staging order and its reader agree through the kernel's own dQ tiled MMA: every position
     of a block holds one dQ element, and `backward_common.dq_from_fragments` (with the kernel's
-    `dq_transposed`) puts each at its (query, head-dim) place (64, 128, and 80 query rows, where the
-    fragment is of dQ^T). tests/test_kernel_building_blocks.py checks the reader against the PTX ISA's
-    fragment layout instead."""
+    `dq_transposed`, and one column group where `dq_row_split` gives each warp group whole rows) puts
+    each at its (query, head-dim) place (64, 128, and 80 query rows, where the fragment is of dQ^T).
+    tests/test_kernel_building_blocks.py checks the reader against the PTX ISA's fragment layout instead."""
     import numpy as np
 
     from fa4_jax.kernels.sm90 import backward_common
 
-    found = _trace(_DQ_STAGING_TRACE, {"head_dim": head_dim, "query_rows": query_rows}, tmp_path, "DQ_STAGING")
+    found = _trace(_DQ_STAGING_TRACE, {"head_dim": head_dim, "query_rows": query_rows, "row_split": row_split},
+                   tmp_path, "DQ_STAGING")
     assert (found["rows"], found["transposed"]) == (query_rows, query_rows == 80)
     positions = [position for position, _ in found["placed"]]
     assert sorted(positions) == list(range(query_rows * head_dim)), "a position staged twice or never"
     flat = np.zeros(query_rows * head_dim, np.float32)
     for position, (row, column) in found["placed"]:
         flat[position] = row * head_dim + column
-    rows = np.asarray(backward_common.dq_from_fragments(query_rows, found["transposed"])(
+    rows = np.asarray(backward_common.dq_from_fragments(query_rows, found["transposed"],
+                                                        column_groups=1 if row_split else 2)(
         flat.reshape(1, 1, 1, -1), query_rows))
     np.testing.assert_array_equal(rows[0, :, 0], np.arange(query_rows * head_dim).reshape(query_rows, head_dim))

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The prepared sweeps in two device calls, one after the other on the same warm machine (the kernel cache
-# in /tmp/fa4_kernels carries over):
-#   tests REV   the candidates' GPU tests (backward per_thread_query_release and poly_exp2_every 4 / 6,
-#               forward d64-poly4 / d64-poly8, the large-head diagonal-first / lowest-first turn orders),
-#               racecheck of the backward sanitizer cases in one process with per_thread_query_release
-#               on (docs/sm90_backward_tuning.md, "racecheck"), while the timed kernels precompile on the CPU
-#   timing REV  the timing of each candidate whose tests passed in the first call's gpu_tests.log and
-#               gpu_tests.xml (copied from what the device tool brought back into the tree, LOGS a folder of
-#               it): backward D 128 / 64, forward D 64 rows, D = 256 deterministic turn orders
+# The prepared sweeps in three device calls, one after the other on the same warm machine (the kernel
+# cache in /tmp/fa4_kernels carries over):
+#   tests REV          the candidates' GPU tests (backward per_thread_query_release, poly_exp2_every 4 / 6
+#                      and dq_row_split, forward d64-poly4 / d64-poly8, the large-head diagonal-first /
+#                      lowest-first turn orders), racecheck of the backward sanitizer cases in one process
+#                      with per_thread_query_release on (docs/sm90_backward_tuning.md, "racecheck"), while
+#                      the timed kernels precompile on the CPU
+#   backward REV LOGS  the backward timing (D 128 / 64) of each candidate whose tests passed in the first
+#                      call's gpu_tests.log (copied from what the device tool brought back into the tree,
+#                      LOGS a folder of it)
+#   forward REV LOGS   the forward D = 64 rows (gpu_tests.xml) and the D = 256 deterministic turn orders
 # Usage (device machine, repo root, bundle sourced; docs/device.md):
 #   bash benchmarks/device/next_sweeps.sh tests REV
-#   bash benchmarks/device/next_sweeps.sh timing REV LOGS
+#   bash benchmarks/device/next_sweeps.sh backward REV LOGS
+#   bash benchmarks/device/next_sweeps.sh forward REV LOGS
 # Outputs under $OUT, a short table printed last.
 set -u
 PHASE=$1
@@ -18,7 +21,8 @@ REV=$2
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels \
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-SMALL="--variants default per_thread_release poly_exp2_4 poly_exp2_6 --head-dims 128 64 --seq-lens 1024 4096 16384"
+SMALL="--variants default per_thread_release poly_exp2_4 poly_exp2_6 dq_row_split deterministic deterministic_dq_row_split
+       --head-dims 64 128 --seq-lens 1024 4096 16384"
 LARGE="--variants default deterministic deterministic_diagonal_first --head-dims 256 --seq-lens 1024 4096"
 
 if [ "$PHASE" = tests ]; then
@@ -39,7 +43,7 @@ sanitizer_cases.run('backward')" > "$OUT/racecheck_backward_per_thread_release.l
   RACE=$!
   timeout 330 python3 -m pytest -v -n 10 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
     tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py \
-    -k "per_thread_release or poly_exp2 or (variant and d64-poly) or diagonal_first or lowest_first" \
+    -k "per_thread_release or poly_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
   wait $RACE; echo "racecheck rc=$?"
@@ -48,11 +52,13 @@ sanitizer_cases.run('backward')" > "$OUT/racecheck_backward_per_thread_release.l
   echo "racecheck: $(grep -c ': ran' "$OUT/racecheck_backward_per_thread_release.log") cases ran"
   grep -E "RACECHECK SUMMARY|Error:|Hazard" "$OUT/racecheck_backward_per_thread_release.log" | sort | uniq -c | head -8
   tail -3 "$OUT/precompile.log"
-elif [ "$PHASE" = timing ]; then
-  LOGS=$3
-  timeout 260 python3 benchmarks/attention_backward.py --out "$OUT/backward_poly_exp2_release_h200.json" $SMALL \
-    --iterations 10 --variants-passing "$LOGS/gpu_tests.log" > "$OUT/backward_bench.log" 2>&1
+elif [ "$PHASE" = backward ]; then
+  timeout 540 python3 benchmarks/attention_backward.py --out "$OUT/backward_candidates_h200.json" $SMALL \
+    --iterations 10 --variants-passing "$3/gpu_tests.log" > "$OUT/backward_bench.log" 2>&1
   echo "backward bench rc=$?"
+  tail -40 "$OUT/backward_bench.log"
+elif [ "$PHASE" = forward ]; then
+  LOGS=$3
   timeout 130 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 110 \
     --exclude-failed "$LOGS/gpu_tests.xml" --out "$OUT/forward_variants_d64_poly_h200.json" \
     > "$OUT/forward_bench.log" 2>&1
@@ -60,5 +66,5 @@ elif [ "$PHASE" = timing ]; then
   timeout 120 python3 benchmarks/attention_backward.py --out "$OUT/backward_d256_diagonal_first_h200.json" $LARGE \
     --iterations 10 --variants-passing "$LOGS/gpu_tests.log" > "$OUT/large_heads_bench.log" 2>&1
   echo "large-head bench rc=$?"
-  tail -16 "$OUT/backward_bench.log"; tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log"
+  tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log"
 fi

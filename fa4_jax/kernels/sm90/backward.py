@@ -124,6 +124,14 @@ class Tuning:
       clock per SM; at D = 128 a 64 x 128 block's 8192 exponentials take 512 of its ~2560 tensor
       cycles, at D = 64 (128 rows, half the FLOPs per score) 1024, and only dP^T runs on the tensor
       cores meanwhile. A candidate, off until measured (docs/sm90_backward_tuning.md).
+    dq_row_split: at 128 query rows (D = 64), the dQ GEMM's two warp groups split the query rows, each
+      computing its 64 rows over the whole head dim (m64n64k16 at D = 64), instead of the head dim, each
+      computing both 64-row atoms over half of it (m64n32k16). An SS wgmma reads its A and B slices from
+      shared memory once per instruction: m64n32k16 reads 3 KB per 16 tensor-core clocks, 192 bytes a
+      clock against the 128 shared memory gives, where m64n64k16 reads 4 KB per 32 (128). FA4's D = 64
+      configuration splits dQ by rows too. The flat dQ staging then holds warp group g's rows 64 g ... in
+      the place of the 64-row atom m (`dq_from_fragments` with one column group reads it). A candidate,
+      off until measured; 128 query rows and flat_dq only.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -141,6 +149,7 @@ class Tuning:
     flat_dq: bool = True
     ds_stmatrix: bool = True
     poly_exp2_every: int = 0
+    dq_row_split: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -179,7 +188,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.tile_m = tuning.query_rows or backward_common.TILE_M
         masked = options.causal or options.window_left is not None or options.window_right is not None
         reason = query_rows_reason(self.tile_m, self.head_dim, options.head_splits, register_bound, masked,
-                                   tuning.flat_dq)
+                                   tuning.flat_dq) or dq_row_split_reason(tuning, self.tile_m)
         if reason is not None:
             raise ValueError(reason)
         # wgmma's M is a multiple of 64: a query block of another size (80) computes dQ transposed,
@@ -258,9 +267,13 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         mma_dkv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, d),
             warpgroup.OperandSource.RMEM)
-        # dQ = dS K: A = dS (query rows contiguous), B = K read MN-major; warp groups split D.
+        # dQ = dS K: A = dS (query rows contiguous), B = K read MN-major; warp groups split D, or the
+        # query rows with `dq_row_split`.
         mma_dq = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, d // 2))
+        if const_expr(self.tuning.dq_row_split):
+            mma_dq = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (WGMMA_M, d))
         if const_expr(self.dq_transposed):
             # dQ^T = K^T dS^T: A = K viewed (D, keys), B = dS^T viewed (queries, keys), both with their
             # M / N contiguous (D in K's rows, the queries in sdS); warp groups split D (M).
@@ -840,7 +853,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     if query_rows is None:
         query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
     masked = config.causal or config.has_window
-    reason = query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, masked, tuning.flat_dq)
+    reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, masked, tuning.flat_dq)
+              or dq_row_split_reason(tuning, query_rows))
     if reason is not None:
         raise ValueError(reason)
     return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows),
@@ -893,6 +907,18 @@ def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register
     if query_rows != backward_common.TILE_M and head_splits > 1:
         return (f"query_rows={query_rows} does not combine with head_splits={head_splits}: the fp32 dK / dV "
                 "partials are staged over Q / dO rings sized for 64 rows")
+    return None
+
+
+def dq_row_split_reason(tuning: Tuning, query_rows: int) -> Optional[str]:
+    """Why the kernel cannot take `tuning.dq_row_split` at `query_rows` rows per block, or None."""
+    if not tuning.dq_row_split:
+        return None
+    if query_rows != WIDE_QUERY_ROWS:
+        return (f"dq_row_split needs {WIDE_QUERY_ROWS} query rows per block (got {query_rows}): each of the two "
+                "warp groups takes 64 of them")
+    if not tuning.flat_dq:
+        return "dq_row_split needs flat_dq=True: its dQ fragment is staged in the register order only"
     return None
 
 
@@ -966,6 +992,7 @@ def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, opt
     accumulator_shape, dq_rows = dq_accumulator_shape, _dq_rows
     if options.tuning.flat_dq:
         accumulator_shape = backward_common.flat_dq_accumulator_shape(kernel.tile_m)
-        dq_rows = backward_common.dq_from_fragments(kernel.tile_m, kernel.dq_transposed)
+        dq_rows = backward_common.dq_from_fragments(kernel.tile_m, kernel.dq_transposed,
+                                                    column_groups=1 if options.tuning.dq_row_split else 2)
     return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,
                              accumulator_shape, dq_rows, kernel.tile_m)
