@@ -1,6 +1,6 @@
 """Small calls of the CuTe kernels for compute-sanitizer (tests/test_sanitizer.py runs this file under it).
 
-    compute-sanitizer --tool racecheck python tests/sanitizer_cases.py forward
+    compute-sanitizer --tool racecheck python tests/sanitizer_cases.py all      (or forward, backward)
 
 Each case runs `fa4_jax.attention(implementation="cute")` once (forward, or forward and gradient) on
 shapes small enough for the sanitizer, chosen to reach every code path that synchronises differently:
@@ -45,10 +45,17 @@ BACKWARD_CASES = [
 ]
 
 
+def cases_of(kind: str) -> list:
+    """(kind, case) pairs: "forward", "backward", or "all" (every case, forward first, in one process:
+    state one kernel leaves in shared memory or in the allocator meets the next)."""
+    kinds = ("forward", "backward") if kind == "all" else (kind,)
+    return [(each, case) for each in kinds for case in (FORWARD_CASES if each == "forward" else BACKWARD_CASES)]
+
+
 def run(kind: str, names=None) -> None:
-    cases = FORWARD_CASES if kind == "forward" else BACKWARD_CASES
+    cases = cases_of(kind)
     keys = iter(jax.random.split(jax.random.key(0), 4 * len(cases)))
-    for name, batch, q_len, kv_len, q_heads, kv_heads, head_dim, options in cases:
+    for side, (name, batch, q_len, kv_len, q_heads, kv_heads, head_dim, options) in cases:
         if names and name not in names:
             continue
         query = jax.random.normal(next(keys), (batch, q_len, q_heads, head_dim), jnp.bfloat16)
@@ -58,13 +65,13 @@ def run(kind: str, names=None) -> None:
         def attention(q, k, v):
             return fa4_jax.attention(q, k, v, implementation="cute", **options)
 
-        if kind == "forward":
+        if side == "forward":
             result = jax.jit(attention)(query, key, value)
         else:
             loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
             result = jax.jit(jax.grad(loss, (0, 1, 2)))(query, key, value)
         jax.block_until_ready(result)
-        print(f"{kind} {name}: ran", flush=True)
+        print(f"{side} {name}: ran", flush=True)
 
 
 if __name__ == "__main__":

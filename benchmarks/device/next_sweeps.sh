@@ -3,13 +3,14 @@
 # cache in /tmp/fa4_kernels carries over):
 #   tests REV          the candidates' GPU tests (backward per_thread_query_release, poly_exp2_every 4 / 6
 #                      and dq_row_split, forward d64-poly4 / d64-poly8, the large-head diagonal-first /
-#                      lowest-first turn orders), racecheck of the backward sanitizer cases in one process
-#                      with per_thread_query_release on (docs/sm90_backward_tuning.md, "racecheck"), while
-#                      the timed kernels precompile on the CPU
-#   backward REV LOGS  the backward timing (D 128 / 64) of each candidate whose tests passed in the first
+#                      lowest-first turn orders); racecheck and memcheck of every sanitizer case (forward
+#                      and backward) in one process with per_thread_query_release on
+#                      (docs/sm90_backward_tuning.md, "racecheck"); meanwhile the timed kernels precompile
+#                      on the CPU
+#   backward REV LOGS  the backward timing (D 64 / 128) of each candidate whose tests passed in the first
 #                      call's gpu_tests.log (copied from what the device tool brought back into the tree,
 #                      LOGS a folder of it)
-#   forward REV LOGS   the forward D = 64 rows (gpu_tests.xml) and the D = 256 deterministic turn orders
+#   forward REV LOGS   the forward D = 64 rows (LOGS/gpu_tests.xml) and the D = 256 deterministic turn orders
 # Usage (device machine, repo root, bundle sourced; docs/device.md):
 #   bash benchmarks/device/next_sweeps.sh tests REV
 #   bash benchmarks/device/next_sweeps.sh backward REV LOGS
@@ -31,26 +32,31 @@ if [ "$PHASE" = tests ]; then
    JAX_PLATFORMS=cpu timeout 120 python3 benchmarks/attention.py --compile-only --compile-workers 4) \
     > "$OUT/precompile.log" 2>&1 &
   PRE=$!
-  timeout 230 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 12 python3 -c "
-import dataclasses, sys
+  # Every sanitizer case in one process, the small-head backward releasing its query stages from every thread.
+  SANITIZED="import dataclasses, sys
 sys.path[:0] = ['.', 'tests']
 from fa4_jax.kernels.sm90 import backward as b
 release = dataclasses.replace(b.DEFAULT_TUNING, per_thread_query_release=True)
 options = b.options
 b.options = lambda config, problem, tuning=release: options(config, problem, tuning)
 import sanitizer_cases
-sanitizer_cases.run('backward')" > "$OUT/racecheck_backward_per_thread_release.log" 2>&1 &
-  RACE=$!
+sanitizer_cases.run('all')"
+  (timeout 230 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 12 python3 -c "$SANITIZED" \
+     > "$OUT/racecheck_all_per_thread_release.log" 2>&1
+   timeout 90 compute-sanitizer --tool memcheck --print-limit 12 python3 -c "$SANITIZED" \
+     > "$OUT/memcheck_all_per_thread_release.log" 2>&1) &
+  SANITIZER=$!
   timeout 330 python3 -m pytest -v -n 10 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
     tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py \
     -k "per_thread_release or poly_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
-  wait $RACE; echo "racecheck rc=$?"
-  wait $PRE
+  wait $SANITIZER $PRE
   grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/gpu_tests.log" | tail -12
-  echo "racecheck: $(grep -c ': ran' "$OUT/racecheck_backward_per_thread_release.log") cases ran"
-  grep -E "RACECHECK SUMMARY|Error:|Hazard" "$OUT/racecheck_backward_per_thread_release.log" | sort | uniq -c | head -8
+  for tool in racecheck memcheck; do
+    echo "$tool: $(grep -c ': ran' "$OUT/${tool}_all_per_thread_release.log") of 16 cases ran"
+    grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error:|Hazard" "$OUT/${tool}_all_per_thread_release.log" | sort | uniq -c | head -6
+  done
   tail -3 "$OUT/precompile.log"
 elif [ "$PHASE" = backward ]; then
   timeout 540 python3 benchmarks/attention_backward.py --out "$OUT/backward_candidates_h200.json" $SMALL \
@@ -58,13 +64,12 @@ elif [ "$PHASE" = backward ]; then
   echo "backward bench rc=$?"
   tail -40 "$OUT/backward_bench.log"
 elif [ "$PHASE" = forward ]; then
-  LOGS=$3
   timeout 130 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 110 \
-    --exclude-failed "$LOGS/gpu_tests.xml" --out "$OUT/forward_variants_d64_poly_h200.json" \
+    --exclude-failed "$3/gpu_tests.xml" --out "$OUT/forward_variants_d64_poly_h200.json" \
     > "$OUT/forward_bench.log" 2>&1
   echo "forward bench rc=$?"
   timeout 120 python3 benchmarks/attention_backward.py --out "$OUT/backward_d256_diagonal_first_h200.json" $LARGE \
-    --iterations 10 --variants-passing "$LOGS/gpu_tests.log" > "$OUT/large_heads_bench.log" 2>&1
+    --iterations 10 --variants-passing "$3/gpu_tests.log" > "$OUT/large_heads_bench.log" 2>&1
   echo "large-head bench rc=$?"
   tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log"
 fi
