@@ -153,7 +153,8 @@ CASES = {
                                              tuning=dict(ds_stmatrix=False)),
     # Packed variable-length sequences (attention_varlen: batch 1, N sequences, cu_seqlens at run time):
     # one CTA per (sequence, key block), the tiled dQ staging, dK / dV by per-element stores. GQA without
-    # a mask; causal deterministic (turn counters per query slot); a window, fp16.
+    # a mask; causal deterministic (turn counters per query slot); a window, fp16; softcap with sinks (the
+    # configuration short of registers).
     "varlen-d128-gqa": dict(config=dict(scale=128 ** -0.5, has_cu_seqlens=True), shape=[1, 700, 900, 8, 2, 128],
                             sequences=7),
     "varlen-d64-causal-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True,
@@ -162,6 +163,8 @@ CASES = {
     "varlen-d96-window-gqa-fp16": dict(config=dict(scale=96 ** -0.5, window_left=100, window_right=20,
                                                    has_cu_seqlens=True),
                                        shape=[1, 500, 400, 6, 2, 96], sequences=3, dtype="float16"),
+    "varlen-d128-softcap-sinks": dict(config=dict(scale=1.0, softcap=20.0, has_sinks=True, has_cu_seqlens=True),
+                                      shape=[1, 300, 300, 4, 4, 128], sequences=5),
 }
 
 
