@@ -14,7 +14,13 @@ Times are CUPTI kernel times of one call (all its kernels summed), median over -
 own L^2, halved when causal), so padding shows up as lost throughput. max_abs_diff_* compare the
 packed output with each padded one on the real rows.
 
+--backward times the gradient instead: each call's forward and backward (jax.vjp of q, k, v against one
+fixed random output cotangent, padded with zeros for the padded calls), returning dq, which
+max_abs_diff_* compare on the real rows; the useful FLOPs count the forward's two GEMMs and the
+backward's five (3.5x the forward's).
+
 Usage: python benchmarks/varlen.py --out benchmarks/results/varlen_h200.json [--quick] [--mixes NAME ...]
+       [--backward]
 """
 
 from __future__ import annotations
@@ -48,9 +54,9 @@ def lengths_of(mix: str, seed: int = 0) -> np.ndarray:
     return np.asarray(draw(np.random.default_rng(seed), count), dtype=np.int64)
 
 
-def rows(quick: bool = False, mixes=None):
+def rows(quick: bool = False, mixes=None, backward: bool = False):
     head_dims = (128,) if quick else (64, 128)
-    return [dict(mix=mix, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=d, causal=c)
+    return [dict(mix=mix, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=d, causal=c, backward=backward)
             for mix in (mixes or MIXES) for d in head_dims for c in (False, True)]
 
 
@@ -79,6 +85,14 @@ def _inputs(lengths, row):
     return [jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key, shape in zip(keys, shapes)]
 
 
+def _gradient(function):
+    """(q, k, v, extra, d_out) -> dq of `function(q, k, v, extra)` against the output cotangent d_out:
+    its forward and backward passes, as training runs them."""
+    import jax
+
+    return lambda q, k, v, extra, d_out: jax.vjp(lambda q, k, v: function(q, k, v, extra), q, k, v)[1](d_out)[0]
+
+
 def _error(error) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
@@ -92,9 +106,10 @@ def measure(row, iterations) -> dict:
     lengths = lengths_of(row["mix"])
     cu, index = padding_index(lengths)
     causal = row["causal"]
+    backward = row.get("backward", False)
     record = dict(row, sequences=len(lengths), tokens=int(lengths.sum()), max_len=int(lengths.max()),
                   padded_tokens=int(index.size), useful_flops=useful_flops(lengths, row["q_heads"], row["head_dim"],
-                                                                           causal))
+                                                                           causal) * (3.5 if backward else 1))
     q, k, v = _inputs(lengths, row)
     gather = jnp.asarray(np.maximum(index, 0))
     real = jnp.asarray(index >= 0)
@@ -111,6 +126,11 @@ def measure(row, iterations) -> dict:
             q, k, v, is_causal=causal, query_seq_lengths=n, key_value_seq_lengths=n, implementation="cudnn"),
             (q_pad, k_pad, v_pad, seq_lengths)),
     }
+    if backward:
+        d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(jnp.bfloat16)
+        d_out_pad = jnp.where(real[..., None, None], d_out[gather], 0).astype(d_out.dtype)
+        functions = {name: (_gradient(function), (*arguments, d_out if name == "packed" else d_out_pad))
+                     for name, (function, arguments) in functions.items()}
     for name, (function, arguments) in functions.items():
         try:
             outputs[name], milliseconds = attention._median_ms(jax.jit(function), arguments, iterations)
@@ -136,6 +156,7 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--quick", action="store_true", help="D = 128 only")
     result.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=None, help="length mixes (default: all)")
     result.add_argument("--max-seconds", type=float, default=0.0, help="stop starting rows after this long")
+    result.add_argument("--backward", action="store_true", help="time forward + backward (the gradient)")
     return result
 
 
@@ -149,7 +170,7 @@ def main(argv=None):
                   dtype="bfloat16", mixes={mix: lengths_of(mix).tolist() for mix in (args.mixes or MIXES)},
                   timing="CUPTI kernel time of one call, median (jax.experimental.mosaic.gpu.profiler.measure)",
                   rows=[])
-    attention.measure_rows(report, rows(args.quick, args.mixes), lambda row: measure(row, args.iterations),
+    attention.measure_rows(report, rows(args.quick, args.mixes, args.backward), lambda row: measure(row, args.iterations),
                            args.out, args.max_seconds)
 
 

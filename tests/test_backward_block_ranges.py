@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
-from fa4_jax.kernels.common import masking, ordered_reduction  # noqa: E402
+from fa4_jax.kernels.common import masking, ordered_reduction, tile_scheduler  # noqa: E402
 
 SHAPES = [
     masking.MaskShape(),
@@ -103,3 +103,54 @@ def test_key_block_turns_are_the_visitors_in_order(shape, highest_first, tile_m,
             expected = list(range(len(visitors)))
             assert turns == (expected[::-1] if highest_first else expected), (
                 kv_len, row_offset, m_block, visitors, turns)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:6], ids=repr)
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_key_slots_cover_every_key_once_and_every_visible_pair(shape, seed):
+    """The sm90 backward on packed sequences (`tile_scheduler.packed_key_item`: one CTA per (sequence,
+    key block) slot, its walk `query_block_range` in the sequence's own rows): every key of the packed
+    axis is stored by exactly one CTA (its sequence's, clipped at the sequence's end; keys outside the
+    offsets by a key-less item, as zeros); every pair visible under the per-sequence rule lies in a
+    visited block pair; each (sequence, query block) has its own turn counter (query slot), whose
+    visitors take the turns 0, 1, ... highest key block first and, launched in decreasing slot order,
+    never wait for a CTA launched after them."""
+    tile_m, tile_n = 64, 128
+    rng = np.random.default_rng(seed)
+    num_sequences = int(rng.integers(1, 9))
+    lengths = rng.integers(0, 400, size=(num_sequences, 2)) * (rng.random((num_sequences, 2)) < 0.85)
+    lengths[0] = (rng.integers(1, 3) * tile_m, rng.integers(1, 3) * tile_n)     # whole tiles
+    cu_q = [0, *np.cumsum(lengths[:, 0]).tolist()]
+    cu_k = [0, *np.cumsum(lengths[:, 1]).tolist()]
+    total_q, total_k = cu_q[-1], cu_k[-1]
+    stored = np.zeros(total_k, int)
+    turns = {}              # query slot -> [(turn, key slot)]
+    query_slots = {}        # query slot -> (sequence's first row, query block)
+    for slot in range(tile_scheduler.packed_slots_per_head(num_sequences, total_k, tile_n)):
+        n_block, k_start, kv_len, q_start, q_len, query_slot = tile_scheduler.packed_key_item(
+            slot, cu_q, cu_k, num_sequences, total_q, total_k, tile_m, tile_n)
+        stored[k_start + n_block * tile_n:k_start + min(kv_len, (n_block + 1) * tile_n)] += 1
+        offset = kv_len - q_len
+        first, end = masking.query_block_range(shape, n_block, tile_m, tile_n, kv_len, offset, -(-q_len // tile_m))
+        assert first <= end and (end == first or n_block * tile_n < kv_len)
+        for m_block in range(first, end):
+            assert query_slots.setdefault(query_slot + m_block, (q_start, m_block)) == (q_start, m_block)
+            turn = ordered_reduction.key_block_turn(shape, n_block, m_block * tile_m, tile_m, tile_n, kv_len, offset,
+                                                    highest_first=True)
+            turns.setdefault(query_slot + m_block, []).append((turn, slot))
+        # The pairs this CTA must cover, by the element rule of its sequence alone.
+        rows = np.arange(q_len)[:, None] + offset
+        keys = np.arange(n_block * tile_n, min(kv_len, (n_block + 1) * tile_n))[None, :]
+        visible = np.ones((q_len, keys.shape[1]), bool)
+        if shape.right_reach is not None:
+            visible &= keys <= rows + shape.right_reach
+        if shape.window_left is not None:
+            visible &= keys >= rows - shape.window_left
+        touched = set(np.nonzero(visible.any(axis=1))[0] // tile_m)
+        assert all(first <= m < end for m in touched), (slot, first, end, touched)
+    assert stored.tolist() == [1] * total_k, "a key stored twice or never"
+    assert max(query_slots, default=0) < tile_scheduler.packed_slots_per_head(num_sequences, total_q, tile_m)
+    for visitors in turns.values():
+        visitors.sort()
+        assert [turn for turn, _ in visitors] == list(range(len(visitors)))
+        assert [slot for _, slot in visitors] == sorted((slot for _, slot in visitors), reverse=True)

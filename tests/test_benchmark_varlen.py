@@ -59,3 +59,22 @@ def test_measured_row_fields(monkeypatch):
     # cuDNN does not trace on a CPU: its failure is a field of the row, and the others still time.
     assert ("cudnn_padded_ms" in record) != ("cudnn_padded_error" in record)
     json.dumps(record)
+
+
+def test_backward_row_times_the_gradient(monkeypatch):
+    """--backward: each call becomes its forward and backward (dq against a fixed cotangent, q's shape,
+    so the packed / padded comparison holds), counted as 3.5x the forward's useful FLOPs."""
+    import jax
+    import jax.numpy as jnp
+
+    assert varlen.parser().parse_args(["--backward"]).backward and not varlen.parser().parse_args([]).backward
+    assert all(row["backward"] for row in varlen.rows(quick=True, backward=True))
+    monkeypatch.setattr(varlen, "lengths_of", lambda mix, seed=0: np.array([5, 1, 9]))
+    monkeypatch.setattr(varlen.attention, "_median_ms", lambda function, arguments, iterations: (
+        jnp.zeros(jax.eval_shape(function, *arguments).shape, jnp.bfloat16), 0.5))
+    row = dict(mix="short-16-1024", q_heads=4, kv_heads=2, head_dim=64, causal=False)
+    record = varlen.measure(dict(row, backward=True), 3)
+    assert record["useful_flops"] == 3.5 * varlen.measure(row, 3)["useful_flops"]
+    for name in ("packed", "padded"):
+        assert record[f"{name}_ms"] == 0.5, record.get(f"{name}_error")
+    assert record["max_abs_diff_vs_padded"] == 0.0

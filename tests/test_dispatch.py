@@ -375,12 +375,15 @@ def test_non_positive_scale_without_softcap_falls_back(monkeypatch, kind, capabi
 
 
 # Packed variable-length sequences (attention_varlen's config): which kernel runs each pass, or why
-# none does. (capability, pass, head dim) -> the refusal, None where a kernel takes it.
+# none does. (capability, pass, head dim) -> the refusal, None where the sm90 kernel of that pass takes it.
 PACKED_ROUTES = {
     "sm90-forward": ((9, 0), "forward", 128, None),
     "sm90-forward-zero-padded-head-dim": ((9, 0), "forward", 80, None),
     "sm90-forward-d64": ((9, 0), "forward", 64, None),
-    "sm90-backward": ((9, 0), "backward", 128, "sm90 backward has no scheduler for packed"),
+    "sm90-backward": ((9, 0), "backward", 128, None),
+    "sm90-backward-zero-padded-head-dim": ((9, 0), "backward", 80, None),
+    "sm90-backward-d64": ((9, 0), "backward", 64, None),
+    "sm90-backward-d192": ((9, 0), "backward", 192, "sm90 large-head backward has no scheduler for packed"),
     "sm90-backward-large-heads": ((9, 0), "backward", 256, "has no scheduler for packed"),
     "sm90-tangent": ((9, 0), "tangent", 128, "sm90 tangent has no scheduler for packed"),
     "sm90-decode": ((9, 0), "decode", 128, "sm90 decode has no scheduler for packed"),
@@ -391,26 +394,68 @@ PACKED_ROUTES = {
 
 @needs_cutlass
 @pytest.mark.parametrize("capability, kind, head_dim, refusal", PACKED_ROUTES.values(), ids=PACKED_ROUTES.keys())
-def test_packed_sequences_run_the_sm90_forward_kernel_and_nothing_else(monkeypatch, capability, kind, head_dim,
-                                                                       refusal):
-    """The sm90 forward schedules packed sequences (tests/test_sm90_varlen.py checks it against the
-    oracle); every other kernel refuses them, naming the packing, so attention_varlen's backward and
-    tangent run on the reference (with the usual one-time warning) and implementation="cute" raises."""
+def test_packed_sequences_run_the_sm90_forward_and_backward_kernels_and_nothing_else(monkeypatch, capability, kind,
+                                                                                    head_dim, refusal):
+    """The sm90 forward and the sm90 backward for head dims up to 128 schedule packed sequences
+    (tests/test_sm90_varlen.py checks both against the oracle); every other kernel (the large-head
+    backward for 192 / 256 included) refuses them, naming the packing, so attention_varlen's pass runs
+    on the reference there (with the usual one-time warning) and implementation="cute" raises."""
     monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
     monkeypatch.setattr(cuda, "_warned", set())
     config = AttentionConfig(scale=0.125, causal=True, has_sinks=True, has_cu_seqlens=True, implementation="cute")
     avals = [jax.ShapeDtypeStruct((1, 300, 4, head_dim), jnp.bfloat16),
              *[jax.ShapeDtypeStruct((1, 200, 2, head_dim), jnp.bfloat16)] * 2]
     if refusal is None:
-        module = cuda.kernel_for(kind, config, *avals)
-        assert module.__name__ == "fa4_jax.kernels.sm90.forward"
-        options = module.options(config, host.Problem.of(*avals, {"cu_seqlens_q": jnp.zeros((8,), jnp.int32)}))
+        module, padding = cuda.choose_kernel(kind, config, host.Problem.of(*avals))
+        assert module.__name__ == f"fa4_jax.kernels.sm90.{kind}"
+        problem = host.Problem.of(*avals, {"cu_seqlens_q": jnp.zeros((8,), jnp.int32)})
+        options = module.options(config, padding.kernel_problem(problem))
         assert options.packed and options.num_sequences == 7
         return
     with pytest.raises(NotImplementedError, match=refusal):
         cuda.kernel_for(kind, config, *avals)
     with pytest.warns(UserWarning, match="packed variable-length sequences"):
         assert cuda.kernel_for(kind, config.replace(implementation=None), *avals) is None
+
+
+@needs_cutlass
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="needs a host without a GPU")
+def test_packed_backward_lowering_gives_the_kernel_the_sequence_count(monkeypatch):
+    """The backward's CUDA lowering builds its `Problem` with the optional operands, so the sm90
+    backward's options learn N from cu_seqlens (they refuse a packed call without it); exported for
+    CUDA on this CPU host with the choice recorded and the reference lowered in its place."""
+    from fa4_jax.kernels.sm90 import backward as sm90_backward
+
+    chosen = []
+
+    def record(pass_, config, problem):
+        chosen.append((pass_, config, problem))
+
+    monkeypatch.setattr(cuda, "choose_kernel", record)
+    query = jax.ShapeDtypeStruct((300, 4, 128), jnp.bfloat16)
+    key = jax.ShapeDtypeStruct((200, 2, 128), jnp.bfloat16)
+    offsets = jax.ShapeDtypeStruct((6,), jnp.int32)
+
+    def loss(q, k, v, cu_q, cu_k):
+        return fa4_jax.attention_varlen(q, k, v, cu_q, cu_k, causal=True).astype(jnp.float32).sum()
+    jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"])(
+        query, key, key, offsets, offsets)
+    (_, config, problem), = [entry for entry in chosen if entry[0] == "backward"]
+    assert problem.sequences == 5 and config.has_cu_seqlens
+    options = sm90_backward.options(config, problem)
+    assert options.packed and options.num_sequences == 5 and options.head_splits == 1
+    assert not options.tuning.flat_dq and options.tuning.query_rows == 64
+    with pytest.raises(ValueError, match="sequence count"):
+        sm90_backward.options(config, dataclasses.replace(problem, sequences=None))
+    for tuning, match in ((sm90_backward.Tuning(head_splits=2), "head_splits=1"),
+                          (sm90_backward.Tuning(query_rows=128), "64 query rows")):
+        with pytest.raises(ValueError, match=match):
+            sm90_backward.options(config, problem, tuning)
+    with pytest.raises(ValueError, match="flat_dq=False"):
+        sm90_backward.Sm90BackwardKernel(dataclasses.replace(
+            options, tuning=dataclasses.replace(options.tuning, flat_dq=True)))
+    assert "does not combine packed sequences" in sm90_backward.unsupported_reason(
+        config.replace(has_kv_seq_lengths=True), problem)
 
 
 @needs_cutlass

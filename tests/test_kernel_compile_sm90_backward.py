@@ -2,7 +2,8 @@
 
 The PTX must hold the instructions that make the design real: `wgmma.mma_async` (tensor cores),
 `cp.async.bulk.tensor` (TMA loads), `setmaxnreg` (producer/consumer register split) and the TMA bulk
-reductions that add dQ into global memory (with head splits, dK and dV too, and no dK / dV store);
+reductions that add dQ into global memory (with head splits, dK and dV too, and no dK / dV store;
+with packed sequences no TMA dK / dV store either);
 the query ring's empty mbarriers must expect the
 arrivals the tuning makes (one lane per consumer warp, or every consumer thread); and ptxas (when
 installed) must report no spills.
@@ -43,12 +44,12 @@ spec = json.loads(sys.argv[1])
 config = AttentionConfig(**spec["config"])
 batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
 problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
-                       (batch, kv_len, kv_heads, head_dim), spec["dtype"])
+                       (batch, kv_len, kv_heads, head_dim), spec["dtype"], sequences=spec.get("sequences"))
 tuning = sm90_backward.Tuning(**spec.get("tuning", {}), head_splits=spec.get("head_splits", 1))
 kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
              *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits, kernel.tile_m,
-                                           kernel.tuning.flat_dq))
+                                           kernel.tuning.flat_dq, problem.sequences))
 """
 
 # The default tuning everywhere: D 64 / 96 / 128, causal, GQA, deterministic, and the configurations
@@ -164,19 +165,33 @@ CASES = {
     "d64-dq-row-split": dict(config=dict(scale=0.125), shape=[2, 300, 333, 4, 4, 64], tuning=dict(dq_row_split=True)),
     "d64-causal-gqa-deterministic-dq-row-split": dict(config=dict(scale=0.125, causal=True, deterministic=True),
                                                       shape=[2, 300, 300, 8, 2, 64], tuning=dict(dq_row_split=True)),
+    # Packed variable-length sequences (attention_varlen: batch 1, N sequences, cu_seqlens at run time):
+    # one CTA per (sequence, key block), the tiled dQ staging, dK / dV by per-element stores. GQA without
+    # a mask; causal deterministic (turn counters per query slot); a window, fp16; softcap with sinks (the
+    # configuration short of registers).
+    "varlen-d128-gqa": dict(config=dict(scale=128 ** -0.5, has_cu_seqlens=True), shape=[1, 700, 900, 8, 2, 128],
+                            sequences=7),
+    "varlen-d64-causal-deterministic": dict(config=dict(scale=0.125, causal=True, deterministic=True,
+                                                        has_cu_seqlens=True),
+                                            shape=[1, 700, 900, 4, 4, 64], sequences=7),
+    "varlen-d96-window-gqa-fp16": dict(config=dict(scale=96 ** -0.5, window_left=100, window_right=20,
+                                                   has_cu_seqlens=True),
+                                       shape=[1, 500, 400, 6, 2, 96], sequences=3, dtype="float16"),
+    "varlen-d128-softcap-sinks": dict(config=dict(scale=1.0, softcap=20.0, has_sinks=True, has_cu_seqlens=True),
+                                      shape=[1, 300, 300, 4, 4, 128], sequences=5),
 }
 
 
-def _problem(shape, dtype="bfloat16"):
+def _problem(shape, dtype="bfloat16", sequences=None):
     batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
     return host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
-                        (batch, kv_len, kv_heads, head_dim), dtype)
+                        (batch, kv_len, kv_heads, head_dim), dtype, sequences=sequences)
 
 
 def _kernel(spec):
     tuning = sm90_backward.Tuning(**spec.get("tuning", {}), head_splits=spec.get("head_splits", 1))
-    return sm90_backward.Sm90BackwardKernel(sm90_backward.options(
-        AttentionConfig(**spec["config"]), _problem(spec["shape"], spec.get("dtype", "bfloat16")), tuning))
+    problem = _problem(spec["shape"], spec.get("dtype", "bfloat16"), spec.get("sequences"))
+    return sm90_backward.Sm90BackwardKernel(sm90_backward.options(AttentionConfig(**spec["config"]), problem, tuning))
 
 
 def _bulk_reduce_count(head_dim, head_splits):
@@ -231,6 +246,11 @@ def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
         assert not dkv_store, "head splits add dK / dV, they do not store them"
     elif kernel.tma_dkv_store:   # the tuning as the kernel applies it to this config
         assert dkv_store, "no TMA store of dK / dV"
+    # Packed sequences start anywhere in the packed rows: dK / dV by per-element stores clipped at the
+    # sequence's end (a tile store would overwrite the next sequence's keys), the row statistics by
+    # per-thread loads (bulk copies need aligned rows).
+    if kernel.packed:
+        assert not dkv_store and "cp.async.bulk.shared::cluster.global" not in ptx
     reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add\.", ptx)
     if kernel.tuning.flat_dq:
         # dQ: one 1-D bulk reduce-add per block; tensor reduces only for head-split dK / dV.

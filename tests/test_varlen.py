@@ -73,6 +73,7 @@ class VarlenTestBase:
                                                 implementation=self.gradient_implementation, **case.options())
             return jax.vjp(function, q, k, v, sinks)[1]((d_out, d_lse))
 
+        self.before_call(4 * (packed.query.size + packed.key.size + packed.value.size))
         grads = pullback(packed.query, packed.key, packed.value, packed.sinks)
         expected = oracle_backward(case, packed, d_out, d_lse)
         tolerance = self.tolerance[case.dtype] * 2

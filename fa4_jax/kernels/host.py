@@ -377,21 +377,23 @@ def sinks_gradient(sinks, lse, dpsum_unpadded):
     return -jnp.sum(p_sink * dpsum_unpadded, axis=(0, 2))
 
 
-def _fake_optional(name, batch, q_len, kv_len):
+def _fake_optional(name, batch, q_len, kv_len, num_sequences=None):
     import cutlass
 
+    offsets = None if num_sequences is None else (num_sequences + 1,)
     shape = {"q_segment_ids": (batch, q_len), "kv_segment_ids": (batch, kv_len), "q_seq_lengths": (batch,),
-             "kv_seq_lengths": (batch,), "q_start": (1,)}[name]
+             "kv_seq_lengths": (batch,), "q_start": (1,), "cu_seqlens_q": offsets, "cu_seqlens_k": offsets}[name]
     return fake_tensor(cutlass.Int32, shape)
 
 
 def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_accumulator_shape, tile_m,
-                            fp32_dkv: bool = False) -> list:
+                            fp32_dkv: bool = False, num_sequences: Optional[int] = None) -> list:
     """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
     `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
     q_heads, head_dim)`, the semaphores, then dK, dV in the input type, or with `fp32_dkv` the one fp32
     accumulator [2, B, Sk, Hkv, D] and None, as `launch_backward` passes them), for compiling without a
-    GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    GPU. shape = (B, Sq, Sk, Hq, Hkv, D); with packed sequences B = 1 and `num_sequences` N sizes the
+    offsets and the turn counters (`backward_query_tiles`)."""
     import cutlass
     from cutlass import Float32
 
@@ -400,32 +402,48 @@ def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_
     padded = backward_padded_rows(q_len, tile_m)
     present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
                "q_seq_lengths": config.has_q_seq_lengths, "kv_seq_lengths": config.has_kv_seq_lengths,
-               "q_start": config.has_q_start}
+               "q_start": config.has_q_start, "cu_seqlens_q": config.has_cu_seqlens,
+               "cu_seqlens_k": config.has_cu_seqlens}
     query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
     fake = fake_tensor
     return [
         fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
         fake(element, query_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
-        *(_fake_optional(name, batch, q_len, kv_len) if present[name] else None for name in optional_inputs),
+        *(_fake_optional(name, batch, q_len, kv_len, num_sequences) if present[name] else None
+          for name in optional_inputs),
         fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
-        fake(cutlass.Int32, (batch, q_heads, padded // tile_m)) if config.deterministic else None,
+        (fake(cutlass.Int32, (batch, q_heads, backward_query_tiles(q_len, tile_m, num_sequences)))
+         if config.deterministic else None),
         *((fake(Float32, (2, *key_shape)), None) if fp32_dkv else (fake(element, key_shape),) * 2),
     ]
 
 
+def backward_query_tiles(q_len, tile_m, num_sequences=None):
+    """Query tiles per (batch element, query head), each with a turn counter in deterministic mode: the
+    blocks of Sq, or with packed sequences (N = `num_sequences`) the scheduler's query slots, one per
+    (sequence, query block) (`tile_scheduler.packed_key_item`)."""
+    if num_sequences is None:
+        return ceil_div(q_len, tile_m)
+    from fa4_jax.kernels.common import tile_scheduler
+
+    return tile_scheduler.packed_slots_per_head(num_sequences, q_len, tile_m)
+
+
 def run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional: dict, optional_inputs,
-                 dq_accumulator_shape, dq_rows, tile_m):
+                 dq_accumulator_shape, dq_rows, tile_m, num_sequences: Optional[int] = None):
     """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `launch_backward` (its inputs
     after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
     layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient.
     With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here.
+    With packed sequences (B = 1, `num_sequences` N) the turn counters are per query slot.
     `options` (the kernel's compile key) has `scale`, `deterministic`, `has_sinks` and `head_splits`."""
     batch, q_len, q_heads, head_dim = query.shape
     d_out = d_out.astype(query.dtype)
     dpsum, lse_log2 = backward_preprocess(out, lse, d_out, d_lse, tile_m)
     padded = dpsum.shape[-1]
     dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, padded // tile_m), jnp.int32) if options.deterministic else None)
+    semaphores = (jnp.zeros((batch, q_heads, backward_query_tiles(q_len, tile_m, num_sequences)), jnp.int32)
+                  if options.deterministic else None)
     inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
               dq_accum, semaphores)
     dq_accum, d_key, d_value = launch_backward(kernel, options, inputs, key, value, query.dtype,

@@ -188,8 +188,8 @@ def _forward_rule(ctx, *operands, config: AttentionConfig):
 
 
 def _backward_rule(ctx, *operands, config: AttentionConfig, has_d_lse: bool):
-    query, key, value, *_ = ctx.avals_in
-    problem = host.Problem.of(query, key, value)
+    (query, key, value, *_), _, optional = split_backward_operands(config, has_d_lse, ctx.avals_in)
+    problem = host.Problem.of(query, key, value, optional)
     chosen = choose_kernel("backward", config, problem)
     if chosen is None:
         return mlir.lower_fun(reference.backward, multiple_results=True)(

@@ -84,23 +84,51 @@ def packed_slot(cu_seqlens_q, s, num_sequences: int, total_q: int, tile_m: int):
     return s + packed_boundary(cu_seqlens_q, s, num_sequences, total_q) // tile_m
 
 
-def packed_item(slot, cu_seqlens_q, cu_seqlens_k, num_sequences: int, total_q: int, total_k: int, tile_m: int):
-    """Slot -> (m_block, q_start, q_len, k_start, kv_len): the query block within its sequence, the
-    sequence's first query row and key in the packed arrays, and its lengths. The item holds rows iff
-    m_block * tile_m < q_len. Runs on Python ints (and lists) in the unit tests and on `cutlass.Int32`
-    (and int32 tensors) inside kernels; the search takes a static ceil(log2(N + 2)) steps."""
+def packed_sequence(slot, cu_seqlens, num_sequences: int, total: int, tile):
+    """The virtual sequence whose slots (of `tile` tokens, over the offsets `cu_seqlens` of `total`
+    tokens) hold `slot`: the largest s with v(s) <= slot, by a binary search of a static
+    ceil(log2(N + 2)) steps."""
     low, high = 0, num_sequences + 2     # the largest s in [low, high) with v(s) <= slot
     for _ in range((num_sequences + 1).bit_length()):
         middle = (low + high) // 2
-        fits = packed_slot(cu_seqlens_q, middle, num_sequences, total_q, tile_m) <= slot
+        fits = packed_slot(cu_seqlens, middle, num_sequences, total, tile) <= slot
         low, high = integer.pick(fits, middle, low), integer.pick(fits, high, middle)
-    s = low
+    return low
+
+
+def packed_extents(s, cu_seqlens_q, cu_seqlens_k, num_sequences: int, total_q: int, total_k: int):
+    """(q_start, q_len, k_start, kv_len) of virtual sequence s: its first query row and key in the
+    packed arrays, and its lengths (the two virtual sequences have no keys)."""
     q_start = packed_boundary(cu_seqlens_q, s, num_sequences, total_q)
     q_len = integer.maximum(packed_boundary(cu_seqlens_q, s + 1, num_sequences, total_q) - q_start, 0)
-    # Keys of packed sequence s - 1; the two virtual sequences have none.
     real = integer.both(s >= 1, s <= num_sequences)
     k_start = _clamp(cu_seqlens_k[_clamp(s - 1, 0, num_sequences)], 0, total_k)
     k_end = _clamp(cu_seqlens_k[_clamp(s, 0, num_sequences)], 0, total_k)
     kv_len = integer.pick(real, integer.maximum(k_end - k_start, 0), 0)
+    return q_start, q_len, k_start, kv_len
+
+
+def packed_item(slot, cu_seqlens_q, cu_seqlens_k, num_sequences: int, total_q: int, total_k: int, tile_m: int):
+    """Slot -> (m_block, q_start, q_len, k_start, kv_len): the query block within its sequence, the
+    sequence's first query row and key in the packed arrays, and its lengths. The item holds rows iff
+    m_block * tile_m < q_len. Runs on Python ints (and lists) in the unit tests and on `cutlass.Int32`
+    (and int32 tensors) inside kernels."""
+    s = packed_sequence(slot, cu_seqlens_q, num_sequences, total_q, tile_m)
+    q_start, q_len, k_start, kv_len = packed_extents(s, cu_seqlens_q, cu_seqlens_k, num_sequences, total_q, total_k)
     m_block = slot - packed_slot(cu_seqlens_q, s, num_sequences, total_q, tile_m)
     return m_block, q_start, q_len, k_start, kv_len
+
+
+def packed_key_item(slot, cu_seqlens_q, cu_seqlens_k, num_sequences: int, total_q: int, total_k: int, tile_m: int,
+                    tile_n: int):
+    """The backward's view, slots over (sequence, key block) of `tile_n` keys, laid out on the key axis as
+    the forward's are on the query axis (`packed_slots_per_head(N, total_k, tile_n)` per head; the two
+    virtual sequences hold the keys outside the offsets, with no query rows): slot -> (n_block,
+    k_start, kv_len, q_start, q_len, query_slot). The item holds keys iff n_block * tile_n < kv_len.
+    query_slot is the forward's slot v(s) of the sequence's first query block of `tile_m` rows, so
+    query block m of the sequence is slot query_slot + m: one per (sequence, query block), what a
+    per-query-tile counter needs."""
+    s = packed_sequence(slot, cu_seqlens_k, num_sequences, total_k, tile_n)
+    k_start, kv_len, q_start, q_len = packed_extents(s, cu_seqlens_k, cu_seqlens_q, num_sequences, total_k, total_q)
+    n_block = slot - packed_slot(cu_seqlens_k, s, num_sequences, total_k, tile_n)
+    return n_block, k_start, kv_len, q_start, q_len, s + q_start // tile_m

@@ -37,6 +37,15 @@ K / V tiles, which nothing reads after the last query block, and adds them with 
 into zeroed fp32 accumulators that the JAX side then casts. `head_splits_for` picks the split when
 `Tuning.head_splits` is None. Deterministic mode takes at most 2: two fp32 addends onto zero give the
 same bits in either order (0 + a + b == 0 + b + a), three or more do not.
+
+Packed variable-length sequences (attention_varlen, `options.packed`; B = 1): grid x is
+tile_scheduler.packed_key_item's slots over (sequence, key block), and each CTA runs the walk above in
+its sequence's own rows (TMA coordinates offset to the sequence's first query row and key, the rows and
+keys past its ends masked as past its lengths). A sequence starts at any row, so its dQ tiles are TMA
+reduces at that row (the tiled staging; the last one adds exact zeros into the next sequence's rows),
+dK / dV go out by per-element stores clipped at its end and the row statistics by per-thread loads;
+deterministic turn counters are per (sequence, query block) slot. Slot order keeps a sequence's key
+blocks in order, so the reversed launch is still the turn order.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.common import masking, ordered_reduction
+from fa4_jax.kernels.common import masking, ordered_reduction, tile_scheduler
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, backward_common
 from fa4_jax.kernels.sm90.backward_common import BackwardOptions, Sm90BackwardBase
 from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, gemm, k_major_layout, mn_major_layout,
@@ -157,7 +166,14 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    return backward_common.unsupported_reason("sm90 backward", config, problem, SUPPORTED_HEAD_DIMS)
+    reason = backward_common.unsupported_reason("sm90 backward", config, problem, SUPPORTED_HEAD_DIMS,
+                                                takes_packed=True)
+    if reason is None and config.has_cu_seqlens and (config.has_segment_ids or config.has_q_seq_lengths
+                                                     or config.has_kv_seq_lengths or config.has_q_start):
+        # The packed scheduler takes each sequence's extents from the offsets alone, as the forward's.
+        return ("sm90 backward does not combine packed sequences (cu_seqlens) with segment ids, sequence lengths "
+                "or q_start")
+    return reason
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -207,6 +223,18 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.head_splits = options.head_splits
         self.tile_n = TILE_N
         self.stages = QUERY_STAGES
+        if self.packed:
+            reason = packed_reason(self.head_splits, self.tile_m, tuning.flat_dq)
+            if reason is not None:
+                raise ValueError(reason)
+            # A sequence's query and key blocks start anywhere in the packed rows: the bulk copies of
+            # the row statistics need 16-byte aligned sources, and the TMA store of dK / dV would
+            # overwrite the next sequence's first keys (written by another CTA), so those go by
+            # per-thread loads and per-element stores clipped at the sequence's end. The grid is
+            # the scheduler's slots on x.
+            self.staged_row_stats = False
+            self.tma_dkv_store = False
+            self.key_blocks_outer = False
         # Two dQ staging buffers, or one where two do not fit (80 query rows at D = 128): the writer's
         # bulk reduce of block i then has the whole of block i + 1's GEMMs to read the buffer before
         # the consumers stage again, and the dQ pipeline's one stage keeps them from overwriting it.
@@ -304,7 +332,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
-                 mQStart, mdQacc, mSemaphores, mdK, mdV=None):
+                 mQStart, mCuSeqlensQ, mCuSeqlensK, mdQacc, mSemaphores, mdK, mdV=None):
         if const_expr(self.head_splits > 1):
             # One fp32 accumulator [2, B, Sk, Hkv, D] for dK and dV (host.launch_backward says why).
             accumulators = mdK
@@ -380,13 +408,17 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         assert SharedStorage.size_in_bytes() == self.shared_memory_bytes(), (
             SharedStorage.size_in_bytes(), self.shared_memory_bytes())
         num_n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), self.tile_n)
+        if const_expr(self.packed):
+            num_n_blocks = tile_scheduler.packed_slots_per_head(self.options.num_sequences, cute.size(mK, mode=[0]),
+                                                                self.tile_n)
         grid = (num_n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3]))
         if const_expr(self.head_splits > 1):
             grid = (num_n_blocks, cute.size(mK, mode=[2]) * self.head_splits, cute.size(mK, mode=[3]))
         if const_expr(self.key_blocks_outer):
             grid = (cute.size(mK, mode=[2]) * self.head_splits, cute.size(mK, mode=[3]), num_n_blocks)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
-                    tma_v, tma_mV, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mSemaphores, mdK,
+                    tma_v, tma_mV, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK,
+                    mSemaphores, mdK,
                     mdV, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mQ.shape[0],
                     q_layout, k_layout, v_layout, ds_layout, dq_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -394,7 +426,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
-               mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mSemaphores, mdK, mdV,
+               mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ,
+               mCuSeqlensK, mSemaphores, mdK, mdV,
                tma_dq, mdQ_tma, tma_dk, tma_mdK, tma_dv, tma_mdV, q_len_static, q_layout, k_layout,
                v_layout, ds_layout, dq_layout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -451,12 +484,24 @@ class Sm90BackwardKernel(Sm90BackwardBase):
 
         # Per-batch geometry in the forward kernel's terms: global row = local row + q_start, and
         # global row i sits at key position i + offset.
-        q_len, kv_len, offset = masking.batch_extents(batch, q_len_static, cute.size(mK, mode=[0]), mQSeqLengths,
-                                                      mKVSeqLengths, self.q_total)
+        sequence = None
+        if const_expr(self.packed):
+            # Grid x is the scheduler's slots over (sequence, key block): the rest in that sequence's
+            # own rows, as for a batch element padded at its end (rows past q_len are masked, so the
+            # dQ rows of the next sequence that a last query block covers get exact zeros).
+            n_block, k_row0, kv_len, q_row0, q_len, query_slot = tile_scheduler.packed_key_item(
+                n_block, mCuSeqlensQ, mCuSeqlensK, self.options.num_sequences, q_len_static,
+                cute.size(mK, mode=[0]), self.tile_m, self.tile_n)
+            sequence = (q_row0, k_row0, query_slot)
+            offset = kv_len - q_len
+            num_m_blocks = (q_len + self.tile_m - 1) // self.tile_m
+        else:
+            q_len, kv_len, offset = masking.batch_extents(batch, q_len_static, cute.size(mK, mode=[0]), mQSeqLengths,
+                                                          mKVSeqLengths, self.q_total)
+            num_m_blocks = cute.ceil_div(q_len_static, self.tile_m)
         q_start = Int32(0)
         if const_expr(self.has_q_start):
             q_start = mQStart[0]
-        num_m_blocks = cute.ceil_div(q_len_static, self.tile_m)
         m_lo, m_hi = masking.query_block_range(self.mask, n_block, self.tile_m, self.tile_n, kv_len,
                                                offset + q_start, num_m_blocks)
         m_count = m_hi - m_lo
@@ -471,23 +516,23 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             if warp_idx == 0:
                 self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
                               mLSE, mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head,
-                              batch, m_lo, m_count, iterations)
+                              batch, m_lo, m_count, iterations, sequence)
             if warp_idx == 1:
                 self._write_dq(dq_pipe, sdQ, tma_dq, mdQ_tma, mSemaphores, n_block, kv_head, batch, m_lo,
-                               m_count, iterations, kv_len, offset, q_start)
+                               m_count, iterations, kv_len, offset, q_start, sequence)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
                           dq_pipe, query_pipe, key_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mdK, mdV,
                           (tma_dk, tma_mdK, tma_dv, tma_mdV),
                           tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count, iterations,
-                          offset, kv_len, q_len, q_start)
+                          offset, kv_len, q_len, q_start, sequence)
 
     @cute.jit
     def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum, dq_pipe,
                  query_pipe, key_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mdK, mdV, dkv_store, tidx,
                  n_block, kv_head, batch, m_lo, m_count, iterations, offset, kv_len, q_len,
-                 q_start):
+                 q_start, sequence):
         d = self.head_dim
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
@@ -572,7 +617,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             else:
                 lse = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
                 for r in cutlass.range_constexpr(rows):
-                    lse[r] = mLSE[row_base + coords_qk[r, 0][0], q_head, batch]
+                    lse[r] = self._row_statistic(mLSE, row_base + coords_qk[r, 0][0], q_head, batch, sequence)
 
             warpgroup.wait_group(1)
             self.numerics.probabilities(acc_s, scores, coords_qk, lse, n_block, q_start + row_base, row_base,
@@ -591,7 +636,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             else:
                 dpsum = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
                 for r in cutlass.range_constexpr(rows):
-                    dpsum[r] = mdPsum[row_base + coords_qk[r, 0][0], q_head, batch]
+                    dpsum[r] = self._row_statistic(mdPsum, row_base + coords_qk[r, 0][0], q_head, batch, sequence)
 
             if const_expr(self.early_dv):
                 warpgroup.wait_group(1)            # dP^T done; dV may still run
@@ -653,7 +698,16 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
                                 tidx)
         else:
-            self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len)
+            self._store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len, sequence)
+
+    @cute.jit
+    def _row_statistic(self, mStat, row, q_head, batch, sequence):
+        """LSE or dPsum of query row `row` (of the batch element, or with packed sequences of the
+        sequence: clamped into the array, since a sequence's last block reaches up to tile_m - 1 rows
+        past the packed rows, which the mask hides)."""
+        if const_expr(self.packed):
+            row = cutlass.min(sequence[0] + row, cute.size(mStat, mode=[0]) - 1)
+        return mStat[row, q_head, batch]
 
     @cute.jit
     def _stage_dq(self, acc_dq, sdQ, thr_dq, dq_pipe, dq_state):
@@ -717,18 +771,19 @@ class Sm90BackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def _write_dq(self, dq_pipe, sdQ, tma_dq, mdQ_tma, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
-                  iterations, kv_len, offset, q_start):
+                  iterations, kv_len, offset, q_start, sequence):
         """The dQ writer warp: per query block, wait for the consumers' staged dQ, add it into the
         fp32 accumulator with two bulk tensor reduces (one per half of D), free the buffer once the
         copy engine has read it. Deterministic: in the tile's turn, highest key block first
-        (`ordered_reduction`)."""
+        (`ordered_reduction`). Packed sequences: the tiles are the sequence's own, at its rows, and
+        their turn counters the scheduler's query slots (`tile_scheduler.packed_key_item`)."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.dq_buffers)
         q_head, m_block = self._first_head(kv_head), m_lo
         for it in cutlass.range(iterations, unroll=1):
             tdQsdQ, tdQgdQ = None, None
             if const_expr(not self.tuning.flat_dq):
-                gdQ = cute.local_tile(mdQ_tma[None, None, q_head, batch],
+                gdQ = cute.local_tile(self._sequence_rows(mdQ_tma[None, None, q_head, batch], sequence, 0),
                                       (self.tile_m, self.head_dim // 2), (m_block, None))
                 tdQsdQ, tdQgdQ = cpasync.tma_partition(
                     tma_dq, 0, cute.make_layout(1),
@@ -740,7 +795,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 turn = ordered_reduction.key_block_turn(
                     self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n,
                     kv_len, offset, highest_first=True)
-                flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), turn, lane)
+                tile = m_block
+                if const_expr(self.packed):
+                    tile = sequence[2] + m_block
+                flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, tile), turn, lane)
             if const_expr(self.tuning.flat_dq):
                 if lane == 0:
                     destination = mdQ_tma.iterator + cute.crd2idx((batch, q_head, m_block, 0), mdQ_tma.layout)
@@ -780,16 +838,21 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self._copy_dkv_tiles(tma_dk, sdK, mdK, tma_dv, sdV, mdV, n_block, kv_head, batch, tidx)
 
     @cute.jit
-    def _store_dkv(self, acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len):
+    def _store_dkv(self, acc_dK, acc_dV, mdK, mdV, thr_dkv, n_block, kv_head, batch, kv_len, sequence):
+        """dK (scaled) and dV by per-element stores of the rows up to the array's end (packed: up to the
+        sequence's end: the keys after it are the next sequence's CTA's)."""
         tile = (self.tile_n, self.head_dim)
-        gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
-        gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
+        gdK = cute.local_tile(self._sequence_rows(mdK[None, None, kv_head, batch], sequence, 1), tile, (n_block, 0))
+        gdV = cute.local_tile(self._sequence_rows(mdV[None, None, kv_head, batch], sequence, 1), tile, (n_block, 0))
+        key_rows = cute.size(mdK, mode=[0])
+        if const_expr(self.packed):
+            key_rows = kv_len
         tdKgdK = thr_dkv.partition_C(gdK)
         tdVgdV = thr_dkv.partition_C(gdV)
         coords = thr_dkv.partition_C(cute.make_identity_tensor(tile))
         key_base = n_block * self.tile_n
         for e in cutlass.range_constexpr(cute.size(acc_dK)):
-            if key_base + coords[e][0] < cute.size(mdK, mode=[0]):
+            if key_base + coords[e][0] < key_rows:
                 tdKgdK[e] = (acc_dK[e] * self.scale).to(self.dtype)
                 tdVgdV[e] = acc_dV[e].to(self.dtype)
 
@@ -800,7 +863,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
 # ----------------------------------------------------------------------------------------------------
 
 # The launcher's optional inputs after dPsum, by name (absent ones None).
-OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths", "q_start")
+OPTIONAL_INPUTS = ("q_segment_ids", "kv_segment_ids", "q_seq_lengths", "kv_seq_lengths", "q_start", "cu_seqlens_q",
+                   "cu_seqlens_k")
 
 
 def dq_accumulator_shape(batch, padded_rows, q_heads, head_dim):
@@ -835,7 +899,22 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     `tuning.head_splits` None is resolved here, where the shapes are known, by `head_splits_for` (on
     the local GPU's SM count); the options carry the resolved count and the tuning with head_splits
     None, so a forced split and the same split chosen share one compile key. A forced split the
-    kernel or CUDA's grid cannot take raises ValueError."""
+    kernel or CUDA's grid cannot take raises ValueError.
+
+    Packed sequences (`config.has_cu_seqlens`, `problem.sequences` set) resolve None to one CTA per
+    (sequence, key block, KV head), 64 query rows and the tiled dQ staging (`packed_reason` says why);
+    choices forced otherwise raise ValueError."""
+    if config.has_cu_seqlens:
+        if problem.sequences is None:
+            raise ValueError("packed sequences (cu_seqlens) need the Problem's sequence count: "
+                             "host.Problem.of(query, key, value, optional)")
+        head_splits = 1 if tuning.head_splits is None else tuning.head_splits
+        query_rows = tuning.query_rows or backward_common.TILE_M
+        reason = packed_reason(head_splits, query_rows, flat_dq=False)
+        if reason is not None:
+            raise ValueError(reason)
+        packed_tuning = dataclasses.replace(tuning, head_splits=None, query_rows=query_rows, flat_dq=False)
+        return dataclasses.replace(BackwardOptions.of(config, problem, packed_tuning), num_sequences=problem.sequences)
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
     if head_splits is None and (tuning.query_rows or backward_common.TILE_M) != backward_common.TILE_M:
@@ -859,6 +938,23 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         raise ValueError(reason)
     return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows),
                               head_splits)
+
+
+def packed_reason(head_splits: int, query_rows: int, flat_dq: bool) -> Optional[str]:
+    """Why the kernel cannot take packed sequences with these choices, or None. A sequence's blocks start
+    anywhere in the packed rows, so its dQ goes through the tiled staging (a TMA tensor reduce at any
+    row), not the register-order accumulator of whole packed blocks; head splits and 128 query rows
+    are left out of the packed path, which is built and checked at one CTA per key block and 64 rows."""
+    if head_splits != 1:
+        return (f"packed sequences (cu_seqlens) take head_splits=1 (got {head_splits}): the packed backward "
+                "is built without fp32 dK / dV partials")
+    if query_rows != backward_common.TILE_M:
+        return (f"packed sequences (cu_seqlens) take {backward_common.TILE_M} query rows per block (got "
+                f"{query_rows})")
+    if flat_dq:
+        return ("packed sequences (cu_seqlens) need flat_dq=False: the register-order dQ accumulator holds "
+                "whole blocks of the packed rows, where a sequence's query blocks start anywhere")
+    return None
 
 
 WIDE_QUERY_ROWS = 128
@@ -978,12 +1074,14 @@ def head_splits_for(batch, kv_heads, group, q_len, kv_len, sm_count, determinist
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1,
-                   query_rows: int = backward_common.TILE_M, flat_dq: bool = True) -> list:
+                   query_rows: int = backward_common.TILE_M, flat_dq: bool = True,
+                   num_sequences: Optional[int] = None) -> list:
     """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
-    without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D)."""
+    without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D); with packed sequences B = 1 and `num_sequences`
+    sizes the offsets."""
     accumulator_shape = backward_common.flat_dq_accumulator_shape(query_rows) if flat_dq else dq_accumulator_shape
     return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, accumulator_shape, query_rows,
-                                        fp32_dkv=head_splits > 1)
+                                        fp32_dkv=head_splits > 1, num_sequences=num_sequences)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
@@ -995,4 +1093,4 @@ def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, opt
         dq_rows = backward_common.dq_from_fragments(kernel.tile_m, kernel.dq_transposed,
                                                     column_groups=1 if options.tuning.dq_row_split else 2)
     return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,
-                             accumulator_shape, dq_rows, kernel.tile_m)
+                             accumulator_shape, dq_rows, kernel.tile_m, options.num_sequences)

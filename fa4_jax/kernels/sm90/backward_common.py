@@ -65,6 +65,13 @@ class BackwardOptions:
     # CTAs that share a (key block, KV head, batch), each adding fp32 partial dK / dV (backward.py's
     # head splits, resolved from its Tuning by its `options`); the large-head kernel takes only 1.
     head_splits: int = 1
+    # Packed variable-length sequences (attention_varlen; backward.py only): N, the static length of
+    # cu_seqlens less one, which sizes the scheduler's slots; None: not packed.
+    num_sequences: Optional[int] = None
+
+    @property
+    def packed(self) -> bool:
+        return self.num_sequences is not None
 
     @classmethod
     def of(cls, config: AttentionConfig, problem: host.Problem, tuning, head_splits: int = 1) -> "BackwardOptions":
@@ -75,10 +82,11 @@ class BackwardOptions:
 
 
 def unsupported_reason(kernel_name: str, config: AttentionConfig, problem: host.Problem,
-                       head_dims) -> Optional[str]:
+                       head_dims, takes_packed: bool = False) -> Optional[str]:
     """What either sm90 backward kernel (`kernel_name`, its `head_dims`) cannot take, or None: the
-    checks of every kernel, the (key blocks, KV heads, batch) grid's limits, and q_start."""
-    return (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims)
+    checks of every kernel, the (key blocks, KV heads, batch) grid's limits, and q_start
+    (`takes_packed`: the kernel schedules packed sequences)."""
+    return (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims, takes_packed)
             or host.grid_unsupported_reason(kernel_name, problem)
             or host.q_start_unsupported_reason(kernel_name, config))
 
@@ -116,9 +124,12 @@ class Sm90BackwardBase:
         self.deterministic = options.deterministic
         self.tuning = options.tuning
         self.tile_m = TILE_M
+        self.packed = options.packed
+        # Packed: a sequence's last query block reads the next sequence's rows, which the query-length
+        # rule hides.
         self.mask = masking.MaskShape(causal=options.causal, window_left=options.window_left,
                                       window_right=options.window_right,
-                                      has_q_lengths=options.has_q_seq_lengths,
+                                      has_q_lengths=options.has_q_seq_lengths or options.packed,
                                       has_segments=options.has_segment_ids)
 
     def check_shared_memory(self):
@@ -126,14 +137,22 @@ class Sm90BackwardBase:
             raise ValueError(f"head dim {self.head_dim} needs {self.shared_memory_bytes()} bytes of shared "
                              f"memory; sm_90 has {SHARED_MEMORY_BYTES}")
 
+    def _sequence_rows(self, tensor, sequence, which: int):
+        """A (rows, columns) view of `tensor` from the packed sequence's first query row (`which` 0) or
+        key (1) on, `sequence` being (q_row0, k_row0, query slot); the tensor itself when not packed.
+        TMA coordinates are plain integers, so tiles of such a view load and store at any row."""
+        if const_expr(sequence is None):
+            return tensor
+        return cute.domain_offset((sequence[which], 0), tensor)
+
     @cute.jit
     def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, mLSE,
                  mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
-                 iterations):
+                 iterations, sequence=None):
         tile_q = (self.tile_m, self.head_dim)
         tile_k = (self.tile_n, self.head_dim)
-        gK = cute.local_tile(mK[None, None, kv_head, batch], tile_k, (n_block, 0))
-        gV = cute.local_tile(mV[None, None, kv_head, batch], tile_k, (n_block, 0))
+        gK = cute.local_tile(self._sequence_rows(mK[None, None, kv_head, batch], sequence, 1), tile_k, (n_block, 0))
+        gV = cute.local_tile(self._sequence_rows(mV[None, None, kv_head, batch], sequence, 1), tile_k, (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
                                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
@@ -147,8 +166,8 @@ class Sm90BackwardBase:
                                                    self.stages)
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
-            gQ = cute.local_tile(mQ[None, None, q_head, batch], tile_q, (None, 0))
-            gdO = cute.local_tile(mdO[None, None, q_head, batch], tile_q, (None, 0))
+            gQ = cute.local_tile(self._sequence_rows(mQ[None, None, q_head, batch], sequence, 0), tile_q, (None, 0))
+            gdO = cute.local_tile(self._sequence_rows(mdO[None, None, q_head, batch], sequence, 0), tile_q, (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
                                                cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
