@@ -3,7 +3,8 @@
 # cache in /tmp/fa4_kernels carries over):
 #   tests REV          the candidates' GPU tests (backward per_thread_query_release, poly_exp2_every 4 / 6
 #                      and dq_row_split, forward d64-poly4 / d64-poly8, the large-head diagonal-first /
-#                      lowest-first turn orders); racecheck and memcheck of every sanitizer case (forward
+#                      lowest-first turn orders) and tests/test_sm90_varlen.py (the packed backward's
+#                      first GPU run: all pass -> delete sm90.backward.PACKED_GPU_VERIFIED); racecheck and memcheck of every sanitizer case (forward
 #                      and backward) in one process with per_thread_query_release on
 #                      (docs/sm90_backward_tuning.md, "racecheck"); meanwhile the timed kernels precompile
 #                      on the CPU
@@ -46,9 +47,9 @@ sanitizer_cases.run('all')"
    timeout 90 compute-sanitizer --tool memcheck --print-limit 12 python3 -c "$SANITIZED" \
      > "$OUT/memcheck_all_per_thread_release.log" 2>&1) &
   SANITIZER=$!
-  timeout 330 python3 -m pytest -v -n 10 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
-    tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py \
-    -k "per_thread_release or poly_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first" \
+  timeout 420 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
+    tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py tests/test_sm90_varlen.py \
+    -k "per_thread_release or poly_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
   wait $SANITIZER $PRE
