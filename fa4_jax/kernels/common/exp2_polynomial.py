@@ -2,8 +2,8 @@
 
 The special-function unit issues one exp2 per 4 cycles per SM quadrant (16/clk/SM), the FMA pipes 4x
 that, so moving a fraction of a softmax's exponentials onto FMAs raises the rate at which a tile's
-scores can be exponentiated. Which columns use it is the caller's choice (OnlineSoftmax's
-`poly_exp2_every`).
+scores can be exponentiated. Which scores use it is the caller's choice (`poly_exp2_every` of
+OnlineSoftmax and of BackwardNumerics).
 
     x  = max(x, -127)            (2^-127 and below flush to 0; -inf lands here too)
     t  = x + 1.5 * 2^23, rounded down: t's low mantissa bits are floor(x) in two's complement

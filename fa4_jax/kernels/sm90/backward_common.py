@@ -16,8 +16,9 @@ Three stages, one obvious place each:
 A subclass of `Sm90BackwardBase` sets, besides what the base's __init__ sets: `tile_n` (keys per CTA),
 `stages` (Q / dO ring depth), `staged_row_stats` (whether the producer copies LSE / dPsum into the
 ring), `consumer_threads`, `dkv_transposed` when its dK / dV accumulators are of dK^T / dV^T (class
-default False), `poly_exp2_every` where its P takes the FMA-pipe exp2 for some columns (class default 0), and `_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head,
-query block) of iteration `it` of a CTA's walk; `_produce` reads those.
+default False), `poly_exp2_every` where part of its P takes the FMA-pipe exp2 (class default 0), and
+`_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head, query block) of iteration `it` of a
+CTA's walk; `_produce` reads those.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class Sm90BackwardBase:
 
     # Whether the dK / dV accumulators hold dK^T / dV^T ([D, keys]; `_store_dkv_tma` transposes them).
     dkv_transposed = False
-    # Every how many key columns of P one exp2 runs on the FMA pipe (`numerics`; 0: none).
+    # Every how many of a thread's scores one exp2 of P runs on the FMA pipe (`numerics`; 0: none).
     poly_exp2_every = 0
 
     def __init__(self, options: BackwardOptions):
