@@ -2,12 +2,13 @@
 # The prepared sweeps in three device calls, one after the other on the same warm machine (the kernel
 # cache in /tmp/fa4_kernels carries over):
 #   tests REV          the candidates' GPU tests (backward per_thread_query_release, poly_exp2_every 4 / 6
-#                      and dq_row_split, forward d64-poly4 / d64-poly8, the large-head diagonal-first /
-#                      lowest-first turn orders) and tests/test_sm90_varlen.py (the packed backward's
-#                      first GPU run: all pass -> delete sm90.backward.PACKED_GPU_VERIFIED); racecheck and memcheck of every sanitizer case (forward
-#                      and backward) in one process with per_thread_query_release on
-#                      (docs/sm90_backward_tuning.md, "racecheck"); meanwhile the timed kernels precompile
-#                      on the CPU
+#                      and dq_row_split; forward d64-poly4 / d64-poly8; the large-head diagonal-first /
+#                      lowest-first turn orders), the forward's polynomial-exp2 oracle tests (which the
+#                      rewritten exp2 must pass as the old one did), tests/test_sm90_varlen.py (the packed
+#                      backward's first GPU run: all pass -> delete sm90.backward.PACKED_GPU_VERIFIED);
+#                      racecheck and memcheck of every sanitizer case (forward and backward) in one process
+#                      with per_thread_query_release on (docs/sm90_backward_tuning.md, "racecheck");
+#                      meanwhile the timed kernels precompile on the CPU
 #   backward REV LOGS  the backward timing (D 64 / 128) of each candidate whose tests passed in the first
 #                      call's gpu_tests.log (copied from what the device tool brought back into the tree,
 #                      LOGS a folder of it)
@@ -49,7 +50,7 @@ sanitizer_cases.run('all')"
   SANITIZER=$!
   timeout 420 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
     tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py tests/test_sm90_varlen.py \
-    -k "per_thread_release or poly_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen" \
+    -k "per_thread_release or poly_exp2 or polynomial_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
   wait $SANITIZER $PRE
