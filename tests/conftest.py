@@ -27,6 +27,33 @@ import pytest  # noqa: E402
 SEED_VARIABLE = "FA4_TEST_SEED"
 
 
+# Under `-n`, each compile-test module (tests/test_kernel_compile_*.py: its module fixture compiles every
+# case of the file in one batch, minutes on two cores) runs on one worker, so its batch compiles once; every
+# other test is a unit of its own. (pytest-xdist's loadgroup did this through a suffix on each test's
+# nodeid, which pytest 9 no longer lets a plugin set: the compile modules were split across the workers
+# and each worker compiled the whole batch, ~8 minutes of CI.) An explicit --dist keeps xdist's own.
+COMPILE_MODULE_PREFIX = "test_kernel_compile_"
+
+
+def scheduling_unit(nodeid: str) -> str:
+    """The unit of work a test is sent to a worker in: its module for a compile-test module, else itself."""
+    module = nodeid.split("::", 1)[0]
+    return module if os.path.basename(module).startswith(COMPILE_MODULE_PREFIX) else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class CompileModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_unit(nodeid)
+
+    return CompileModulesTogether(config, log)
+
+
 def has_gpu() -> bool:
     try:
         return len(jax.devices("gpu")) > 0

@@ -8,14 +8,12 @@ each test still checks its own case: a case that fails to compile fails its test
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
 import subprocess
 import sys
 
-import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,12 +100,6 @@ def selected(request, parameter: str) -> set:
 def selected_tests(request) -> set:
     """The names of this session's test functions in the requesting module."""
     return {item.originalname for item in request.session.items if item.module is request.module}
-
-
-def one_worker(module_name: str):
-    """The mark that keeps a test module on one xdist worker (pyproject.toml runs `--dist loadgroup`), so
-    its module-scoped compile runs once, not once on each worker that draws one of its tests."""
-    return pytest.mark.xdist_group(module_name)
 
 
 def assert_no_spills(ptxas: str, path: str, name: str):

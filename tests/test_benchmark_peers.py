@@ -11,7 +11,6 @@ import re
 import sys
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

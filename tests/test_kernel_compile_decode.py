@@ -19,14 +19,12 @@ import pytest
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 import ptx_addresses
-import ptx_checks
 from ptx_checks import assert_no_spills, compile_environment
 
 pytest.importorskip("cutlass")
 from fa4_jax.kernels.sm90 import decode  # noqa: E402
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
-pytestmark = ptx_checks.one_worker(__name__)
 
 # name -> (AttentionConfig fields, [B, Sq, Hq, Hkv, D, max_blocks], dtype, page size, arch[, DecodeOptions
 # overrides]). The cases compile the fused combine (`fused_combine=True`: its arrival protocol is what the

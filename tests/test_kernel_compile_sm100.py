@@ -27,7 +27,6 @@ from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm100 import forward as sm100_forward  # noqa: E402
 from tools import sm100_inspect  # noqa: E402
 
-pytestmark = ptx_checks.one_worker(__name__)
 
 # Representative configurations, compiled in CI: every head dim, causal, GQA, fp16 and each feature.
 CASES = {

@@ -27,7 +27,6 @@ from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm100 import backward as sm100_backward  # noqa: E402
 from tools import sm100_inspect  # noqa: E402
 
-pytestmark = ptx_checks.one_worker(__name__)
 
 SMEM_CAPACITY = 227 * 1024
 

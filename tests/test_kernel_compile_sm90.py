@@ -24,13 +24,11 @@ import sys
 
 import pytest
 
-import ptx_checks
 from ptx_checks import assert_no_spills, compile_environment
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
-pytestmark = ptx_checks.one_worker(__name__)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

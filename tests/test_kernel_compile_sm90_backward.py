@@ -29,7 +29,7 @@ from fa4_jax.kernels.sm90 import backward_common  # noqa: E402
 from fa4_jax.kernels.sm90.wgmma import swizzle_columns  # noqa: E402
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
-pytestmark = [pytest.mark.slow, ptx_checks.one_worker(__name__)]
+pytestmark = pytest.mark.slow
 
 
 _COMPILE = r"""

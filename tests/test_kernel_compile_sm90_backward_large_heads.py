@@ -21,7 +21,7 @@ from ptx_checks import assert_no_spills
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
-pytestmark = [pytest.mark.slow, ptx_checks.one_worker(__name__)]
+pytestmark = pytest.mark.slow
 
 
 _COMPILE = r"""

@@ -5,20 +5,17 @@ memory in the PTX, and, where ptxas is installed, no spills, stack frame or seri
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-import ptx_checks
 from ptx_checks import assert_no_spills, compile_environment
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
-pytestmark = ptx_checks.one_worker(__name__)
 
 # name -> (AttentionConfig fields, [B, Sq, Sk, Hq, Hkv, D], dtype)
 ALL_FEATURES = {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True, "window_left": 300,
