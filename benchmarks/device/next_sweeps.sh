@@ -53,6 +53,8 @@ sanitizer_cases.run('all')"
     -k "per_thread_release or poly_exp2 or polynomial_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
+  # A warm machine keeps /tmp: the next phases read the logs from here when the tree has no copy yet.
+  mkdir -p /tmp/next_sweeps_logs && cp "$OUT/gpu_tests.log" "$OUT/gpu_tests.xml" /tmp/next_sweeps_logs/
   wait $SANITIZER $PRE
   grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/gpu_tests.log" | tail -12
   for tool in racecheck memcheck; do
@@ -60,7 +62,14 @@ sanitizer_cases.run('all')"
     grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error:|Hazard" "$OUT/${tool}_all_per_thread_release.log" | sort | uniq -c | head -6
   done
   tail -3 "$OUT/precompile.log"
-elif [ "$PHASE" = backward ]; then
+else
+  LOGS=${3:-}
+  [ -f "$LOGS/gpu_tests.log" ] || LOGS=/tmp/next_sweeps_logs
+  if [ ! -f "$LOGS/gpu_tests.log" ]; then echo "no gpu_tests.log in ${3:-} or $LOGS: run the tests phase first"; exit 2; fi
+  echo "test logs from $LOGS"
+  set -- "$1" "$2" "$LOGS"
+fi
+if [ "$PHASE" = backward ]; then
   timeout 540 python3 benchmarks/attention_backward.py --out "$OUT/backward_candidates_h200.json" $SMALL \
     --iterations 10 --variants-passing "$3/gpu_tests.log" > "$OUT/backward_bench.log" 2>&1
   echo "backward bench rc=$?"
