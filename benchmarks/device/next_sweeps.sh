@@ -13,10 +13,12 @@
 #                      call's gpu_tests.log (copied from what the device tool brought back into the tree,
 #                      LOGS a folder of it)
 #   forward REV LOGS   the forward D = 64 rows (LOGS/gpu_tests.xml) and the D = 256 deterministic turn orders
+#   timing REV LOGS    backward (S 1k / 4k only) and forward in one call of <= 540 s, when device time is short
 # Usage (device machine, repo root, bundle sourced; docs/device.md):
 #   bash benchmarks/device/next_sweeps.sh tests REV
 #   bash benchmarks/device/next_sweeps.sh backward REV LOGS
 #   bash benchmarks/device/next_sweeps.sh forward REV LOGS
+#   bash benchmarks/device/next_sweeps.sh timing REV LOGS
 # Outputs under $OUT, a short table printed last.
 set -u
 PHASE=$1
@@ -69,18 +71,23 @@ else
   echo "test logs from $LOGS"
   set -- "$1" "$2" "$LOGS"
 fi
-if [ "$PHASE" = backward ]; then
-  timeout 540 python3 benchmarks/attention_backward.py --out "$OUT/backward_candidates_h200.json" $SMALL \
+if [ "$PHASE" = backward ] || [ "$PHASE" = timing ]; then
+  [ "$PHASE" = timing ] && BACKWARD_LIMIT=290 SEQ="--seq-lens 1024 4096" || BACKWARD_LIMIT=540 SEQ=
+  timeout $BACKWARD_LIMIT python3 benchmarks/attention_backward.py --out "$OUT/backward_candidates_h200.json" $SMALL $SEQ \
     --iterations 10 --variants-passing "$3/gpu_tests.log" > "$OUT/backward_bench.log" 2>&1
   echo "backward bench rc=$?"
-  tail -40 "$OUT/backward_bench.log"
-elif [ "$PHASE" = forward ]; then
+fi
+if [ "$PHASE" = forward ] || [ "$PHASE" = timing ]; then
   timeout 130 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 110 \
     --exclude-failed "$3/gpu_tests.xml" --out "$OUT/forward_variants_d64_poly_h200.json" \
     > "$OUT/forward_bench.log" 2>&1
   echo "forward bench rc=$?"
-  timeout 120 python3 benchmarks/attention_backward.py --out "$OUT/backward_d256_diagonal_first_h200.json" $LARGE \
+  timeout 110 python3 benchmarks/attention_backward.py --out "$OUT/backward_d256_diagonal_first_h200.json" $LARGE \
     --iterations 10 --variants-passing "$3/gpu_tests.log" > "$OUT/large_heads_bench.log" 2>&1
   echo "large-head bench rc=$?"
-  tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log"
 fi
+case $PHASE in
+  backward) tail -40 "$OUT/backward_bench.log" ;;
+  forward) tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log" ;;
+  timing) tail -26 "$OUT/backward_bench.log"; tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log" ;;
+esac
