@@ -29,6 +29,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import sys
 
 import numpy as np
@@ -93,6 +94,18 @@ def _gradient(function):
     return lambda q, k, v, extra, d_out: jax.vjp(lambda q, k, v: function(q, k, v, extra), q, k, v)[1](d_out)[0]
 
 
+def kernels_of(function, arguments) -> list:
+    """The fa4_jax custom calls (`<arch>_<pass>`) that jit(function) lowers to on this device: a packed
+    gradient that took the reference backward shows only the forward, so the report cannot pass a
+    fallback off as the kernel."""
+    import jax
+
+    text = jax.jit(function).trace(*arguments).lower().as_text()
+    # Matched whole: the embedded kernel binary may hold other (mangled) strings starting with fa4_jax_.
+    return sorted({match for line in text.splitlines() if "stablehlo.custom_call" in line
+                   for match in re.findall(r"fa4_jax_(sm[0-9]+a?_[a-z]+)", line)})
+
+
 def _error(error) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
@@ -133,6 +146,8 @@ def measure(row, iterations) -> dict:
                      for name, (function, arguments) in functions.items()}
     for name, (function, arguments) in functions.items():
         try:
+            if name != "cudnn_padded":
+                record[f"{name}_kernels"] = kernels_of(function, arguments)
             outputs[name], milliseconds = attention._median_ms(jax.jit(function), arguments, iterations)
         except Exception as error:  # one failing path must not hide the others
             record[f"{name}_error"] = _error(error)
@@ -157,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=None, help="length mixes (default: all)")
     result.add_argument("--max-seconds", type=float, default=0.0, help="stop starting rows after this long")
     result.add_argument("--backward", action="store_true", help="time forward + backward (the gradient)")
+    result.add_argument("--open-packed-backward-gate", action="store_true",
+                        help="run the packed backward kernel before its GPU tests have opened its gate "
+                             "(fa4_jax.kernels.sm90.backward.PACKED_GPU_VERIFIED); the report says so")
     return result
 
 
@@ -165,10 +183,16 @@ def main(argv=None):
 
     import jax
 
+    from fa4_jax.kernels.sm90 import backward as sm90_backward
+    if args.open_packed_backward_gate:
+        sm90_backward.PACKED_GPU_VERIFIED = True
+
     report = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   versions=attention._versions(), git_revision=attention.git_revision(), host=platform.node(),
                   dtype="bfloat16", mixes={mix: lengths_of(mix).tolist() for mix in (args.mixes or MIXES)},
                   timing="CUPTI kernel time of one call, median (jax.experimental.mosaic.gpu.profiler.measure)",
+                  packed_backward_gate=("opened by --open-packed-backward-gate" if args.open_packed_backward_gate
+                                        else f"PACKED_GPU_VERIFIED={sm90_backward.PACKED_GPU_VERIFIED}"),
                   rows=[])
     attention.measure_rows(report, rows(args.quick, args.mixes, args.backward), lambda row: measure(row, args.iterations),
                            args.out, args.max_seconds)

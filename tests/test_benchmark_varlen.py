@@ -50,7 +50,11 @@ def test_measured_row_fields(monkeypatch):
     monkeypatch.setattr(varlen, "lengths_of", lambda mix, seed=0: np.array([5, 1, 9]))
     monkeypatch.setattr(varlen.attention, "_median_ms", lambda function, arguments, iterations: (
         jnp.zeros(jax.eval_shape(function, *arguments).shape, jnp.bfloat16), 0.5))
+    monkeypatch.setattr(varlen, "kernels_of", lambda function, arguments: ["sm90a_forward"])
     record = varlen.measure(dict(mix="short-16-1024", q_heads=4, kv_heads=2, head_dim=64, causal=True), 3)
+    # Which of our kernels each of our calls lowers to is part of the row (cuDNN's are not ours to name).
+    assert record["packed_kernels"] == record["padded_kernels"] == ["sm90a_forward"]
+    assert "cudnn_padded_kernels" not in record
     assert (record["sequences"], record["tokens"], record["max_len"], record["padded_tokens"]) == (3, 15, 9, 27)
     for name in ("packed", "padded"):
         assert record[f"{name}_ms"] == 0.5, record.get(f"{name}_error")
@@ -72,9 +76,24 @@ def test_backward_row_times_the_gradient(monkeypatch):
     monkeypatch.setattr(varlen, "lengths_of", lambda mix, seed=0: np.array([5, 1, 9]))
     monkeypatch.setattr(varlen.attention, "_median_ms", lambda function, arguments, iterations: (
         jnp.zeros(jax.eval_shape(function, *arguments).shape, jnp.bfloat16), 0.5))
+    monkeypatch.setattr(varlen, "kernels_of", lambda function, arguments: [])
     row = dict(mix="short-16-1024", q_heads=4, kv_heads=2, head_dim=64, causal=False)
     record = varlen.measure(dict(row, backward=True), 3)
     assert record["useful_flops"] == 3.5 * varlen.measure(row, 3)["useful_flops"]
     for name in ("packed", "padded"):
         assert record[f"{name}_ms"] == 0.5, record.get(f"{name}_error")
     assert record["max_abs_diff_vs_padded"] == 0.0
+
+
+def test_kernels_of_names_the_custom_calls_of_a_lowering():
+    """kernels_of reads the fa4_jax custom-call targets of the lowered function (none on the CPU, where
+    attention lowers to the reference), so a packed gradient that fell back to the reference backward
+    shows in the report."""
+    import jax.numpy as jnp
+
+    import fa4_jax
+
+    q = jnp.ones((6, 2, 64), jnp.bfloat16)
+    cu = jnp.array([0, 2, 6], jnp.int32)
+    assert varlen.kernels_of(lambda q, cu: fa4_jax.attention_varlen(q, q, q, cu, cu), (q, cu)) == []
+    assert varlen.parser().parse_args(["--open-packed-backward-gate"]).open_packed_backward_gate
