@@ -13,11 +13,13 @@
 #                      call's gpu_tests.log (copied from what the device tool brought back into the tree,
 #                      LOGS a folder of it)
 #   forward REV LOGS   the forward D = 64 rows (LOGS/gpu_tests.xml) and the D = 256 deterministic turn orders
-#   timing REV LOGS    backward (S 1k / 4k only) and forward in one call of <= 540 s, when device time is short
+#   varlen REV LOGS    the packed backward's timing (benchmarks/varlen.py --backward), if its GPU tests passed
+#   timing REV LOGS    backward (S 1k / 4k only), forward and varlen in one call of <= 590 s, when device time is short
 # Usage (device machine, repo root, bundle sourced; docs/device.md):
 #   bash benchmarks/device/next_sweeps.sh tests REV
 #   bash benchmarks/device/next_sweeps.sh backward REV LOGS
 #   bash benchmarks/device/next_sweeps.sh forward REV LOGS
+#   bash benchmarks/device/next_sweeps.sh varlen REV LOGS
 #   bash benchmarks/device/next_sweeps.sh timing REV LOGS
 # Outputs under $OUT, a short table printed last.
 set -u
@@ -72,7 +74,7 @@ else
   set -- "$1" "$2" "$LOGS"
 fi
 if [ "$PHASE" = backward ] || [ "$PHASE" = timing ]; then
-  [ "$PHASE" = timing ] && BACKWARD_LIMIT=290 SEQ="--seq-lens 1024 4096" || BACKWARD_LIMIT=540 SEQ=
+  [ "$PHASE" = timing ] && BACKWARD_LIMIT=240 SEQ="--seq-lens 1024 4096" || BACKWARD_LIMIT=540 SEQ=
   timeout $BACKWARD_LIMIT python3 benchmarks/attention_backward.py --out "$OUT/backward_candidates_h200.json" $SMALL $SEQ \
     --iterations 10 --variants-passing "$3/gpu_tests.log" > "$OUT/backward_bench.log" 2>&1
   echo "backward bench rc=$?"
@@ -86,8 +88,20 @@ if [ "$PHASE" = forward ] || [ "$PHASE" = timing ]; then
     --iterations 10 --variants-passing "$3/gpu_tests.log" > "$OUT/large_heads_bench.log" 2>&1
   echo "large-head bench rc=$?"
 fi
+if [ "$PHASE" = varlen ] || [ "$PHASE" = timing ]; then
+  # The packed backward is timed only when every test of tests/test_sm90_varlen.py ran and passed.
+  if grep -q "test_sm90_varlen.py.* PASSED" "$3/gpu_tests.log" && \
+     ! grep -qE "test_sm90_varlen.py.* (FAILED|ERROR)" "$3/gpu_tests.log"; then
+    timeout 100 python3 benchmarks/varlen.py --backward --quick --open-packed-backward-gate --iterations 10 \
+      --max-seconds 70 --out "$OUT/varlen_backward_h200.json" > "$OUT/varlen_bench.log" 2>&1
+    echo "varlen backward bench rc=$?"
+  else
+    echo "varlen backward bench skipped: tests/test_sm90_varlen.py did not pass whole in $3/gpu_tests.log"
+  fi
+fi
 case $PHASE in
+  varlen) tail -12 "$OUT/varlen_bench.log" ;;
   backward) tail -40 "$OUT/backward_bench.log" ;;
   forward) tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log" ;;
-  timing) tail -26 "$OUT/backward_bench.log"; tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log" ;;
+  timing) tail -26 "$OUT/backward_bench.log"; tail -6 "$OUT/varlen_bench.log"; tail -10 "$OUT/forward_bench.log"; tail -8 "$OUT/large_heads_bench.log" ;;
 esac
