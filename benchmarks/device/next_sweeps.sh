@@ -90,8 +90,10 @@ if [ "$PHASE" = forward ] || [ "$PHASE" = timing ]; then
 fi
 if [ "$PHASE" = varlen ] || [ "$PHASE" = timing ]; then
   # The packed backward is timed only when every test of tests/test_sm90_varlen.py ran and passed.
-  if grep -q "test_sm90_varlen.py.* PASSED" "$3/gpu_tests.log" && \
-     ! grep -qE "test_sm90_varlen.py.* (FAILED|ERROR)" "$3/gpu_tests.log"; then
+  # (pytest -v under xdist writes "[gw3] [ 10%] PASSED tests/...", without xdist "tests/... PASSED").
+  if grep -qE "PASSED.*test_sm90_varlen.py|test_sm90_varlen.py.*PASSED" "$3/gpu_tests.log" && \
+     ! grep -qE "(FAILED|ERROR).*test_sm90_varlen.py|test_sm90_varlen.py.*(FAILED|ERROR)" "$3/gpu_tests.log" && \
+     grep -qE "^\W*[0-9]+ (passed|failed).* in [0-9.]+s" "$3/gpu_tests.log"; then
     timeout 100 python3 benchmarks/varlen.py --backward --quick --open-packed-backward-gate --iterations 10 \
       --max-seconds 70 --out "$OUT/varlen_backward_h200.json" > "$OUT/varlen_bench.log" 2>&1
     echo "varlen backward bench rc=$?"
