@@ -32,7 +32,8 @@ from tools.sm100_inspect import find_ptxas  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (AttentionConfig fields, [B, Sq, Sk, Hq, Hkv, D], dtype, KernelOptions overrides)
+# name -> (AttentionConfig fields, [B, Sq, Sk, Hq, Hkv, D] or [B, Sq, Sk, Hq, Hkv, D, Dv] (Dv: the value
+# head dim, D when not given), dtype, KernelOptions overrides)
 CONFIGS = {
     # D = 128 non-causal: Q double buffer + TMA store.
     "d128": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {}),
@@ -76,6 +77,14 @@ CONFIGS = {
         "float16", {}),
     "d192-n112-pingpong": ({}, [2, 1000, 1000, 4, 4, 192], "bfloat16",
                            {"key_block": 112, "tma_store": False, "store_chunks": 1}),
+    # DeepSeek MLA, D = 192 with Dv = 128 (EXTRA_HEAD_DIM_PAIRS): the D = 192 sets with the TMA store in
+    # one piece; causal with lengths (the store's clipping), GQA and Sq != Sk; packed (per-row stores).
+    "d192-v128": ({}, [2, 1000, 1000, 4, 4, 192, 128], "bfloat16", {}),
+    "d192-v128-causal-lengths-gqa": (
+        {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 8, 2, 192, 128],
+        "bfloat16", {}),
+    "d192-v128-packed-causal-gqa-fp16": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 8, 2, 192, 128],
+                                         "float16", {}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),
@@ -98,7 +107,7 @@ CONFIGS = {
 }
 # Sequences N of the packed configurations (cu_seqlens of N + 1 entries).
 PACKED_SEQUENCES = {"d128-packed-causal-gqa": 7, "d64-packed-window-softcap-sinks-fp16": 30,
-                    "d256-packed-causal-one-sequence": 1}
+                    "d256-packed-causal-one-sequence": 1, "d192-v128-packed-causal-gqa-fp16": 5}
 
 _COMPILE = r"""
 import dataclasses, glob, json, os, sys
@@ -114,9 +123,10 @@ dump = os.environ["CUTE_DSL_DUMP_DIR"]
 
 result = {}
 for name, (fields, shape, dtype, overrides) in configs.items():
-    B, Sq, Sk, Hq, Hkv, D = shape
+    B, Sq, Sk, Hq, Hkv, D, *rest = shape
+    Dv = rest[0] if rest else D
     config = AttentionConfig(scale=D ** -0.5, **fields)
-    problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), dtype,
+    problem = host.Problem((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, Dv), dtype,
                            sequences=packed_sequences.get(name))
     reason = sm90_forward.unsupported_reason(config, problem)
     assert reason is None, reason
@@ -131,7 +141,8 @@ for name, (fields, shape, dtype, overrides) in configs.items():
     path = os.path.join(dump, name + ".ptx")
     os.replace(new[0], path)
     effective = {field: getattr(options, field) for field in ("consumer_warpgroups", "q_stages", "tma_store",
-                 "split_masked_loop", "poly_exp2_every", "pingpong_max_head_dim", "head_dim", "packed")}
+                 "split_masked_loop", "poly_exp2_every", "pingpong_max_head_dim", "head_dim", "v_head_dim",
+                 "tile_n", "packed")}
     result[name] = {"ptx": path, "options": effective}
 print("SM90_PTX " + json.dumps(result))
 """
@@ -171,6 +182,9 @@ def test_ptx_has_hopper_instructions(compiled, name):
         assert "fence.proxy.async.shared::cta" in ptx, "no proxy fence between stmatrix and the TMA store"
     if options["head_dim"] <= options["pingpong_max_head_dim"]:
         assert re.search(r"bar\.sync\s+%r\d+, 256;", ptx), "no ping-pong scheduler barrier"
+    # Q K^T's wgmma is as wide as the key block, P V's as Dv (MLA's V is not padded inside the kernel).
+    for width in (options["tile_n"], options["v_head_dim"]):
+        assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{width}k16\.", ptx), f"no m64n{width}k16 wgmma"
     if options["packed"]:
         assert not options["tma_store"] and not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), \
             "a TMA store of O, which would clip at the array's end, not at the sequence's"
@@ -194,15 +208,16 @@ def test_packed_offsets_are_read_at_run_time_by_binary_search(compiled, name):
 
 def test_tuning_options_are_checked():
     """Options that cannot make a kernel are refused before compiling, with the reason; the tuned
-    defaults of every supported head dim fit."""
+    defaults of every supported head dim (and MLA's 192/128) fit."""
     from fa4_jax.config import AttentionConfig
     from fa4_jax.kernels import host
     from fa4_jax.kernels.sm90 import forward as sm90_forward
 
-    def options_for(head_dim, causal=False, q_len=256):
+    def options_for(head_dim, causal=False, q_len=256, v_head_dim=None):
         shape = (1, q_len, 2, head_dim)
+        value = shape[:3] + (v_head_dim or head_dim,)
         return sm90_forward.options(AttentionConfig(scale=0.1, causal=causal),
-                                    host.Problem(shape, shape, shape, "bfloat16"), sm_count=132)
+                                    host.Problem(shape, shape, value, "bfloat16"), sm_count=132)
 
     options = options_for(128)
     for overrides, reason in [({"consumer_warpgroups": 3}, "registers"), ({"consumer_warpgroups": 4}, "consumer_warpgroups"),
@@ -224,6 +239,13 @@ def test_tuning_options_are_checked():
     assert softcapped.consumer_warpgroups == 2 and softcapped.q_stages == 2
     assert options_for(96).q_stages == 2 and options_for(128, True).split_masked_loop
     assert options_for(256, True).pingpong_max_head_dim == 256 and options_for(256).pingpong_max_head_dim == 128
+    for causal in (False, True):
+        mla = options_for(192, causal, 4096, v_head_dim=128)
+        mla.check()
+        # The D = 192 set, its O store in one piece; three 64-column chunks do not divide Dv = 128.
+        assert (mla.tile_n, mla.store_chunks, mla.tma_store, mla.split_masked_loop) == (96, 1, True, causal)
+        with pytest.raises(ValueError, match="store_chunks 3"):
+            dataclasses.replace(mla, store_chunks=3).check()
 
 
 _EPILOGUE_LAYOUT = r"""

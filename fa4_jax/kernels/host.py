@@ -73,16 +73,19 @@ def cutlass_dtype(name: str):
     return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
 
 
-def shape_unsupported_reason(kernel_name: str, problem: Problem, head_dims) -> Optional[str]:
+def shape_unsupported_reason(kernel_name: str, problem: Problem, head_dims, extra_pairs=()) -> Optional[str]:
     """What a kernel (forward or backward, with its own head dims) cannot take about dtypes and shapes,
-    or None: the one shape check behind every kernel's `unsupported_reason`."""
+    or None: the one shape check behind every kernel's `unsupported_reason`. The kernel takes D = Dv in
+    `head_dims` and the (D, Dv) pairs in `extra_pairs`."""
     if problem.dtype not in KERNEL_DTYPES:
         return f"the {kernel_name} kernel takes bfloat16 or float16 inputs, not {problem.dtype}"
-    if problem.head_dim not in head_dims:
-        return f"the {kernel_name} kernel takes head dims {head_dims}, not {problem.head_dim}"
-    if problem.v_head_dim != problem.head_dim:
-        return (f"the {kernel_name} kernel needs the value head dim ({problem.v_head_dim}) to equal the "
-                f"query/key head dim ({problem.head_dim})")
+    if (problem.head_dim, problem.v_head_dim) not in extra_pairs:
+        if problem.head_dim not in head_dims:
+            return f"the {kernel_name} kernel takes head dims {head_dims}, not {problem.head_dim}"
+        if problem.v_head_dim != problem.head_dim:
+            others = f" (or (head dim, value head dim) in {tuple(extra_pairs)})" if extra_pairs else ""
+            return (f"the {kernel_name} kernel needs the value head dim ({problem.v_head_dim}) to equal the "
+                    f"query/key head dim ({problem.head_dim}){others}")
     if problem.q_heads % problem.kv_heads != 0:
         return f"query heads ({problem.q_heads}) must be a multiple of key/value heads ({problem.kv_heads})"
     if problem.batch == 0 or problem.q_len == 0 or problem.kv_len == 0:
@@ -114,10 +117,11 @@ def grid_unsupported_reason(kernel_name: str, problem: Problem) -> Optional[str]
 
 
 def kernel_unsupported_reason(kernel_name: str, config, problem: Problem, head_dims,
-                              takes_packed: bool = False) -> Optional[str]:
+                              takes_packed: bool = False, extra_pairs=()) -> Optional[str]:
     """The checks every kernel's `unsupported_reason` starts with: dtypes and shapes, then the scale;
-    `takes_packed`: the kernel schedules packed variable-length sequences (cu_seqlens)."""
-    return (shape_unsupported_reason(kernel_name, problem, head_dims)
+    `takes_packed`: the kernel schedules packed variable-length sequences (cu_seqlens); `extra_pairs`:
+    as in `shape_unsupported_reason`."""
+    return (shape_unsupported_reason(kernel_name, problem, head_dims, extra_pairs)
             or scale_unsupported_reason(kernel_name, config)
             or key_offset_unsupported_reason(kernel_name, config)
             or (None if takes_packed else packed_unsupported_reason(kernel_name, config)))
@@ -239,17 +243,19 @@ def launch_forward(kernel, options, query, key, value, optional: dict):
 
 def forward_fake_arguments(config, shape, dtype_name: str, num_sequences: Optional[int] = None) -> list:
     """Fake tensors in a forward kernel's argument order (inputs as in `launch_forward`, then out and
-    lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D); with packed sequences B = 1 and
-    `num_sequences` sizes the offsets."""
+    lse), for compiling without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D) or (B, Sq, Sk, Hq, Hkv, D, Dv)
+    (Dv: value and output head dim, D when not given); with packed sequences B = 1 and `num_sequences`
+    sizes the offsets."""
     import cutlass
 
-    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim, *rest = shape
+    v_head_dim = rest[0] if rest else head_dim
     element = cutlass_dtype(dtype_name)
     i32, f32 = cutlass.Int32, cutlass.Float32
     return [
         fake_tensor(element, (batch, q_len, q_heads, head_dim)),
         fake_tensor(element, (batch, kv_len, kv_heads, head_dim)),
-        fake_tensor(element, (batch, kv_len, kv_heads, head_dim)),
+        fake_tensor(element, (batch, kv_len, kv_heads, v_head_dim)),
         fake_tensor(f32, (q_heads,)) if config.has_sinks else None,
         fake_tensor(i32, (batch, q_len)) if config.has_segment_ids else None,
         fake_tensor(i32, (batch, kv_len)) if config.has_segment_ids else None,
@@ -257,7 +263,7 @@ def forward_fake_arguments(config, shape, dtype_name: str, num_sequences: Option
         fake_tensor(i32, (batch,)) if config.has_kv_seq_lengths else None,
         fake_tensor(i32, (1,)) if config.has_q_start else None,
         *(fake_tensor(i32, (num_sequences + 1,)) if config.has_cu_seqlens else None for _ in range(2)),
-        fake_tensor(element, (batch, q_len, q_heads, head_dim)), fake_tensor(f32, (batch, q_heads, q_len)),
+        fake_tensor(element, (batch, q_len, q_heads, v_head_dim)), fake_tensor(f32, (batch, q_heads, q_len)),
     ]
 
 

@@ -21,6 +21,11 @@ Design (one CTA = one 128-row query tile at a time, persistent over tiles):
 
 Grouped-query attention maps query head h to key/value head h // (Hq / Hkv).
 
+Head dims: D = Dv in SUPPORTED_HEAD_DIMS, and DeepSeek MLA's D = 192 with Dv = 128
+(EXTRA_HEAD_DIM_PAIRS): V, the P V MMA, the O accumulator and the epilogue are sized by Dv throughout,
+Q, K and Q K^T by D, so MLA runs at its own dims (1.2x fewer FLOPs than padding V to 192, and a third
+less V traffic and V buffer).
+
 Tuning options (KernelOptions). The field defaults are the first H200-verified configuration;
 `options` picks, per head dim, mask and query length, the combination that measured fastest
 (benchmarks/results/forward_variants_h200.json, docs/sm90_forward_tuning.md):
@@ -70,6 +75,9 @@ from fa4_jax.kernels.common.softcap import apply_softcap
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, wgmma
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+# (D, Dv) pairs taken besides D = Dv (fa4_jax/lowering/cuda.py's route lists the same): DeepSeek MLA.
+# The key tile and stages are D's (_TILE_N_AND_STAGES).
+EXTRA_HEAD_DIM_PAIRS = ((192, 128),)
 ROWS_PER_WARPGROUP = 64  # one wgmma M
 # (producer, consumer) registers per thread after setmaxnreg, by number of consumer warpgroups: the
 # total stays within the 64K register file (24 * 128 + 240 * 256 = 24 * 128 + 160 * 384 = 64512).
@@ -180,7 +188,8 @@ LARGE_HEAD_CAUSAL = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chu
                      "early_q_release": True, "zigzag_tiles": True}
 # D = 192 (fourth sweep, rev 74443c7): ping-pong turns and the TMA-store epilogue in three 64-column
 # chunks with early Q release (full 2k: 0.99 -> 1.05x cuDNN), with the zigzag order and the split key
-# loop when causal (2k 0.85 -> 0.96x, 8k 0.97 -> 1.10x).
+# loop when causal (2k 0.85 -> 0.96x, 8k 0.97 -> 1.10x). MLA's Dv = 128 takes the same sets with the
+# store in one piece (`_measured_overrides`; not yet run on a GPU).
 D192 = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3, "early_q_release": True}
 D192_CAUSAL = dict(D192, zigzag_tiles=True, split_masked_loop=True)
 # D = 64 causal: wg3-all was 8 % slower than q2-tma at Sq = 1024 and 8 % faster at 2048; the cut sits
@@ -818,7 +827,8 @@ class Sm90ForwardKernel:
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """None when this kernel computes `config` exactly; otherwise what it cannot take, for the user."""
-    reason = host.kernel_unsupported_reason("sm90", config, problem, SUPPORTED_HEAD_DIMS, takes_packed=True)
+    reason = host.kernel_unsupported_reason("sm90", config, problem, SUPPORTED_HEAD_DIMS, takes_packed=True,
+                                            extra_pairs=EXTRA_HEAD_DIM_PAIRS)
     if reason is not None:
         return reason
     if config.has_cu_seqlens and (config.has_segment_ids or config.has_q_seq_lengths or config.has_kv_seq_lengths
@@ -852,7 +862,13 @@ def _measured_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape,
     if head_dim <= 128:
         return dict(Q_DOUBLE_BUFFER_TMA_STORE, split_masked_loop=mask.causal, zigzag_tiles=mask.causal)
     if head_dim == 192:
-        return dict(D192_CAUSAL if mask.causal else D192)
+        tuned = dict(D192_CAUSAL if mask.causal else D192)
+        if v_head_dim != head_dim:
+            # MLA (Dv = 128): the whole 32 KB O tile fits next to the smaller V ring (201 KB in all), so
+            # one store, not chunks; two 64-column chunks also fit, but made ptxas 13 serialise the
+            # wgmmas (warning C7520) of the plain bf16 kernel.
+            tuned["store_chunks"] = 1
+        return tuned
     if head_dim == 256 and mask.causal:
         return dict(LARGE_HEAD_CAUSAL)
     return {}
