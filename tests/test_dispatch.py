@@ -138,10 +138,31 @@ def test_backward_head_dim_selects_the_kernel(monkeypatch, head_dim, module):
 @needs_cutlass
 @pytest.mark.parametrize("route", cuda.ROUTES, ids=lambda route: f"{route.capability}-{route.pass_}-{route.module}")
 def test_every_route_takes_its_modules_head_dims(route):
-    """Each row of the routing table names exactly the head dims its kernel module supports, so the
-    table neither sends a head dim to a kernel that refuses it nor hides one the kernel takes."""
+    """Each row of the routing table names exactly the head dims (and the extra (head dim, value head
+    dim) pairs) its kernel module supports, so the table neither sends a head dim to a kernel that
+    refuses it nor hides one the kernel takes."""
     module = importlib.import_module(route.module)
     assert tuple(route.head_dims) == tuple(module.SUPPORTED_HEAD_DIMS)
+    assert tuple(route.extra_pairs) == tuple(getattr(module, "EXTRA_HEAD_DIM_PAIRS", ()))
+    config = AttentionConfig(scale=0.125)
+    for head_dim, v_head_dim in route.head_dim_pairs():
+        problem = host.Problem((1, 8, 2, head_dim), (1, 8, 2, head_dim), (1, 8, 2, v_head_dim), "bfloat16")
+        assert module.unsupported_reason(config, problem) is None, (head_dim, v_head_dim)
+
+
+@needs_cutlass
+def test_sm90_forward_names_the_value_head_dims_it_takes():
+    """The sm90 forward takes MLA's 192/128 besides D = Dv; another value head dim is refused naming both."""
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
+
+    config = AttentionConfig(scale=0.125)
+
+    def problem(head_dim, v_head_dim):
+        return host.Problem((1, 8, 2, head_dim), (1, 8, 2, head_dim), (1, 8, 2, v_head_dim), "bfloat16")
+    assert sm90_forward.unsupported_reason(config, problem(192, 128)) is None
+    assert sm90_forward.unsupported_reason(config, problem(192, 64)) == (
+        "the sm90 kernel needs the value head dim (64) to equal the query/key head dim (192) (or (head dim, "
+        "value head dim) in ((192, 128),))")
 
 
 def test_gpu_without_kernel_names_its_capability(fake_gpu, monkeypatch):

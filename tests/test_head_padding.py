@@ -31,6 +31,8 @@ from test_attention import AttentionTestBase, Case, with_cases
 
 KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)   # every forward kernel's, and the sm90 backward's
 SM100_BACKWARD_HEAD_DIMS = (64, 96, 128)
+MLA = (192, 128)   # DeepSeek MLA's (D, Dv): the sm90 forward takes it besides D = Dv
+SM90_FORWARD_PAIRS = tuple((d, d) for d in KERNEL_HEAD_DIMS) + (MLA,)
 
 
 def _problem(head_dim, v_head_dim=None):
@@ -100,9 +102,12 @@ def test_sm90_tangent_pads_up_to_128_and_names_larger_head_dims():
     assert _route("tangent", (10, 0), 80)[2].startswith("there is no CuTe tangent kernel for compute capability 10.0")
 
 
-# (head dim, value head dim) -> the kernels' (D', Dv') on every forward and the sm90 backward.
+# (head dim, value head dim) -> the kernels' (D', Dv') on the sm90 backward and the sm100 forward
+# (kernels of D = Dv only).
 VALUE_HEAD_DIMS = {
     (192, 128): (192, 192),   # DeepSeek MLA
+    (160, 128): (192, 192),
+    (192, 64): (192, 192),
     (96, 64): (96, 96),
     (64, 128): (128, 128),
     (256, 128): (256, 256),
@@ -111,16 +116,52 @@ VALUE_HEAD_DIMS = {
     (40, 72): (96, 96),
     (80, 80): (96, 96),
 }
+# The sm90 forward also takes MLA's 192/128 itself, and it is the cheaper kernel for every call of
+# 128 < D <= 192 and Dv <= 128 (160/128: 320 / 288 = 1.11x the FLOPs, not 192/192's 1.33x).
+SM90_FORWARD_VALUE_HEAD_DIMS = {**VALUE_HEAD_DIMS, (192, 128): MLA, (160, 128): MLA, (192, 64): MLA}
 
 
-@pytest.mark.parametrize("dims, kernel_dims", VALUE_HEAD_DIMS.items(), ids=[f"{d}-{v}" for d, v in VALUE_HEAD_DIMS])
-@pytest.mark.parametrize("capability, pass_", [((9, 0), "forward"), ((9, 0), "backward"), ((10, 0), "forward")],
-                         ids=["sm90-forward", "sm90-backward", "sm100-forward"])
-def test_value_head_dims_pad_both_to_the_kernel_that_holds_the_larger(dims, kernel_dims, capability, pass_):
+@pytest.mark.parametrize("dims", list(VALUE_HEAD_DIMS), ids=[f"{d}-{v}" for d, v in VALUE_HEAD_DIMS])
+@pytest.mark.parametrize("capability, pass_, kernel_dims", [
+    ((9, 0), "forward", SM90_FORWARD_VALUE_HEAD_DIMS), ((9, 0), "backward", VALUE_HEAD_DIMS),
+    ((10, 0), "forward", VALUE_HEAD_DIMS)], ids=["sm90-forward", "sm90-backward", "sm100-forward"])
+def test_value_head_dims_pad_to_the_cheapest_kernel_that_holds_them(dims, capability, pass_, kernel_dims):
     _, padding, reason = _route(pass_, capability, *dims)
     assert reason is None
     assert (padding.head_dim, padding.v_head_dim) == dims
-    assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == kernel_dims
+    assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == kernel_dims[dims]
+
+
+def test_sm90_forward_takes_every_call_the_mla_pair_holds_and_pads_the_rest_as_before():
+    """Every (D, Dv) up to 256: the sm90 forward runs the 192/128 kernel exactly where it holds the call
+    and no D = Dv kernel of less work does (128 < D <= 192, Dv <= 128), unpadded only for 192/128
+    itself; everywhere else it picks what the D = Dv kernels alone would."""
+    for head_dim in range(1, 257):
+        for v_head_dim in range(1, 257):
+            route, padding, reason = _route("forward", (9, 0), head_dim, v_head_dim)
+            assert reason is None and route.module == "fa4_jax.kernels.sm90.forward"
+            kernel_dims = (padding.kernel_head_dim, padding.kernel_v_head_dim)
+            if 128 < head_dim <= 192 and v_head_dim <= 128:
+                assert kernel_dims == MLA, (head_dim, v_head_dim, kernel_dims)
+            else:
+                d = _next_kernel_head_dim(max(head_dim, v_head_dim), KERNEL_HEAD_DIMS)
+                assert kernel_dims == (d, d), (head_dim, v_head_dim, kernel_dims)
+            assert padding.is_identity == ((head_dim, v_head_dim) in SM90_FORWARD_PAIRS)
+
+
+def test_mla_runs_the_sm90_forward_unpadded_and_pads_the_other_passes():
+    """Each pass is planned on its own routes: MLA's forward runs the sm90 forward at its own dims, its
+    backward the large-head kernel at 192/192; the tangent has nothing to pad it to, and Blackwell's
+    forward (no MLA pair) pads it to 192/192."""
+    route, padding, reason = _route("forward", (9, 0), *MLA)
+    assert reason is None and route.module == "fa4_jax.kernels.sm90.forward" and padding.is_identity
+    route, padding, reason = _route("backward", (9, 0), *MLA)
+    assert reason is None and route.module == "fa4_jax.kernels.sm90.backward_large_heads"
+    assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == (192, 192)
+    assert _route("tangent", (9, 0), *MLA)[2].endswith("not 192 with value head dim 128")
+    route, padding, _ = _route("forward", (10, 0), *MLA)
+    assert route.module == "fa4_jax.kernels.sm100.forward"
+    assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == (192, 192)
 
 
 def test_sm100_backward_names_a_value_head_dim_beyond_its_kernel():
@@ -137,8 +178,8 @@ def test_decode_is_not_padded():
 
 
 def test_plan_takes_the_least_work():
-    """A kernel pair of its own value head dim (none today) would win over padding V; among pairs
-    of equal work the smaller head dim; nothing large enough: None."""
+    """A kernel pair of its own value head dim (the sm90 forward's MLA pair) wins over padding V; among
+    pairs of equal work the smaller head dim; nothing large enough: None."""
     assert head_padding.plan(192, 128, [(256, 256), (192, 192), (192, 128)]) == head_padding.HeadPadding(
         192, 128, 192, 128)
     assert head_padding.plan(100, 60, [(128, 128), (128, 64), (192, 64)]).kernel_v_head_dim == 64
@@ -153,6 +194,9 @@ def test_flop_ratios_in_the_docstring():
     for (head_dim, v_head_dim), ratio in ratios.items():
         padding = head_padding.plan(head_dim, v_head_dim, [(d, d) for d in KERNEL_HEAD_DIMS])
         assert padding.flop_ratio == pytest.approx(ratio)
+    # On the sm90 forward, with its MLA pair.
+    for (head_dim, v_head_dim), ratio in {(160, 128): 10 / 9, MLA: 1.0}.items():
+        assert head_padding.plan(head_dim, v_head_dim, SM90_FORWARD_PAIRS).flop_ratio == pytest.approx(ratio)
 
 
 # ---------------------------------------------------------------------------- the padding is exact
@@ -347,6 +391,8 @@ def cuda_rules_on_cpu(monkeypatch):
 
 
 def _padded(case: Case) -> bool:
+    """Whether `case` is padded on the sm90 backward (and so on the forward too, but for MLA's 192/128,
+    whose forward runs unpadded)."""
     padding = head_padding.plan(case.head_dim, case.v_dim, [(d, d) for d in KERNEL_HEAD_DIMS])
     return not padding.is_identity
 
@@ -367,10 +413,11 @@ class TestPaddedThroughCudaRules(AttentionTestBase):
     def _rules(self, cuda_rules_on_cpu):
         self.calls = cuda_rules_on_cpu
         yield
-        # Every case reached the stand-ins at the kernel's head dims, with the call's scale.
+        # Every case reached the stand-ins at head dims their kernel takes.
         assert self.calls.calls, "no kernel module was called"
-        for _, kernel_head_dim, kernel_v_head_dim, _ in self.calls.calls:
-            assert kernel_head_dim == kernel_v_head_dim and kernel_head_dim in KERNEL_HEAD_DIMS
+        for name, kernel_head_dim, kernel_v_head_dim, _ in self.calls.calls:
+            pairs = SM90_FORWARD_PAIRS if name.endswith(".forward") else [(d, d) for d in KERNEL_HEAD_DIMS]
+            assert (kernel_head_dim, kernel_v_head_dim) in pairs
 
     def supports(self, case: Case) -> bool:
         return _padded(case)
@@ -399,6 +446,35 @@ def test_the_kernels_get_the_callers_scale(cuda_rules_on_cpu, inputs):
     jax.jit(jax.grad(lambda q: fa4_jax.attention(q, q, q, implementation="cute").sum()))(query)
     assert cuda_rules_on_cpu.calls[-1] == ("fa4_jax.kernels.sm90.backward_large_heads", 192, 192,
                                            pytest.approx(160 ** -0.5))
+
+
+@pytest.mark.parametrize("dims", [MLA, (160, 128)], ids=["d192-v128", "d160-v128"])
+def test_mla_forward_unpadded_and_backward_padded_through_the_api(cuda_rules_on_cpu, inputs, dims):
+    """`fa4_jax.attention` and its gradient at MLA-like head dims, causal with Sq != Sk and GQA: the
+    forward module is handed 192/128 (192/128 itself unpadded, 160/128 with Q and K padded), the
+    backward module 192/192, fed the forward's O at the call's Dv = 128 and padding it itself; out,
+    LSE and every gradient equal the reference's at the call's dims."""
+    import fa4_jax
+
+    head_dim, v_head_dim = dims
+    query, key = inputs.normal((2, 37, 4, head_dim), scale=1.5), inputs.normal((2, 53, 2, head_dim))
+    value = inputs.normal((2, 53, 2, v_head_dim))
+
+    def loss(implementation):
+        def function(q, k, v):
+            out, lse = fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation=implementation)
+            return jnp.sum(out * jnp.cos(out)) + jnp.sum(jnp.sin(lse)), (out, lse)
+        return jax.jit(jax.value_and_grad(function, argnums=(0, 1, 2), has_aux=True))(query, key, value)
+    (_, (out, lse)), grads = loss("cute")
+    assert [call[:3] for call in cuda_rules_on_cpu.calls] == [
+        ("fa4_jax.kernels.sm90.forward", 192, 128), ("fa4_jax.kernels.sm90.backward_large_heads", 192, 192)]
+    (_, (expected_out, expected_lse)), expected_grads = loss("reference")
+    assert out.shape == expected_out.shape == (2, 37, 4, v_head_dim)
+    oracle.assert_close(out, expected_out, 1e-5, "out")
+    oracle.assert_close(lse, expected_lse, 1e-5, "lse", floor=1.0)
+    for name, grad, expected, operand in zip(("dq", "dk", "dv"), grads, expected_grads, (query, key, value)):
+        assert grad.shape == operand.shape
+        oracle.assert_close(grad, expected, 1e-5, name)
 
 
 @pytest.mark.parametrize("dims", [(80, 80), (96, 64), (40, 40)], ids=["d80", "d96-v64", "d40"])
@@ -474,20 +550,22 @@ print("LOWERED " + json.dumps([[line.split(" : ")[-1] for line in text.splitline
 
 
 # One case per architecture (each compiles a forward and a backward kernel, ~1 min on a CI core):
-# 192/128 pads only the value side on sm90, 80 pads both to 96 on sm100.
+# 192/128 runs the sm90 forward unpadded and pads only the backward's value side, 80 pads both passes
+# to 96 on sm100. (head dim, value head dim, forward kernel's (D', Dv'), backward kernel's D'' = Dv'').
 LOWERED_CASES = {
-    "sm90-d192-v128": (192, 128, 192, (9, 0), "sm_90a"),
-    "sm100-d80": (80, 80, 96, (10, 0), "sm_100a"),
+    "sm90-d192-v128": (192, 128, MLA, 192, (9, 0), "sm_90a"),
+    "sm100-d80": (80, 80, (96, 96), 96, (10, 0), "sm_100a"),
 }
 
 
-@pytest.mark.parametrize("head_dim, v_head_dim, kernel_head_dim, capability, arch", LOWERED_CASES.values(),
-                         ids=LOWERED_CASES.keys())
-def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim, v_head_dim, kernel_head_dim,
-                                                            capability, arch):
+@pytest.mark.parametrize("head_dim, v_head_dim, forward_dims, backward_dim, capability, arch",
+                         LOWERED_CASES.values(), ids=LOWERED_CASES.keys())
+def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim, v_head_dim, forward_dims,
+                                                            backward_dim, capability, arch):
     """`fa4_jax.attention` and its gradient, lowered for CUDA on a pretended compute capability (the DSL
-    compiles the real kernels for sm_90a / sm_100a on this CPU): one forward kernel call, and one
-    backward call after it, each taking Q / K / V at the kernel's head dim."""
+    compiles the real kernels for sm_90a / sm_100a on this CPU): one forward kernel call taking Q / K
+    at the forward kernel's head dim and V at its value head dim, and in the gradient that call again
+    and one backward call after it, taking Q / K / V at the backward kernel's head dim."""
     import json
     import os
     import subprocess
@@ -502,10 +580,14 @@ def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim,
     assert process.returncode == 0, process.stderr[-4000:]
     line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
     forward_calls, gradient_calls = json.loads(line[len("LOWERED "):])
-    d = kernel_head_dim
-    padded = f"(tensor<1x200x4x{d}xbf16>, tensor<1x300x2x{d}xbf16>, tensor<1x300x2x{d}xbf16>"
-    assert forward_calls == [padded + f") -> (tensor<1x200x4x{d}xbf16>, tensor<1x4x200xf32>)"], forward_calls
-    assert len(gradient_calls) == 2 and all(call.startswith(padded) for call in gradient_calls), gradient_calls
+    d, dv = forward_dims
+    forward = (f"(tensor<1x200x4x{d}xbf16>, tensor<1x300x2x{d}xbf16>, tensor<1x300x2x{dv}xbf16>) -> "
+               f"(tensor<1x200x4x{dv}xbf16>, tensor<1x4x200xf32>)")
+    assert forward_calls == [forward], forward_calls
+    d = backward_dim
+    backward = f"(tensor<1x200x4x{d}xbf16>, tensor<1x300x2x{d}xbf16>, tensor<1x300x2x{d}xbf16>"
+    assert len(gradient_calls) == 2 and gradient_calls[0] == forward, gradient_calls
+    assert gradient_calls[1].startswith(backward), gradient_calls
 
 
 _LOWER_JVP = r"""

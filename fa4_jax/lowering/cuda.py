@@ -4,9 +4,10 @@ module, whose `unsupported_reason` decides the rest, or the reference where none
 Head dims: the forward, backward and tangent take any head dim <= 256 and any value head dim <= 256
 whose (D, Dv) some route's kernel holds once zero-padded (`fa4_jax/lowering/head_padding.py`: the
 padding is exact, costs (D' + Dv') / (D + Dv) more FLOPs and a padded copy of each operand, and stays
-inside this lowering, so residuals keep the call's dims). E.g. on sm_90: D = 80 runs the D = 96
-forward and backward and the D = 128 tangent, 112 the 128 ones, 160 the 192 ones, MLA's 192/128 the
-192/192 ones. Decode is not padded.
+inside this lowering, so residuals keep the call's dims). Each pass is planned on its own routes: e.g.
+on sm_90, D = 80 runs the D = 96 forward and backward and the D = 128 tangent, 112 the 128 ones, 160
+the 192 ones; MLA's 192/128 runs the forward unpadded (the sm90 forward's extra pair) and the
+backward padded to 192/192. Decode is not padded.
 
 `implementation=None` falls back to the reference with a one-time warning that says why;
 `implementation="cute"` raises instead, naming what the kernel cannot take.
@@ -35,21 +36,24 @@ class Route:
     """One row of the routing table: the kernel module that runs `pass_` ("forward", "backward",
     "tangent", "decode") for head dims `head_dims` on GPUs of compute capability `capability`.x. The module answers the rest
     (dtypes, features, grid limits) through its `unsupported_reason(config, problem)`. Its kernels
-    take the value head dim equal to the head dim; other calls reach them zero-padded."""
+    take the value head dim equal to the head dim, and the (head dim, value head dim) pairs in
+    `extra_pairs` (the module's EXTRA_HEAD_DIM_PAIRS); other calls reach them zero-padded."""
 
     capability: int
     pass_: str
     head_dims: tuple
     module: str
+    extra_pairs: tuple = ()
 
     def head_dim_pairs(self) -> tuple:
         """The (head dim, value head dim) pairs its kernel takes."""
-        return tuple((head_dim, head_dim) for head_dim in self.head_dims)
+        return tuple((head_dim, head_dim) for head_dim in self.head_dims) + tuple(self.extra_pairs)
 
 
 # Every kernel there is, and what selects it. A call no row matches runs the reference (with the reason).
 ROUTES = (
-    Route(9, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm90.forward"),
+    # DeepSeek MLA's 192/128 unpadded; its backward and tangent have no such pair and pad.
+    Route(9, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm90.forward", extra_pairs=((192, 128),)),
     Route(9, "backward", (64, 96, 128), "fa4_jax.kernels.sm90.backward"),
     Route(9, "backward", (192, 256), "fa4_jax.kernels.sm90.backward_large_heads"),
     # Forward-mode AD's tangent (jax.jvp / linearize / jacfwd), from the forward's saved O and LSE.
