@@ -8,7 +8,10 @@ of one bf16/fp16 rounding of the output), with -inf LSE and zero outputs on rows
 The grid covers every configuration `sm90.forward.options` picks: D = 64 causal both below and
 above the three-warpgroup query-length cut, D = 96 / 128 with the Q double buffer and TMA store (split
 key loop and zigzag tile order when causal), D = 256 causal with `LARGE_HEAD_CAUSAL` (ping-pong, TMA
-store in two chunks, early Q release, zigzag tile order).
+store in two chunks, early Q release, zigzag tile order). DeepSeek MLA's D = 192 / Dv = 128, which
+the kernel takes unpadded, has its own cases (MLA_CASES, `-k mla`): `fa4_jax.attention` must lower them
+to the kernel at those dims (no padded V), match the oracle, and take their gradient through the
+padded large-head backward.
 
 The kernel's tuning candidates (sm90.forward.TUNING_CANDIDATES, docs/sm90_forward_tuning.md) run a
 smaller grid of the same cases through `sm90.forward.run` with the candidate's option overrides, so
@@ -91,7 +94,7 @@ def _error(actual, expected) -> float:
 def _make_inputs(case: Case, inputs):
     query = inputs.normal((case.batch, case.q_len, case.q_heads, case.head_dim), case.dtype)
     key = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.head_dim), case.dtype)
-    value = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.head_dim), case.dtype)
+    value = inputs.normal((case.batch, case.kv_len, case.kv_heads, case.v_head_dim or case.head_dim), case.dtype)
     options = dict(scale=case.scale, causal=case.causal, window=case.window, softcap=case.softcap)
     if case.sinks:
         options["sinks"] = inputs.normal((case.q_heads,), jnp.float32, scale=2.0)
@@ -128,11 +131,17 @@ def _kernel_config(case: Case, options):
     return optional, config
 
 
-def _oracle(query, key, value, options):
+def _numpy_options(options):
+    """`fa4_jax.attention`'s keyword options as the oracle takes them (arrays as NumPy arrays)."""
     numpy_options = {name: (tuple(np.asarray(v) for v in value_) if isinstance(value_, tuple) else
                             (np.asarray(value_) if hasattr(value_, "shape") else value_))
                      for name, value_ in options.items()}
     numpy_options["window"] = options.get("window")
+    return numpy_options
+
+
+def _oracle(query, key, value, options):
+    numpy_options = _numpy_options(options)
     return numpy_reference.attention_forward(
         numpy_reference.to_float64(query), numpy_reference.to_float64(key),
         numpy_reference.to_float64(value), **numpy_options)
@@ -157,6 +166,93 @@ def test_forward_matches_oracle(case: Case, inputs):
     lse_tolerance = 2 * max(_error(reference_lse, expected_lse), 1e-5)
     numpy_reference.assert_close(out, expected_out, out_tolerance, f"{case.name} out")
     numpy_reference.assert_close(lse, expected_lse, lse_tolerance, f"{case.name} lse")
+
+
+# DeepSeek MLA (D = 192, Dv = 128: sm90.forward.EXTRA_HEAD_DIM_PAIRS), which `fa4_jax.attention` runs
+# on this kernel unpadded: the D = 192 sets at Dv = 128 with what changes their paths (odd lengths and
+# lengths: clipped stores; Sq > Sk and Sq < Sk causal; GQA; a left window; softcap, sinks, segments;
+# several tiles per CTA; one row).
+MLA_CASES = [
+    Case("mla", head_dim=192, v_head_dim=128),
+    Case("mla-causal-more-queries-gqa", head_dim=192, v_head_dim=128, causal=True, q_len=333, kv_len=300,
+         q_heads=8, kv_heads=2),
+    Case("mla-causal-cross", head_dim=192, v_head_dim=128, causal=True, q_len=100, kv_len=357),
+    Case("mla-lengths-causal-gqa-fp16", head_dim=192, v_head_dim=128, q_lengths=True, kv_lengths=True,
+         causal=True, q_heads=8, kv_heads=2, q_len=333, kv_len=300, dtype=jnp.float16),
+    Case("mla-window-causal-left-sinks", head_dim=192, v_head_dim=128, window=(70, None), causal=True,
+         sinks=True, q_len=400, kv_len=400),
+    Case("mla-softcap-segments", head_dim=192, v_head_dim=128, softcap=20.0, segments=True, q_len=300,
+         kv_len=300),
+    Case("mla-persistent-many-tiles-causal", head_dim=192, v_head_dim=128, batch=2, q_len=1024, kv_len=1024,
+         q_heads=16, kv_heads=16, causal=True),
+    Case("mla-single-row", head_dim=192, v_head_dim=128, q_len=1, kv_len=77),
+]
+
+
+def _tensor_type(shape, dtype) -> str:
+    """How the lowered program spells an array type: tensor<2x197x4x192xbf16>."""
+    element = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16"}[jnp.dtype(dtype)]
+    return f"tensor<{'x'.join(str(size) for size in shape)}x{element}>"
+
+
+def _kernel_calls(function, *arguments) -> dict:
+    """{kernel name: the signatures "(operand types) -> (result types)" of its custom calls} in
+    `function`'s lowering for CUDA: which kernels the CUDA rules chose, at which head dims."""
+    text = jax.jit(function).trace(*arguments).lower(lowering_platforms=("cuda",)).as_text()
+    calls = {}
+    for line in text.splitlines():
+        if "stablehlo.custom_call" in line:
+            name = next((kernel for kernel in ("sm90_forward", "sm90_backward_large_heads", "sm90_backward")
+                         if kernel in line), line)
+            calls.setdefault(name, []).append(line.split(" : ")[-1])
+    return calls
+
+
+@gpu
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda case: case.name)
+def test_mla_runs_unpadded_and_matches_oracle(case: Case, inputs):
+    """`fa4_jax.attention` of an MLA call lowers to one sm90 forward kernel call taking Q and K at 192
+    and V at 128 and returning O at 128 (no padded copy in between), which matches the oracle."""
+    query, key, value, options = _make_inputs(case, inputs)
+    calls = _kernel_calls(lambda q, k, v: fa4_jax.attention(q, k, v, return_lse=True, implementation="cute",
+                                                            **options), query, key, value)
+    operands = ", ".join(_tensor_type(x.shape, case.dtype) for x in (query, key, value))
+    out_type = _tensor_type(query.shape[:3] + (case.v_head_dim,), case.dtype)
+    assert list(calls) == ["sm90_forward"] and len(calls["sm90_forward"]) == 1, calls
+    assert calls["sm90_forward"][0].startswith(f"({operands}"), calls
+    assert f"-> ({out_type}, " in calls["sm90_forward"][0], calls
+    test_forward_matches_oracle(case, inputs)
+
+
+@gpu
+@pytest.mark.parametrize("case", [case for case in MLA_CASES if case.name in (
+    "mla-causal-more-queries-gqa", "mla-causal-cross", "mla-lengths-causal-gqa-fp16")], ids=lambda case: case.name)
+def test_mla_gradient_through_public_api(case: Case, inputs):
+    """jax.grad of an MLA call through `fa4_jax.attention`: the sm90 forward unpadded at 192/128, the
+    large-head backward at 192/192 (the lowering pads V, and the forward's O and dO, to 192), and the
+    gradients against the float64 oracle (4 roundings of the input type, as the backward's own tests)."""
+    query, key, value, options = _make_inputs(case, inputs)
+    d_out = inputs.normal(query.shape[:3] + (case.v_head_dim,), case.dtype)
+
+    def loss(q, k, v):
+        out = fa4_jax.attention(q, k, v, implementation="cute", **options)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+    gradient = jax.grad(loss, argnums=(0, 1, 2))
+    calls = _kernel_calls(gradient, query, key, value)
+    operands = ", ".join(_tensor_type(x.shape, case.dtype) for x in (query, key, value))
+    padded_value = _tensor_type(value.shape[:3] + (case.head_dim,), case.dtype)
+    assert sorted(calls) == ["sm90_backward_large_heads", "sm90_forward"], calls
+    assert [call.startswith(f"({operands}") for call in calls["sm90_forward"]] == [True], calls
+    backward_operands = f"({_tensor_type(query.shape, case.dtype)}, {_tensor_type(key.shape, case.dtype)}, {padded_value}"
+    assert [call.startswith(backward_operands) for call in calls["sm90_backward_large_heads"]] == [True], calls
+
+    grads = jax.jit(gradient)(query, key, value)
+    expected = numpy_reference.attention_backward(
+        *(numpy_reference.to_float64(x) for x in (query, key, value, d_out)), **_numpy_options(options))
+    for name, actual in zip(("dq", "dk", "dv"), grads):
+        actual = np.asarray(actual.astype(jnp.float32))
+        assert not np.any(np.isnan(actual)), f"{case.name} {name}: NaN"
+        numpy_reference.assert_close(actual, expected[name], 4 * ROUNDING[case.dtype], f"{case.name} {name}")
 
 
 # Cases that reach every path a variant changes: odd lengths (partial Q tiles, TMA-store clipping),
