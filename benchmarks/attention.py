@@ -108,29 +108,38 @@ SECTIONS = {"forward": forward_section}
 
 # The Hopper forward kernel's tuning candidates (fa4_jax.kernels.sm90.forward.TUNING_CANDIDATES) plus
 # "default", the tuned configuration of sm90.forward.options each is compared with:
-# name -> (KernelOptions overrides, head dims, causal settings).
+# name -> (KernelOptions overrides, head dims (D, or a (D, Dv) pair), causal settings).
 def sm90_forward_variants():
     from fa4_jax.kernels.sm90 import forward as sm90_forward
-    return {"default": ({}, (64, 128, 192, 256), (False, True)), **sm90_forward.TUNING_CANDIDATES}
+    return {"default": ({}, (64, 128, 192, 256, (192, 128)), (False, True)), **sm90_forward.TUNING_CANDIDATES}
 
 
-# (head_dim, causal, seq_len) rows for the candidates (sm90.forward.TUNING_CANDIDATES): D = 64 full and
-# causal at 16k and 1k (the polynomial exp2), then D = 192 full at 8k and 2k. Ordered by priority, so that
-# a run cut short by --max-seconds still covers the first rows.
+# (head dims, causal, seq_len) rows for the candidates (sm90.forward.TUNING_CANDIDATES), head dims a D
+# or a (D, Dv) pair: D = 64 full and causal at 16k and 1k (the polynomial exp2), D = 192 full at 8k and
+# 2k, then MLA's 192/128 full at 8k and causal at 2k. Ordered by priority, so that a run cut short by
+# --max-seconds still covers the first rows.
 VARIANT_ROWS = [(64, False, 16384), (64, True, 16384), (64, False, 1024), (64, True, 1024),
-                (192, False, 8192), (192, False, 2048)]
+                (192, False, 8192), (192, False, 2048), ((192, 128), False, 8192), ((192, 128), True, 2048)]
 
 
-def variants_for(head_dim: int, causal: bool, excluded=()):
-    """The sm90_forward_variants() names that apply to one row, default first."""
-    return [name for name, (_, head_dims, causal_settings) in sm90_forward_variants().items()
-            if head_dim in head_dims and causal in causal_settings and name not in excluded]
+def head_dims_of(shape) -> tuple:
+    """A row's (D, Dv)."""
+    return shape["head_dim"], shape.get("v_head_dim") or shape["head_dim"]
+
+
+def variants_for(head_dims: tuple, causal: bool, excluded=()):
+    """The sm90_forward_variants() names that apply to one row of (D, Dv) `head_dims`, default first."""
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
+    return [name for name, (_, candidate_dims, causal_settings) in sm90_forward_variants().items()
+            if tuple(head_dims) in sm90_forward.candidate_head_dim_pairs(candidate_dims)
+            and causal in causal_settings and name not in excluded]
 
 
 def failed_variants(junit_path: str) -> dict:
     """{variant: [failed test ids]} from a pytest --junitxml report of tests/test_sm90_forward.py -k variant
-    (test ids "test_variant_matches_oracle[<variant>+<case>+d<D>]"). A variant that computed a wrong
-    answer, or crashed, is not timed: a crash would also take every later timing in the process down."""
+    (test ids "test_variant_matches_oracle[<variant>+<case>+d<D>]", "...+d<D>-v<Dv>]" where Dv differs). A
+    variant that computed a wrong answer, or crashed, is not timed: a crash would also take every later
+    timing in the process down."""
     import xml.etree.ElementTree as ElementTree
 
     failed = {}
@@ -145,9 +154,17 @@ def failed_variants(junit_path: str) -> dict:
 
 
 def variant_shapes():
-    for head_dim, causal, length in VARIANT_ROWS:
+    for head_dims, causal, length in VARIANT_ROWS:
+        head_dim, v_head_dim = head_dims if isinstance(head_dims, tuple) else (head_dims, head_dims)
         yield dict(batch=TOKENS // length, seq_len=length, heads=MODEL_WIDTH // head_dim,
-                   head_dim=head_dim, causal=causal)
+                   head_dim=head_dim, v_head_dim=v_head_dim, causal=causal)
+
+
+def input_shapes(shape) -> tuple:
+    """The row's query, key and value shapes [B, S, H, D] (value: Dv)."""
+    head_dim, v_head_dim = head_dims_of(shape)
+    query = (shape["batch"], shape["seq_len"], shape["heads"], head_dim)
+    return query, query, query[:3] + (v_head_dim,)
 
 
 def _variant_function(shape, overrides):
@@ -174,9 +191,9 @@ def _compile_variant(task):
     import jax.numpy as jnp
 
     started = time.perf_counter()
-    spec = jax.ShapeDtypeStruct((shape["batch"], shape["seq_len"], shape["heads"], shape["head_dim"]), jnp.bfloat16)
+    specs = [jax.ShapeDtypeStruct(dims, jnp.bfloat16) for dims in input_shapes(shape)]
     try:
-        _variant_function(shape, sm90_forward_variants()[name][0]).trace(spec, spec, spec).lower(
+        _variant_function(shape, sm90_forward_variants()[name][0]).trace(*specs).lower(
             lowering_platforms=("cuda",))
     except Exception as error:  # the timing process compiles it again and reports the error
         return name, time.perf_counter() - started, f"{type(error).__name__}: {str(error)[:200]}"
@@ -194,7 +211,7 @@ def compile_variants_in_parallel(shape_list, excluded, workers: int) -> dict:
     import multiprocessing
 
     tasks = [(name, shape) for shape in shape_list
-             for name in variants_for(shape["head_dim"], shape["causal"], excluded)]
+             for name in variants_for(head_dims_of(shape), shape["causal"], excluded)]
     started = time.perf_counter()
     errors = {}
     with multiprocessing.get_context("spawn").Pool(workers, initializer=cpu_only_worker) as pool:
@@ -215,7 +232,7 @@ def forward_variants_section(shape, arguments, args):
     causal = shape["causal"]
     reference, cudnn_ms = _median_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn")), arguments, args.iterations)
-    names = variants_for(shape["head_dim"], causal, args.excluded_variants)
+    names = variants_for(head_dims_of(shape), causal, args.excluded_variants)
     rows = []
     for name in names + ["default"]:
         overrides = sm90_forward_variants()[name][0]
@@ -240,14 +257,15 @@ def forward_variants_section(shape, arguments, args):
 def variant_summary(rows):
     """One line per row: default's ratio (first and repeat timing), the best variant and its ratio."""
     lines = []
-    keys = sorted({(r["head_dim"], r["causal"], r["seq_len"]) for r in rows if r["section"] == "forward_variant"})
-    for head_dim, causal, seq_len in keys:
+    keys = sorted({(head_dims_of(r), r["causal"], r["seq_len"]) for r in rows if r["section"] == "forward_variant"})
+    for head_dims, causal, seq_len in keys:
         timed = [r for r in rows if r["section"] == "forward_variant" and "ratio_vs_cudnn" in r
-                 and (r["head_dim"], r["causal"], r["seq_len"]) == (head_dim, causal, seq_len)]
+                 and (head_dims_of(r), r["causal"], r["seq_len"]) == (head_dims, causal, seq_len)]
         defaults = [f"{r['ratio_vs_cudnn']:.3f}" for r in timed if r["variant"] == "default"]
         best = max(timed, key=lambda r: r["ratio_vs_cudnn"], default=None)
         best_text = f"best {best['variant']} {best['ratio_vs_cudnn']:.3f}" if best else "no timings"
-        lines.append(f"D={head_dim:3d} causal={int(causal)} S={seq_len:5d}  default {'/'.join(defaults):11s} {best_text}")
+        lines.append(f"D={_dims_label(head_dims):7s} causal={int(causal)} S={seq_len:5d}  default "
+                     f"{'/'.join(defaults):11s} {best_text}")
     return "\n".join(lines)
 
 
@@ -319,8 +337,8 @@ def run(args):
             report.setdefault("skipped_rows", []).append(shape)
             continue
         key, *subkeys = jax.random.split(key, 4)
-        dims = (shape["batch"], shape["seq_len"], shape["heads"], shape["head_dim"])
-        arguments = [jax.random.normal(k, dims, jnp.float32).astype(jnp.bfloat16) for k in subkeys]
+        arguments = [jax.random.normal(k, dims, jnp.float32).astype(jnp.bfloat16)
+                     for k, dims in zip(subkeys, input_shapes(shape))]
         for section in sections:
             for row in dict(SECTIONS, forward_variants=forward_variants_section)[section](shape, arguments, args):
                 report["rows"].append(row)
@@ -357,11 +375,17 @@ def _write(report, path):
         json.dump(report, handle, indent=1)
 
 
+def _dims_label(head_dims) -> str:
+    """D, or D/Dv where they differ."""
+    head_dim, v_head_dim = head_dims
+    return str(head_dim) if v_head_dim == head_dim else f"{head_dim}/{v_head_dim}"
+
+
 def _format_row(row):
     def number(name, fmt="{:7.1f}"):
         return fmt.format(row[name]) if name in row else "   -   "
     if row["section"] == "forward_variant":
-        return (f"variant  D={row['head_dim']:3d} S={row['seq_len']:5d} causal={int(row['causal'])} "
+        return (f"variant  D={_dims_label(head_dims_of(row)):7s} S={row['seq_len']:5d} causal={int(row['causal'])} "
                 f"{row['variant'] + (' (repeat)' if row.get('repeat') else ''):22s} fa4 {number('fa4_jax_tflops')} "
                 f"cudnn {number('cudnn_tflops')} TFLOP/s  ratio {number('ratio_vs_cudnn', '{:5.2f}')}  "
                 f"maxdiff {number('max_abs_diff_vs_cudnn', '{:.1e}')}"

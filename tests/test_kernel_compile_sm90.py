@@ -85,6 +85,11 @@ CONFIGS = {
         "bfloat16", {}),
     "d192-v128-packed-causal-gqa-fp16": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 8, 2, 192, 128],
                                          "float16", {}),
+    # The MLA candidate (TUNING_CANDIDATES mla-n128): 128-key blocks, the store in two chunks.
+    "d192-v128-n128": ({}, [2, 1000, 1000, 4, 4, 192, 128], "bfloat16", {"key_block": 128, "store_chunks": 2}),
+    "d192-v128-n128-causal-lengths-fp16": (
+        {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 8, 2, 192, 128],
+        "float16", {"key_block": 128, "store_chunks": 2}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),

@@ -269,10 +269,12 @@ def _variant_grid():
     by_name = {case.name: case for case in CASES}
     for variant, (overrides, head_dims, _) in sm90_forward.TUNING_CANDIDATES.items():
         for case_name in VARIANT_CASES:
-            for head_dim in head_dims:
-                case = dataclasses.replace(by_name[case_name], head_dim=head_dim)
+            for head_dim, v_head_dim in sm90_forward.candidate_head_dim_pairs(head_dims):
+                case = dataclasses.replace(by_name[case_name], head_dim=head_dim,
+                                           v_head_dim=None if v_head_dim == head_dim else v_head_dim)
+                dims = f"d{head_dim}" + ("" if case.v_head_dim is None else f"-v{v_head_dim}")
                 # "+" separates the fields: benchmarks/attention.py --exclude-failed reads the variant back.
-                yield pytest.param(overrides, case, id=f"{variant}+{case_name}+d{head_dim}")
+                yield pytest.param(overrides, case, id=f"{variant}+{case_name}+{dims}")
 
 
 @gpu

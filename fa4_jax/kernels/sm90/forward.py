@@ -198,7 +198,8 @@ THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
 
 # Candidate tunings on top of `options`, measured against it by `benchmarks/attention.py
 # --variants` and checked against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md
-# has the predictions): name -> (KernelOptions overrides, head dims, causal settings) it is meant for.
+# has the predictions): name -> (KernelOptions overrides, head dims, causal settings) it is meant for;
+# a head dim is D (with Dv = D) or a (D, Dv) pair (`candidate_head_dim_pairs`).
 TUNING_CANDIDATES: dict = {
     # D = 192: 112-key blocks (FA3's 128 x 112 tile, 222 KB of shared memory) on top of ping-pong; no room
     # for the TMA-store buffer next to them. Full 8k +1 % over the 96-key blocks, causal 2k -9 % (the
@@ -211,7 +212,20 @@ TUNING_CANDIDATES: dict = {
     # tensor cores; a quarter of the scores moved off it leaves it 25 % of slack.
     "d64-poly4": ({"poly_exp2_every": 4}, (64,), (False, True)),
     "d64-poly8": ({"poly_exp2_every": 8}, (64,), (False, True)),
+    # MLA (D = 192, Dv = 128): 128-key blocks, the O store back in two 64-column chunks to fit: Q 48 KB,
+    # K 2 x 48 KB, V 2 x 32 KB, O 16 KB, 225 of the 227 KB (the smaller V ring makes the room D = 192's
+    # 96-key blocks cannot have). A third more keys per block, so a quarter fewer blocks and their
+    # per-block pipeline waits, row rescales and ping-pong turns; and with the 128-row query tile a
+    # causal diagonal crosses one key block per tile instead of two. S and O are D = 128's 128 x 128
+    # tiles, as many registers as its tuned kernel (no spills: tests/test_kernel_compile_sm90.py). Not
+    # measured; 112-key blocks at D = 192 (d192-n112-pingpong) won full 8k by 1 % and lost causal 2k by 9 %.
+    "mla-n128": ({"key_block": 128, "store_chunks": 2}, ((192, 128),), (False, True)),
 }
+
+
+def candidate_head_dim_pairs(head_dims) -> tuple:
+    """A TUNING_CANDIDATES entry's head dims as (D, Dv) pairs."""
+    return tuple(head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim) for head_dim in head_dims)
 
 
 def _shared_storage_struct(dtype, q_stages: int, kv_stages: int, q_elements: int, k_elements: int,
