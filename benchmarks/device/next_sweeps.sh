@@ -54,7 +54,7 @@ sanitizer_cases.run('all')"
   SANITIZER=$!
   timeout 420 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
     tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py tests/test_sm90_varlen.py \
-    -k "per_thread_release or poly_exp2 or polynomial_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen" \
+    -k "per_thread_release or poly_exp2 or polynomial_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen or mla" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
   # A warm machine keeps /tmp: the next phases read the logs from here when the tree has no copy yet.

@@ -46,8 +46,15 @@ class Route:
     extra_pairs: tuple = ()
 
     def head_dim_pairs(self) -> tuple:
-        """The (head dim, value head dim) pairs its kernel takes."""
-        return tuple((head_dim, head_dim) for head_dim in self.head_dims) + tuple(self.extra_pairs)
+        """The (head dim, value head dim) pairs its kernel takes (the extra ones once GPU-verified)."""
+        extra = tuple(self.extra_pairs) if EXTRA_PAIRS_GPU_VERIFIED else ()
+        return tuple((head_dim, head_dim) for head_dim in self.head_dims) + extra
+
+
+# The extra pairs (MLA's 192/128 on the sm90 forward) compile and pass their CPU checks but have not run
+# on a GPU yet: until their GPU tests (tests/test_sm90_forward.py -k mla, which open this) pass on the
+# H200, such calls keep the padded kernels they ran before. The run that passes them deletes this gate.
+EXTRA_PAIRS_GPU_VERIFIED = False
 
 
 # Every kernel there is, and what selects it. A call no row matches runs the reference (with the reason).
