@@ -30,7 +30,7 @@ Rows (`row_grid()`), each shape forward then backward, B*S = 16k tokens:
 "backward D128 S8192 B2 H16/4 causal"; "full" when not causal), --quick those with S <= 2k.
 `--grid head-dims` instead: head dims fa4_jax has no kernel for and zero-pads
 (fa4_jax/lowering/head_padding.py), each beside the kernel dims it pads to: D 80 (-> 96) and DeepSeek
-MLA's D 192 / Dv 128 (the backward -> 192 / 192; the sm90 forward takes it unpadded,
+MLA's D 192 / Dv 128 (the backward -> 192 / 192; the sm90 forward unpadded once its gate opens,
 EXTRA_HEAD_DIM_PAIRS), with the 96 and 192 rows; 16 heads, S in {2k, 8k}, causal or not,
 16 shapes, 32 rows (names read "forward D192/128 S2048 B8 H16/16 causal"). FLOPs count the call's own
 head dims, 2*B*Hq*S*S*(D+Dv), so the padding's extra work shows as lower TFLOP/s.
