@@ -35,11 +35,9 @@ MLA = (192, 128)   # DeepSeek MLA's (D, Dv): the sm90 forward takes it besides D
 SM90_FORWARD_PAIRS = tuple((d, d) for d in KERNEL_HEAD_DIMS) + (MLA,)
 
 
-@pytest.fixture(autouse=True)
-def extra_pairs_open(monkeypatch):
-    """This file checks the routing as it will be once the extra pairs' GPU run opens their gate
-    (`cuda.EXTRA_PAIRS_GPU_VERIFIED`); test_mla_pads_until_its_gpu_run checks today's."""
-    monkeypatch.setattr(cuda, "EXTRA_PAIRS_GPU_VERIFIED", True)
+# This file checks the routing as it will be once the extra pairs' GPU run opens their gate
+# (conftest's extra_pairs_open); test_mla_pads_until_its_gpu_run checks today's.
+pytestmark = pytest.mark.usefixtures("extra_pairs_open")
 
 
 def test_mla_pads_until_its_gpu_run(monkeypatch):

@@ -208,15 +208,6 @@ def _kernel_calls(function, *arguments) -> dict:
     return calls
 
 
-@pytest.fixture
-def extra_pairs_open(monkeypatch):
-    """The routing's gate for the unpadded MLA pair (`cuda.EXTRA_PAIRS_GPU_VERIFIED`, off until these
-    tests have passed on a GPU), open."""
-    from fa4_jax.lowering import cuda
-
-    monkeypatch.setattr(cuda, "EXTRA_PAIRS_GPU_VERIFIED", True)
-
-
 @gpu
 @pytest.mark.parametrize("case", MLA_CASES, ids=lambda case: case.name)
 def test_mla_runs_unpadded_and_matches_oracle(case: Case, inputs, extra_pairs_open):
