@@ -154,8 +154,9 @@ def failed_variants(junit_path: str) -> dict:
 
 
 def variant_shapes():
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
     for head_dims, causal, length in VARIANT_ROWS:
-        head_dim, v_head_dim = head_dims if isinstance(head_dims, tuple) else (head_dims, head_dims)
+        [(head_dim, v_head_dim)] = sm90_forward.candidate_head_dim_pairs((head_dims,))
         yield dict(batch=TOKENS // length, seq_len=length, heads=MODEL_WIDTH // head_dim,
                    head_dim=head_dim, v_head_dim=v_head_dim, causal=causal)
 

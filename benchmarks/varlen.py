@@ -94,13 +94,11 @@ def _gradient(function):
     return lambda q, k, v, extra, d_out: jax.vjp(lambda q, k, v: function(q, k, v, extra), q, k, v)[1](d_out)[0]
 
 
-def kernels_of(function, arguments) -> list:
-    """The fa4_jax custom calls (`<arch>_<pass>`) that jit(function) lowers to on this device: a packed
-    gradient that took the reference backward shows only the forward, so the report cannot pass a
+def kernels_of(jitted, arguments) -> list:
+    """The fa4_jax custom calls (`<arch>_<pass>`) that the jitted function lowers to on this device: a
+    packed gradient that took the reference backward shows only the forward, so the report cannot pass a
     fallback off as the kernel."""
-    import jax
-
-    text = jax.jit(function).trace(*arguments).lower().as_text()
+    text = jitted.trace(*arguments).lower().as_text()
     # Matched whole: the embedded kernel binary may hold other (mangled) strings starting with fa4_jax_.
     return sorted({match for line in text.splitlines() if "stablehlo.custom_call" in line
                    for match in re.findall(r"fa4_jax_(sm[0-9]+a?_[a-z]+)", line)})
@@ -146,9 +144,10 @@ def measure(row, iterations) -> dict:
                      for name, (function, arguments) in functions.items()}
     for name, (function, arguments) in functions.items():
         try:
+            jitted = jax.jit(function)   # the function whose kernels are named is the one timed
             if name != "cudnn_padded":
-                record[f"{name}_kernels"] = kernels_of(function, arguments)
-            outputs[name], milliseconds = attention._median_ms(jax.jit(function), arguments, iterations)
+                record[f"{name}_kernels"] = kernels_of(jitted, arguments)
+            outputs[name], milliseconds = attention._median_ms(jitted, arguments, iterations)
         except Exception as error:  # one failing path must not hide the others
             record[f"{name}_error"] = _error(error)
             continue
