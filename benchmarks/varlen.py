@@ -171,9 +171,6 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=None, help="length mixes (default: all)")
     result.add_argument("--max-seconds", type=float, default=0.0, help="stop starting rows after this long")
     result.add_argument("--backward", action="store_true", help="time forward + backward (the gradient)")
-    result.add_argument("--open-packed-backward-gate", action="store_true",
-                        help="run the packed backward kernel before its GPU tests have opened its gate "
-                             "(fa4_jax.kernels.sm90.backward.PACKED_GPU_VERIFIED); the report says so")
     return result
 
 
@@ -182,16 +179,10 @@ def main(argv=None):
 
     import jax
 
-    from fa4_jax.kernels.sm90 import backward as sm90_backward
-    if args.open_packed_backward_gate:
-        sm90_backward.PACKED_GPU_VERIFIED = True
-
     report = dict(device=jax.devices()[0].device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   versions=attention._versions(), git_revision=attention.git_revision(), host=platform.node(),
                   dtype="bfloat16", mixes={mix: lengths_of(mix).tolist() for mix in (args.mixes or MIXES)},
                   timing="CUPTI kernel time of one call, median (jax.experimental.mosaic.gpu.profiler.measure)",
-                  packed_backward_gate=("opened by --open-packed-backward-gate" if args.open_packed_backward_gate
-                                        else f"PACKED_GPU_VERIFIED={sm90_backward.PACKED_GPU_VERIFIED}"),
                   rows=[])
     attention.measure_rows(report, rows(args.quick, args.mixes, args.backward), lambda row: measure(row, args.iterations),
                            args.out, args.max_seconds)

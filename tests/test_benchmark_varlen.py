@@ -97,4 +97,3 @@ def test_kernels_of_names_the_custom_calls_of_a_lowering():
     q = jnp.ones((6, 2, 64), jnp.bfloat16)
     cu = jnp.array([0, 2, 6], jnp.int32)
     assert varlen.kernels_of(jax.jit(lambda q, cu: fa4_jax.attention_varlen(q, q, q, cu, cu)), (q, cu)) == []
-    assert varlen.parser().parse_args(["--open-packed-backward-gate"]).open_packed_backward_gate

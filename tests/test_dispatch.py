@@ -421,11 +421,8 @@ def test_packed_sequences_run_the_sm90_forward_and_backward_kernels_and_nothing_
     (tests/test_sm90_varlen.py checks both against the oracle); every other kernel (the large-head
     backward for 192 / 256 included) refuses them, naming the packing, so attention_varlen's pass runs
     on the reference there (with the usual one-time warning) and implementation="cute" raises."""
-    from fa4_jax.kernels.sm90 import backward as sm90_backward
-
     monkeypatch.setattr(cuda, "compute_capability", lambda: capability)
     monkeypatch.setattr(cuda, "_warned", set())
-    monkeypatch.setattr(sm90_backward, "PACKED_GPU_VERIFIED", True)
     config = AttentionConfig(scale=0.125, causal=True, has_sinks=True, has_cu_seqlens=True, implementation="cute")
     avals = [jax.ShapeDtypeStruct((1, 300, 4, head_dim), jnp.bfloat16),
              *[jax.ShapeDtypeStruct((1, 200, 2, head_dim), jnp.bfloat16)] * 2]
@@ -440,27 +437,6 @@ def test_packed_sequences_run_the_sm90_forward_and_backward_kernels_and_nothing_
         cuda.kernel_for(kind, config, *avals)
     with pytest.warns(UserWarning, match="packed variable-length sequences"):
         assert cuda.kernel_for(kind, config.replace(implementation=None), *avals) is None
-
-
-@needs_cutlass
-def test_packed_backward_waits_for_its_gpu_run(monkeypatch):
-    """Until tests/test_sm90_varlen.py has passed on a GPU (`PACKED_GPU_VERIFIED`), a packed backward takes
-    the reference, with the reason in the routing's warning (and as the error of implementation="cute");
-    dense calls are not affected."""
-    from fa4_jax.kernels.sm90 import backward as sm90_backward
-
-    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(cuda, "_warned", set())
-    assert sm90_backward.PACKED_GPU_VERIFIED is False
-    config = AttentionConfig(scale=0.125, causal=True, has_cu_seqlens=True)
-    avals = [jax.ShapeDtypeStruct((1, 300, 4, 128), jnp.bfloat16), *[jax.ShapeDtypeStruct((1, 200, 2, 128),
-                                                                                          jnp.bfloat16)] * 2]
-    with pytest.warns(UserWarning, match="has not run on a GPU yet"):
-        assert cuda.kernel_for("backward", config, *avals) is None
-    with pytest.raises(NotImplementedError, match="has not run on a GPU yet"):
-        cuda.kernel_for("backward", config.replace(implementation="cute"), *avals)
-    dense = config.replace(has_cu_seqlens=False, implementation="cute")
-    assert cuda.kernel_for("backward", dense, *avals).__name__ == "fa4_jax.kernels.sm90.backward"
 
 
 @needs_cutlass

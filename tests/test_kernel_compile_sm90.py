@@ -346,8 +346,6 @@ import jax, jax.numpy as jnp
 import fa4_jax
 from fa4_jax.lowering import cuda
 cuda.compute_capability = lambda: (9, 0)   # lower for an H100/H200 on this CPU
-from fa4_jax.kernels.sm90 import backward
-backward.PACKED_GPU_VERIFIED = True          # the gate tests/test_sm90_varlen.py's GPU run opens
 query = jax.ShapeDtypeStruct((700, 4, 128), jnp.bfloat16)
 key = jax.ShapeDtypeStruct((900, 2, 128), jnp.bfloat16)
 sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
@@ -375,7 +373,7 @@ def test_attention_varlen_lowers_for_cuda_to_the_packed_kernel(tmp_path):
     forward to the sm90 kernel, with the packing as batch 1 and both offset arrays as int32 [N + 1]
     operands; its gradient runs that forward kernel and the sm90 backward kernel, which takes the
     offsets too and adds dQ into the tiled fp32 accumulator [1, Tq padded to 64-row blocks, Hq, D]
-    (no other custom call, no fallback warning), once its gate (`PACKED_GPU_VERIFIED`) is open."""
+    (no other custom call, no fallback warning)."""
     environment = dict(compile_environment(tmp_path), FA4_JAX_CACHE_DIR=str(tmp_path))
     process = subprocess.run([sys.executable, "-c", _LOWER_VARLEN], env=environment, capture_output=True,
                              text=True, timeout=600)

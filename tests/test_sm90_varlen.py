@@ -62,11 +62,7 @@ REFERENCE_GRADIENT_CASES = [case for case in CASES if case.head_dim > 128]
 
 @pytest.fixture
 def backward_modules(monkeypatch):
-    """The kernel module the CUDA lowering picks for each backward pass lowered during the test, with the
-    packed backward's gate (`PACKED_GPU_VERIFIED`, off until these tests have passed on a GPU) open."""
-    from fa4_jax.kernels.sm90 import backward as sm90_backward
-
-    monkeypatch.setattr(sm90_backward, "PACKED_GPU_VERIFIED", True)
+    """The kernel module the CUDA lowering picks for each backward pass lowered during the test."""
     chosen = []
     choose = cuda.choose_kernel
 

@@ -94,7 +94,7 @@ if [ "$PHASE" = varlen ] || [ "$PHASE" = timing ]; then
   if grep -qE "PASSED.*test_sm90_varlen.py|test_sm90_varlen.py.*PASSED" "$3/gpu_tests.log" && \
      ! grep -qE "(FAILED|ERROR).*test_sm90_varlen.py|test_sm90_varlen.py.*(FAILED|ERROR)" "$3/gpu_tests.log" && \
      grep -qE "^\W*[0-9]+ (passed|failed).* in [0-9.]+s" "$3/gpu_tests.log"; then
-    timeout 100 python3 benchmarks/varlen.py --backward --quick --open-packed-backward-gate --iterations 10 \
+    timeout 100 python3 benchmarks/varlen.py --backward --quick --iterations 10 \
       --max-seconds 70 --out "$OUT/varlen_backward_h200.json" > "$OUT/varlen_bench.log" 2>&1
     echo "varlen backward bench rc=$?"
   else

@@ -164,13 +164,6 @@ class Tuning:
 DEFAULT_TUNING = Tuning()
 
 
-# The packed path compiles and passes its CPU checks (tests/test_kernel_compile_sm90_backward.py,
-# tests/test_backward_block_ranges.py) but has not run on a GPU yet: until its GPU tests
-# (tests/test_sm90_varlen.py, which turn this on) pass on the H200, attention_varlen's gradient takes the
-# reference, with the routing's one-time warning naming why. The run that passes them deletes this gate.
-PACKED_GPU_VERIFIED = False
-
-
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
     reason = backward_common.unsupported_reason("sm90 backward", config, problem, SUPPORTED_HEAD_DIMS,
@@ -180,9 +173,6 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
         # The packed scheduler takes each sequence's extents from the offsets alone, as the forward's.
         return ("sm90 backward does not combine packed sequences (cu_seqlens) with segment ids, sequence lengths "
                 "or q_start")
-    if reason is None and config.has_cu_seqlens and not PACKED_GPU_VERIFIED:
-        return ("sm90 backward's packed-sequence path has not run on a GPU yet (tests/test_sm90_varlen.py): "
-                "attention_varlen's gradient takes the reference until it has")
     return reason
 
 
