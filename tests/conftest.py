@@ -100,15 +100,6 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture
-def extra_pairs_open(monkeypatch):
-    """The routing's gate for the kernels' extra (head dim, value head dim) pairs, MLA's 192/128 on the
-    sm90 forward (`cuda.EXTRA_PAIRS_GPU_VERIFIED`, off until their GPU tests have passed), open."""
-    from fa4_jax.lowering import cuda
-
-    monkeypatch.setattr(cuda, "EXTRA_PAIRS_GPU_VERIFIED", True)
-
-
-@pytest.fixture
 def enable_x64():
     """64-bit JAX types for the one test that asks for it; the rest of the suite runs in 32-bit."""
     with jax.enable_x64(True):

@@ -35,20 +35,6 @@ MLA = (192, 128)   # DeepSeek MLA's (D, Dv): the sm90 forward takes it besides D
 SM90_FORWARD_PAIRS = tuple((d, d) for d in KERNEL_HEAD_DIMS) + (MLA,)
 
 
-# This file checks the routing as it will be once the extra pairs' GPU run opens their gate
-# (conftest's extra_pairs_open); test_mla_pads_until_its_gpu_run checks today's.
-pytestmark = pytest.mark.usefixtures("extra_pairs_open")
-
-
-def test_mla_pads_until_its_gpu_run(monkeypatch):
-    """Until tests/test_sm90_forward.py -k mla has passed on a GPU, MLA's 192/128 forward keeps the padded
-    192/192 kernel it ran before (a kernel path that never ran must not take users' calls)."""
-    monkeypatch.setattr(cuda, "EXTRA_PAIRS_GPU_VERIFIED", False)
-    route, padding, _ = cuda.route_for("forward", (9, 0), _problem(*MLA))
-    assert route.module == "fa4_jax.kernels.sm90.forward"
-    assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == (192, 192)
-
-
 def _problem(head_dim, v_head_dim=None):
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     return host.Problem((1, 8, 4, head_dim), (1, 8, 2, head_dim), (1, 8, 2, v_head_dim), "bfloat16")
@@ -549,7 +535,6 @@ import json, sys
 import jax, jax.numpy as jnp
 import fa4_jax
 from fa4_jax.lowering import cuda
-cuda.EXTRA_PAIRS_GPU_VERIFIED = True   # the gate tests/test_sm90_forward.py -k mla's GPU run opens
 head_dim, v_head_dim, capability = json.loads(sys.argv[1])
 cuda.compute_capability = lambda: tuple(capability)
 query = jax.ShapeDtypeStruct((1, 200, 4, head_dim), jnp.bfloat16)

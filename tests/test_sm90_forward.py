@@ -210,7 +210,7 @@ def _kernel_calls(function, *arguments) -> dict:
 
 @gpu
 @pytest.mark.parametrize("case", MLA_CASES, ids=lambda case: case.name)
-def test_mla_runs_unpadded_and_matches_oracle(case: Case, inputs, extra_pairs_open):
+def test_mla_runs_unpadded_and_matches_oracle(case: Case, inputs):
     """`fa4_jax.attention` of an MLA call lowers to one sm90 forward kernel call taking Q and K at 192
     and V at 128 and returning O at 128 (no padded copy in between), which matches the oracle."""
     query, key, value, options = _make_inputs(case, inputs)
@@ -227,7 +227,7 @@ def test_mla_runs_unpadded_and_matches_oracle(case: Case, inputs, extra_pairs_op
 @gpu
 @pytest.mark.parametrize("case", [case for case in MLA_CASES if case.name in (
     "mla-causal-more-queries-gqa", "mla-causal-cross", "mla-lengths-causal-gqa-fp16")], ids=lambda case: case.name)
-def test_mla_gradient_through_public_api(case: Case, inputs, extra_pairs_open):
+def test_mla_gradient_through_public_api(case: Case, inputs):
     """jax.grad of an MLA call through `fa4_jax.attention`: the sm90 forward unpadded at 192/128, the
     large-head backward at 192/192 (the lowering pads V, and the forward's O and dO, to 192), and the
     gradients against the float64 oracle (4 roundings of the input type, as the backward's own tests)."""

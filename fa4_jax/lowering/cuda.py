@@ -49,15 +49,6 @@ class Route:
         """The (head dim, value head dim) pairs its kernel takes."""
         return tuple((head_dim, head_dim) for head_dim in self.head_dims) + tuple(self.extra_pairs)
 
-    def routed_pairs(self) -> tuple:
-        """The pairs calls are routed to: the extra ones only once GPU-verified (EXTRA_PAIRS_GPU_VERIFIED)."""
-        return tuple(pair for pair in self.head_dim_pairs() if EXTRA_PAIRS_GPU_VERIFIED or pair not in self.extra_pairs)
-
-
-# The extra pairs (MLA's 192/128 on the sm90 forward) compile and pass their CPU checks but have not run
-# on a GPU yet: until their GPU tests (tests/test_sm90_forward.py -k mla, which open this) pass on the
-# H200, such calls keep the padded kernels they ran before. The run that passes them deletes this gate.
-EXTRA_PAIRS_GPU_VERIFIED = False
 
 
 # Every kernel there is, and what selects it. A call no row matches runs the reference (with the reason).
@@ -109,11 +100,11 @@ def route_for(pass_: str, capability, problem: host.Problem):
                             f"kernels exist for compute capability {covered} only)")
     head_dims = tuple(sorted({d for route in for_gpu for d in route.head_dims}))
     if pass_ in head_padding.PADDED_PASSES:
-        pairs = [pair for route in for_gpu for pair in route.routed_pairs()]
+        pairs = [pair for route in for_gpu for pair in route.head_dim_pairs()]
         padding = head_padding.plan(problem.head_dim, problem.v_head_dim, pairs)
         if padding is not None:
             kernel_pair = (padding.kernel_head_dim, padding.kernel_v_head_dim)
-            route = next(route for route in for_gpu if kernel_pair in route.routed_pairs())
+            route = next(route for route in for_gpu if kernel_pair in route.head_dim_pairs())
             return route, padding, None
         return None, None, (f"the {pass_} kernels for compute capability {major}.x take head dims up to "
                             f"{head_dims[-1]} (smaller ones zero-padded to one of {head_dims}), not "
