@@ -197,15 +197,7 @@ def fa4_jax_attention(shape):
 
 
 def cudnn_attention(shape):
-    import jax
-    if shape.value_dim == shape.head_dim:
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=shape.causal, implementation="cudnn")
-    # jax.nn.dot_product_attention refuses Dv != D (it checks value against key's shape), while cuDNN
-    # runs it (multi-head latent attention: cuDNN >= 9.10 on sm_90): JAX's cuDNN wrapper that jax.nn
-    # calls, with jax.nn's scale and mask. A private module: if it moves, the row says so in cudnn_error.
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-    mask_type = cudnn.MaskType.CAUSAL if shape.causal else cudnn.MaskType.NO_MASK
-    return lambda q, k, v: cudnn.dot_product_attention(q, k, v, scale=shape.head_dim ** -0.5, mask_type=mask_type)
+    return attention.cudnn_attention(shape.head_dim, shape.value_dim, shape.causal)
 
 
 def fa4peer_factory(enabled: bool):

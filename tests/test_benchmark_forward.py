@@ -50,3 +50,29 @@ def test_compile_target_is_pinned_only_for_the_sm90_variants(benchmark, monkeypa
     monkeypatch.setattr(benchmark, "run", lambda args: seen.append(benchmark.os.environ.get("CUTE_DSL_ARCH")))
     benchmark.main(["--out", str(tmp_path / "report.json"), *flags])
     assert seen == [arch]
+
+
+def test_variant_rows_keep_their_timings_where_cudnn_cannot_run(benchmark, monkeypatch):
+    """A row cuDNN refuses (MLA's Dv != D on a cuDNN without it) records why and still times and compares
+    its variants, against the first default's output; the summary ranks them by time."""
+    import jax.numpy as jnp
+
+    def cudnn_attention(head_dim, v_head_dim, causal):
+        raise NotImplementedError("no Dv != D here")
+    times = iter([2.0, 1.5, 2.2])
+    outputs = iter([jnp.zeros(3), jnp.full(3, 0.25), jnp.zeros(3)])
+    monkeypatch.setattr(benchmark, "cudnn_attention", cudnn_attention)
+    monkeypatch.setattr(benchmark, "variants_for", lambda head_dims, causal, excluded=(): ["default", "mla-n128"])
+    monkeypatch.setattr(benchmark, "_variant_function", lambda shape, overrides: None)
+    monkeypatch.setattr(benchmark, "_median_ms", lambda function, arguments, iterations: (next(outputs), next(times)))
+    monkeypatch.setattr(benchmark, "sm90_forward_variants", lambda: {"default": ({}, None, None),
+                                                                     "mla-n128": ({"key_block": 128}, None, None)})
+    shape = dict(batch=2, seq_len=1024, heads=8, head_dim=192, v_head_dim=128, causal=False)
+    args = type("Args", (), dict(iterations=3, excluded_variants=()))
+    rows = benchmark.forward_variants_section(shape, None, args)
+    assert [row["variant"] for row in rows] == ["default", "mla-n128", "default"]
+    assert all(row["cudnn_error"].startswith("NotImplementedError") and "ratio_vs_cudnn" not in row for row in rows)
+    assert [row["fa4_jax_ms"] for row in rows] == [2.0, 1.5, 2.2]
+    assert rows[1]["max_abs_diff_vs_default"] == 0.25 and rows[2]["max_abs_diff_vs_default"] == 0.0
+    summary = benchmark.variant_summary(rows)
+    assert "best mla-n128 1.5000 ms" in summary and "default 2.0000 ms / 2.2000 ms" in summary
