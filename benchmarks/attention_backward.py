@@ -120,9 +120,6 @@ def _variants():
     return {
         "default": Variant(small_heads, small_heads.DEFAULT_TUNING, False, every_head_dim),
         "deterministic": Variant(small_heads, small_heads.DEFAULT_TUNING, True, every_head_dim),
-        "per_thread_release": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, per_thread_query_release=True),
-            False, small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "per_thread_release")),
         # Every 4th (D 96 / 128; at D = 64's 128 rows it spills) or 6th exp2 of P on the FMA pipe.
         **{f"poly_exp2_{every}": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, poly_exp2_every=every), False, head_dims,

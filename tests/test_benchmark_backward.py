@@ -50,7 +50,7 @@ LARGE = "tests/test_sm90_backward_large_heads.py::test_backward_matches_oracle"
 def test_finished_rA_log_keeps_candidates_whose_tests_all_passed(benchmark, tmp_path):
     log = f"""....F.
 =========================== short test summary info ============================
-PASSED {SMALL}[per_thread_release-plain]
+PASSED {SMALL}[poly_exp2_6-plain]
 PASSED {SMALL}[default-plain]
 PASSED {LARGE}[no_stagger-plain-d256]
 PASSED {LARGE}[no_stagger-causal-cross-d192]
@@ -58,7 +58,7 @@ PASSED {LARGE}[diagonal_first-plain-d256]
 FAILED {LARGE}[diagonal_first-causal-d256] - AssertionError: dq off
 1 failed, 5 passed in 12.34s
 """
-    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "per_thread_release", "no_stagger", *UNSPLIT]
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "poly_exp2_6", "no_stagger", *UNSPLIT]
 
 
 def test_verbose_xdist_log(benchmark, tmp_path):
@@ -72,7 +72,7 @@ pytest rc=1
 
 
 def test_run_cut_short_keeps_only_the_shipped_variants(benchmark, tmp_path):
-    log = f"""PASSED {SMALL}[per_thread_release-plain]
+    log = f"""PASSED {SMALL}[poly_exp2_6-plain]
 [gw0] [ 50%] PASSED {LARGE}[no_stagger-plain-d256]
 pytest rc=124
 """
@@ -81,7 +81,7 @@ pytest rc=124
 
 def test_an_id_counts_only_in_its_own_test_file(benchmark, tmp_path):
     log = f"""PASSED {SMALL}[no_stagger-plain]
-PASSED {LARGE}[per_thread_release-plain-d256]
+PASSED {LARGE}[poly_exp2_6-plain-d256]
 2 passed in 1.00s
 """
     assert _kept(benchmark, tmp_path, log) == [*SHIPPED, *UNSPLIT]
@@ -98,8 +98,8 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         rows_80 = ["query_rows_80", "deterministic_query_rows_80"] if head_dim == 128 else []
         # Every 4th exp2 on the FMA pipe spills at D = 64's 128 rows: every 6th only there.
         poly = ["poly_exp2_6"] if head_dim == 64 else ["poly_exp2_4", "poly_exp2_6"]
-        assert runs == [*SHIPPED, "per_thread_release", *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq",
-                        "ds_plain_store", "deterministic_ds_plain_store", *wide, *rows_80,
+        assert runs == [*SHIPPED, *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
+                        "deterministic_ds_plain_store", *wide, *rows_80,
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
         # D = 192's former two-warp-group layout, for comparison.
@@ -151,8 +151,8 @@ def test_shipped_variants_name_the_kernel_that_runs_at_each_head_dim(benchmark):
 
 def test_a_candidate_reaches_only_its_own_kernel(benchmark):
     variants = benchmark._variants()
-    assert list(variants["per_thread_release"].kernels()) == ["sm90_backward"]
-    assert variants["per_thread_release"].kernels()["sm90_backward"]["per_thread_query_release"]
+    assert list(variants["poly_exp2_6"].kernels()) == ["sm90_backward"]
+    assert variants["poly_exp2_6"].kernels()["sm90_backward"]["poly_exp2_every"] == 6
     assert list(variants["deterministic_diagonal_first"].kernels()) == ["sm90_backward_large_heads"]
     assert variants["deterministic_diagonal_first"].kernels()["sm90_backward_large_heads"]["diagonal_first"]
 

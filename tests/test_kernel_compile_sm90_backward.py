@@ -4,8 +4,7 @@ The PTX must hold the instructions that make the design real: `wgmma.mma_async` 
 `cp.async.bulk.tensor` (TMA loads), `setmaxnreg` (producer/consumer register split) and the TMA bulk
 reductions that add dQ into global memory (with head splits, dK and dV too, and no dK / dV store;
 with packed sequences no TMA dK / dV store either);
-the query ring's empty mbarriers must expect the
-arrivals the tuning makes (one lane per consumer warp, or every consumer thread); and ptxas (when
+the query ring's empty mbarriers must expect an arrival from every consumer thread; and ptxas (when
 installed) must report no spills.
 The DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import, so the cases compile in one subprocess
 (tests/ptx_checks.compile_batch); each test checks its own case.
@@ -75,13 +74,7 @@ CASES = {
     "d128-segments-lengths": dict(config=dict(scale=128 ** -0.5, has_segment_ids=True,
                                               has_q_seq_lengths=True, has_kv_seq_lengths=True),
                                   shape=[2, 197, 333, 4, 4, 128]),
-    # The candidate of docs/sm90_backward_tuning.md ("racecheck"): every consumer thread releases.
-    "d128-causal-gqa-per-thread-release": dict(
-        config=dict(scale=128 ** -0.5, causal=True), shape=[2, 256, 512, 8, 2, 128],
-        tuning=dict(per_thread_query_release=True)),
-    "d64-deterministic-per-thread-release": dict(
-        config=dict(scale=0.125, deterministic=True), shape=[1, 200, 200, 2, 2, 64],
-        tuning=dict(per_thread_query_release=True)),
+    "d64-deterministic": dict(config=dict(scale=0.125, deterministic=True), shape=[1, 200, 200, 2, 2, 64]),
     # A sequence-sharded query (q_start): context parallelism's per-shard and ring-step calls.
     "sharded-query": dict(config=dict(scale=128 ** -0.5, causal=True, has_q_start=True, q_total=1024),
                           shape=[1, 256, 1024, 4, 4, 128]),
@@ -230,11 +223,8 @@ def compiled(request, tmp_path_factory):
 def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
     path, ptx = compiled[name]
     kernel = _kernel(CASES[name])
-    # Who releases a query stage: every consumer thread, or one lane per consumer warp.
-    releasers = kernel.consumer_threads
-    if not kernel.tuning.per_thread_query_release:
-        releasers //= 32
-    assert _query_release_counts(ptx) == [releasers] * 2
+    # Every consumer thread releases a query stage (each reads its staged LSE / dPsum).
+    assert _query_release_counts(ptx) == [kernel.consumer_threads] * 2
     assert ".target sm_90a" in ptx
     # 5 GEMMs per query block: S^T, dP^T (K = D), dV, dK (K = the query rows), dQ (K = 128 keys).
     assert len(re.findall(r"wgmma\.mma_async", ptx)) >= 5, "no tensor-core wgmma"

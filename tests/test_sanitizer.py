@@ -17,22 +17,11 @@ pytestmark = [
 ]
 
 
-# Known, not yet resolved: with every backward case in one process, racecheck reports write-after-read
-# hazards between the consumers' reads of the staged LSE / dPsum rows and the producer's next bulk copy
-# into that stage (0 hazards with the staging off, and 0 for each case alone): docs/sm90_backward_tuning.md.
-# The candidate that answers it (`Tuning.per_thread_query_release`) is in benchmarks/device/next_sweeps.sh.
-BACKWARD_RACECHECK = pytest.mark.xfail(
-    reason="racecheck WAR reports on the backward's staged LSE/dPsum buffer (docs/sm90_backward_tuning.md)",
-    strict=False)
-
-
 # "all": every forward and backward case in one process, as issue 12 asks; each kind alone too, so a
 # report says which side it came from.
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 @pytest.mark.parametrize("kind", ["forward", "backward", "all"])
-def test_kernels_are_sanitizer_clean(tool, kind, request):
-    if kind != "forward" and tool == "racecheck":
-        request.applymarker(BACKWARD_RACECHECK)
+def test_kernels_are_sanitizer_clean(tool, kind):
     environment = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     command = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "99", sys.executable, CASES, kind]
     completed = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900)

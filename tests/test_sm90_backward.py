@@ -53,17 +53,13 @@ CASES = [
     Case("gqa-long", q_heads=8, kv_heads=2, q_len=700, kv_len=900),
 ]
 
-# The default, and the candidates under measurement: every consumer thread releases a query stage
-# (docs/sm90_backward_tuning.md, "racecheck"); the grid launched key block slowest (longest walks
-# first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
+# The default, and the candidates under measurement: the grid launched key block slowest (longest
+# walks first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
 # accumulator's register order); dS^T staged with plain 32-bit stores (the default uses stmatrix,
 # docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe. Select their
-# tests with `-k per_thread_release`, `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store` or
-# `-k poly_exp2`.
+# tests with `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store` or `-k poly_exp2`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
-    "per_thread_release": dataclasses.replace(sm90_backward.DEFAULT_TUNING,
-                                              per_thread_query_release=True),
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
     "tiled_dq": dataclasses.replace(sm90_backward.DEFAULT_TUNING, flat_dq=False),
     "ds_plain_store": dataclasses.replace(sm90_backward.DEFAULT_TUNING, ds_stmatrix=False),

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The prepared sweeps in three device calls, one after the other on the same warm machine (the kernel
 # cache in /tmp/fa4_kernels carries over):
-#   tests REV          the candidates' GPU tests (backward per_thread_query_release, poly_exp2_every 4 / 6
-#                      and dq_row_split; forward d64-poly4 / d64-poly8; the large-head diagonal-first /
-#                      lowest-first turn orders), the forward's polynomial-exp2 oracle tests (which the
-#                      rewritten exp2 must pass as the old one did), tests/test_sm90_varlen.py (the packed
-#                      backward's first GPU run: all pass -> delete sm90.backward.PACKED_GPU_VERIFIED);
+#   tests REV          the candidates' GPU tests (backward poly_exp2_every 4 / 6 and dq_row_split; forward
+#                      d64-poly4 / d64-poly8; the large-head diagonal-first / lowest-first turn orders), the
+#                      forward's polynomial-exp2 oracle tests (which the rewritten exp2 must pass as the old
+#                      one did), tests/test_sm90_varlen.py (the packed backward's first GPU run: all pass ->
+#                      delete sm90.backward.PACKED_GPU_VERIFIED);
 #                      racecheck and memcheck of every sanitizer case (forward and backward) in one process
-#                      with per_thread_query_release on (docs/sm90_backward_tuning.md, "racecheck");
+#                      with the shipped tunings (docs/sm90_backward_tuning.md, "racecheck");
 #                      meanwhile the timed kernels precompile on the CPU
 #   backward REV LOGS  the backward timing (D 64 / 128) of each candidate whose tests passed in the first
 #                      call's gpu_tests.log (copied from what the device tool brought back into the tree,
@@ -28,7 +28,7 @@ REV=$2
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels \
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-SMALL="--variants default per_thread_release poly_exp2_4 poly_exp2_6 dq_row_split deterministic deterministic_dq_row_split
+SMALL="--variants default poly_exp2_4 poly_exp2_6 dq_row_split deterministic deterministic_dq_row_split
        --head-dims 64 128 --seq-lens 1024 4096 16384"
 LARGE="--variants default deterministic deterministic_diagonal_first --head-dims 256 --seq-lens 1024 4096"
 
@@ -38,23 +38,15 @@ if [ "$PHASE" = tests ]; then
    JAX_PLATFORMS=cpu timeout 120 python3 benchmarks/attention.py --compile-only --compile-workers 4) \
     > "$OUT/precompile.log" 2>&1 &
   PRE=$!
-  # Every sanitizer case in one process, the small-head backward releasing its query stages from every thread.
-  SANITIZED="import dataclasses, sys
-sys.path[:0] = ['.', 'tests']
-from fa4_jax.kernels.sm90 import backward as b
-release = dataclasses.replace(b.DEFAULT_TUNING, per_thread_query_release=True)
-options = b.options
-b.options = lambda config, problem, tuning=release: options(config, problem, tuning)
-import sanitizer_cases
-sanitizer_cases.run('all')"
-  (timeout 230 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 12 python3 -c "$SANITIZED" \
-     > "$OUT/racecheck_all_per_thread_release.log" 2>&1
-   timeout 90 compute-sanitizer --tool memcheck --print-limit 12 python3 -c "$SANITIZED" \
-     > "$OUT/memcheck_all_per_thread_release.log" 2>&1) &
+  # Every sanitizer case in one process (sanitizer_cases.run('all')), the shipped tunings.
+  (timeout 230 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 12 \
+     python3 tests/sanitizer_cases.py all > "$OUT/racecheck_all.log" 2>&1
+   timeout 90 compute-sanitizer --tool memcheck --print-limit 12 python3 tests/sanitizer_cases.py all \
+     > "$OUT/memcheck_all.log" 2>&1) &
   SANITIZER=$!
   timeout 420 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
     tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py tests/test_sm90_varlen.py \
-    -k "per_thread_release or poly_exp2 or polynomial_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen or mla" \
+    -k "poly_exp2 or polynomial_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen or mla" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
   # A warm machine keeps /tmp: the next phases read the logs from here when the tree has no copy yet.
@@ -62,8 +54,8 @@ sanitizer_cases.run('all')"
   wait $SANITIZER $PRE
   grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/gpu_tests.log" | tail -12
   for tool in racecheck memcheck; do
-    echo "$tool: $(grep -c ': ran' "$OUT/${tool}_all_per_thread_release.log") of 16 cases ran"
-    grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error:|Hazard" "$OUT/${tool}_all_per_thread_release.log" | sort | uniq -c | head -6
+    echo "$tool: $(grep -c ': ran' "$OUT/${tool}_all.log") of 16 cases ran"
+    grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error:|Hazard" "$OUT/${tool}_all.log" | sort | uniq -c | head -6
   done
   tail -3 "$OUT/precompile.log"
 else

@@ -95,11 +95,6 @@ class Tuning:
       they are used, instead of 32 scattered global loads per thread per block held in registers.
     tma_dkv_store: at the end, dK and dV go through shared memory (over K and V, no longer read) and
       two TMA bulk stores, instead of 128 two-byte global stores per thread.
-    per_thread_query_release: every consumer thread arrives on a query stage's empty mbarrier (256
-      arrivals expected) instead of one lane per warp (8), so each thread's reads of the stage (its
-      loads of the staged LSE / dPsum) are ordered before the producer's next copy into the stage by
-      that thread's own arrive, not through the dS named barrier and another lane's arrive. Off until
-      measured: the candidate for the racecheck WAR reports (docs/sm90_backward_tuning.md).
     head_splits: CTAs that share a (key block, KV head, batch), each walking group / head_splits of
       its query heads and adding fp32 partial dK / dV (the module docstring says how). None:
       `head_splits_for` chooses (in `options`, where the shapes are known); a number forces it
@@ -151,7 +146,6 @@ class Tuning:
     early_dv: bool = True
     staged_row_stats: bool = True
     tma_dkv_store: bool = True
-    per_thread_query_release: bool = False
     head_splits: Optional[int] = None
     key_blocks_outer: bool = False
     query_rows: Optional[int] = None
@@ -462,10 +456,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                               self.consumer_threads // 32)
-        query_releasers = consumers
-        if const_expr(self.tuning.per_thread_query_release):
-            query_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                        self.consumer_threads)
+        # A query stage's empty mbarrier expects one arrival from every consumer thread (not one per
+        # warp, as `consumers` gives the key pipe): every thread reads the stage's staged LSE / dPsum
+        # rows, so the producer may copy the next block into the stage only after each reader has
+        # arrived itself. The consumers' release below is a plain per-thread arrive to match.
+        query_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads)
         query_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.query_barriers.data_ptr(), num_stages=self.stages,
             producer_group=producer, consumer_group=query_releasers,
@@ -680,11 +675,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
                 dq_state.advance()
             warpgroup.wait_group(0)
-            if const_expr(self.tuning.per_thread_query_release):
-                # PipelineTmaAsync releases from lane 0 of each warp only: arrive from every thread.
-                cute.arch.mbarrier_arrive(query_pipe.consumer_get_barrier(query_state))
-            else:
-                query_pipe.consumer_release(query_state)
+            # Every thread arrives on the stage's empty mbarrier (its count is consumer_threads, see
+            # `query_releasers`), so its own reads of the staged LSE / dPsum are ordered before the
+            # producer's next copy into the stage. PipelineTmaAsync.consumer_release would arrive from
+            # lane 0 of each warp only, leaving the other lanes' reads unordered against that copy.
+            cute.arch.mbarrier_arrive(query_pipe.consumer_get_barrier(query_state))
             query_state.advance()
             if const_expr(not self.stage_dq_under_dk):
                 self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
