@@ -3,7 +3,7 @@
 The PTX must hold what the design is made of: `wgmma.mma_async` (S, dP: D / 16 k-steps each; dV, dK:
 4 each; dQ: keys / 16, 4 or 6 with `Tuning.three_warpgroups`' 96 keys), TMA loads, the producer / consumer register split, the TMA bulk reduce-add of dQ and the
 TMA stores of dK / dV, and no local memory; ptxas (when installed) must report no spills. The
-`Tuning` candidates compile the same way; where one does not apply (diagonal_first without
+`Tuning` choices compile the same way; where one does not apply (the dQ turn order without
 deterministic mode, stagger in deterministic mode) the PTX is the default's, byte for byte.
 The DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import, so the cases compile in one subprocess
 (tests/ptx_checks.compile_batch); each test checks its own case.
@@ -60,9 +60,9 @@ CASES = {
     "d192-deterministic-segments": dict(config=dict(scale=192 ** -0.5, deterministic=True,
                                                     has_segment_ids=True, has_kv_seq_lengths=True),
                                         shape=[1, 200, 333, 4, 2, 192]),
-    "d256-deterministic-causal-diagonal-first": dict(
+    "d256-deterministic-causal-lowest-first": dict(
         config=dict(scale=256 ** -0.5, causal=True, deterministic=True),
-        tuning=dict(diagonal_first=True), shape=[2, 256, 512, 8, 2, 256]),
+        tuning=dict(diagonal_first=False), shape=[2, 256, 512, 8, 2, 256]),
     "d192-deterministic-window-lengths-diagonal-first": dict(
         config=dict(scale=192 ** -0.5, deterministic=True, window_left=70, window_right=20,
                     has_q_seq_lengths=True, has_kv_seq_lengths=True),
@@ -156,8 +156,8 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     deterministic = CASES[name]["config"].get("deterministic", False)
     assert bool(re.search(r"ld(\.[a-z]+)*\.acquire", ptx)) == deterministic
     assert bool(re.search(r"red(\.[a-z]+)*\.release", ptx)) == deterministic
-    # Diagonal first reverses the launch order (key block = grid - 1 - blockIdx.x): D = 192's default
-    # in deterministic mode (`resolved_tuning`), asked for explicitly at D = 256.
+    # Diagonal first (the default) reverses the launch order (key block = grid - 1 - blockIdx.x), in
+    # deterministic mode only.
     assert ("%nctaid.x" in ptx) == kernel.diagonal_first
     assert ".local" not in ptx, "local memory in the PTX"
     ptxas = find_ptxas()
@@ -171,13 +171,13 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
 INAPPLICABLE_TUNING = {
     parameter: (dict(config=dict(scale=256 ** -0.5, causal=True, deterministic=deterministic),
                      shape=[2, 300, 333, 8, 2, 256]), inapplicable)
-    for parameter, deterministic, inapplicable in [("unordered_dq", False, dict(diagonal_first=True)),
+    for parameter, deterministic, inapplicable in [("unordered_dq", False, dict(diagonal_first=False)),
                                                    ("deterministic", True, dict(stagger=False))]}
 
 
 @pytest.mark.parametrize("parameter", sorted(INAPPLICABLE_TUNING))
 def test_inapplicable_tuning_leaves_the_ptx_unchanged(compiled, parameter):
-    """diagonal_first orders deterministic turns only, the stagger is the non-deterministic walk's
+    """diagonal_first (lowest first here) orders deterministic turns only, the stagger is the non-deterministic walk's
     only: each setting outside its mode must give the default kernel, byte for byte."""
     _, default = compiled[f"{parameter}/default"]
     _, tuned = compiled[f"{parameter}/tuned"]
@@ -192,8 +192,8 @@ def test_default_layout_by_head_dim(head_dim, segments, expected):
 
     assert large_heads.resolved_tuning(large_heads.Tuning(), head_dim, segments).three_warpgroups is expected
     assert large_heads.resolved_tuning(large_heads.Tuning(three_warpgroups=False), 192).three_warpgroups is False
-    # Diagonal-first dQ turns: measured at D = 192 only.
-    assert large_heads.resolved_tuning(large_heads.Tuning(), head_dim, segments).diagonal_first is (head_dim == 192)
+    # Diagonal-first dQ turns at every head dim (measured faster at D = 192 and 256); lowest first kept.
+    assert large_heads.resolved_tuning(large_heads.Tuning(), head_dim, segments).diagonal_first is True
     assert large_heads.resolved_tuning(large_heads.Tuning(diagonal_first=False), 192).diagonal_first is False
     spec = dict(config=dict(scale=0.1, has_segment_ids=segments), shape=[1, 128, 128, 2, 2, head_dim])
     assert _resolved(spec).consumer_groups == (3 if expected else 2)

@@ -27,7 +27,8 @@ from test_sm90_backward import _check_against_oracle, _check_query_shards  # noq
 VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
     "no_stagger": (sm90_backward_large_heads.Tuning(stagger=False), False),
-    "diagonal_first": (sm90_backward_large_heads.Tuning(diagonal_first=True), True),
+    "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
+    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False), True),   # the default's turns reversed
 }
 
 CASES = [
@@ -103,8 +104,8 @@ def test_three_warpgroups_matches_oracle(case: Case, variant, inputs):
 # the unsharded oracle's gradients with d_out and d_lse zeroed outside the shard's rows). Causal shard 0
 # leaves most key blocks with no query block to visit, the last shard every key block with all of them;
 # the window shards cut key blocks' query ranges at both ends; the cross case's shards of 150 rows start
-# off the 64-row tiles. Deterministic mode takes its dQ turns at the shard's global rows, lowest key block
-# first or (diagonal_first) highest first. Small batches and heads: the float64 oracle runs once per shard.
+# off the 64-row tiles. Deterministic mode takes its dQ turns at the shard's global rows, highest key block
+# first (the default) or lowest first. Small batches and heads: the float64 oracle runs once per shard.
 Q_START_CASES = [
     # (case over the whole sequence, shards)
     (Case("q-start-causal-gqa-d256", head_dim=256, batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512,
@@ -119,7 +120,7 @@ Q_START_CASES = [
 Q_START_VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
     "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
-    "diagonal_first": (sm90_backward_large_heads.Tuning(diagonal_first=True), True),
+    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False), True),   # the default's turns reversed
 }
 
 

@@ -40,11 +40,11 @@ and 1.4-1.5x in deterministic mode): 96 keys per CTA and three consumer warp gro
 columns each (160 registers), one Q / dO stage, dK / dV computed transposed (dK^T = Q^T dS, M = the
 group's columns), P and dS stored with stmatrix. D = 256 keeps the two groups above.
 
-`Tuning` also holds two candidates, both off by default so that what ships is what was measured:
-`diagonal_first` (backward.py's deterministic turn order; here deterministic dQ turns still go
-lowest key block first) and `stagger=False` (backward.py walks without a stagger). Their predictions
-and the device commands are in docs/sm90_backward_tuning.md, sections "Large head dims: the prepared
-candidates" and "D = 192: three consumer warp groups".
+In deterministic mode the dQ turns go highest key block first (`Tuning.diagonal_first`, backward.py's
+order: under a causal mask that is the order the key blocks reach a tile). `Tuning.stagger=False` (walk
+without a stagger, as backward.py does) is a candidate, off so that what ships is what was measured;
+its prediction and device command are in docs/sm90_backward_tuning.md, "Large head dims: the prepared
+candidates".
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ class Tuning:
       key blocks of a head launch highest first (backward.py's order). Under a causal mask key
       block n + 1 reaches every tile one step before key block n, so the turn order is the arrival
       order; lowest first, key block n waits ~n steps at its first tile. A CTA still waits only for
-      CTAs launched before it. None (the default): on at D = 192, where it measured 1.9x faster in
-      deterministic causal mode (cuDNN ms / ours 0.64 / 0.70 -> 1.26 / 1.32 at 2k / 8k, full rows
-      unchanged; rev d94ae72, benchmarks/results/backward_d192_diagonal_first_h200.json), off at
-      D = 256, where it is not measured yet.
+      CTAs launched before it. On (the default) at both head dims: deterministic causal mode measured
+      1.9x faster at D = 192 (cuDNN ms / ours 0.64 / 0.70 -> 1.26 / 1.32 at 2k / 8k; rev d94ae72,
+      benchmarks/results/backward_d192_diagonal_first_h200.json) and 1.6-1.8x at D = 256 (0.50 / 0.43
+      -> 0.82 / 0.77 at 1k / 4k on an H100, rev 9938702,
+      benchmarks/results/logs/next_sweeps_9938702_h100/), full rows unchanged. False: lowest first.
     stagger: key block n starts its walk n query blocks in, so the CTAs running together add into
       different dQ tiles (ignored in deterministic mode, which walks in plain order). Whether it pays
       here is open: backward.py walks without one (docs/sm90_backward_tuning.md has its measurement).
@@ -111,7 +112,7 @@ class Tuning:
       0.74 / 0.88 -> 1.04 / 1.35 full (docs/sm90_backward_tuning.md, "D = 192: three consumer warp
       groups"). False keeps the two-group layout at D = 192, for comparison.
     """
-    diagonal_first: Optional[bool] = None
+    diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
 
@@ -133,12 +134,10 @@ def query_stages(head_dim: int, three_warpgroups: bool = False) -> int:
 def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False) -> Tuning:
     """`tuning` with the measured choices in place of None: three warp groups at D = 192 except with
     segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block),
-    two otherwise; the diagonal-first dQ turns at D = 192."""
+    two otherwise."""
     if tuning.three_warpgroups is None:
         three = head_dim == THREE_WARPGROUPS_HEAD_DIM and not has_segment_ids
         tuning = dataclasses.replace(tuning, three_warpgroups=three)
-    if tuning.diagonal_first is None:
-        tuning = dataclasses.replace(tuning, diagonal_first=head_dim == THREE_WARPGROUPS_HEAD_DIM)
     return tuning
 
 
