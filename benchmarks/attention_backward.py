@@ -128,9 +128,10 @@ def _variants():
         "no_stagger": Variant(large_heads, large_heads.Tuning(stagger=False), False,
                               large_heads.SUPPORTED_HEAD_DIMS,
                               ("test_sm90_backward_large_heads.py", "no_stagger")),
-        "deterministic_diagonal_first": Variant(
-            large_heads, large_heads.Tuning(diagonal_first=True), True, large_heads.SUPPORTED_HEAD_DIMS,
-            ("test_sm90_backward_large_heads.py", "diagonal_first")),
+        # The deterministic dQ turns lowest key block first (the default takes them highest first).
+        "deterministic_lowest_first": Variant(
+            large_heads, large_heads.Tuning(diagonal_first=False), True, large_heads.SUPPORTED_HEAD_DIMS,
+            ("test_sm90_backward_large_heads.py", "lowest_first")),
         # Head splits forced (`default` lets head_splits_for choose): 1 is the kernel before head
         # splits, deterministic too; a split that does not divide a row's group skips the row.
         **{f"head_splits_{splits}": Variant(

@@ -54,21 +54,21 @@ PASSED {SMALL}[poly_exp2_6-plain]
 PASSED {SMALL}[default-plain]
 PASSED {LARGE}[no_stagger-plain-d256]
 PASSED {LARGE}[no_stagger-causal-cross-d192]
-PASSED {LARGE}[diagonal_first-plain-d256]
-FAILED {LARGE}[diagonal_first-causal-d256] - AssertionError: dq off
+PASSED {LARGE}[lowest_first-plain-d256]
+FAILED {LARGE}[lowest_first-causal-d256] - AssertionError: dq off
 1 failed, 5 passed in 12.34s
 """
     assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "poly_exp2_6", "no_stagger", *UNSPLIT]
 
 
 def test_verbose_xdist_log(benchmark, tmp_path):
-    log = f"""[gw0] [ 33%] PASSED {LARGE}[diagonal_first-plain-d256]
+    log = f"""[gw0] [ 33%] PASSED {LARGE}[lowest_first-plain-d256]
 [gw1] [ 66%] PASSED {LARGE}[no_stagger-plain-d256]
 [gw0] [100%] ERROR {LARGE}[no_stagger-gqa-long-d256]
 =================== 2 passed, 1 error in 30.10s (0:00:30) ====================
 pytest rc=1
 """
-    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "deterministic_diagonal_first", *UNSPLIT]
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, "deterministic_lowest_first", *UNSPLIT]
 
 
 def test_run_cut_short_keeps_only_the_shipped_variants(benchmark, tmp_path):
@@ -104,7 +104,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
     else:
         # D = 192's former two-warp-group layout, for comparison.
         three = ["two_warpgroups", "deterministic_two_warpgroups"] if head_dim == 192 else []
-        assert runs == [*SHIPPED, "no_stagger", "deterministic_diagonal_first", *three]
+        assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(
         benchmark._config(shape), host.Problem(dims, dims, dims, "bfloat16")) is None for name in runs)
@@ -153,8 +153,8 @@ def test_a_candidate_reaches_only_its_own_kernel(benchmark):
     variants = benchmark._variants()
     assert list(variants["poly_exp2_6"].kernels()) == ["sm90_backward"]
     assert variants["poly_exp2_6"].kernels()["sm90_backward"]["poly_exp2_every"] == 6
-    assert list(variants["deterministic_diagonal_first"].kernels()) == ["sm90_backward_large_heads"]
-    assert variants["deterministic_diagonal_first"].kernels()["sm90_backward_large_heads"]["diagonal_first"]
+    assert list(variants["deterministic_lowest_first"].kernels()) == ["sm90_backward_large_heads"]
+    assert variants["deterministic_lowest_first"].kernels()["sm90_backward_large_heads"]["diagonal_first"] is False
 
 
 def test_head_split_variants_run_where_they_divide_the_group(benchmark):

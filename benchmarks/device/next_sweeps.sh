@@ -30,7 +30,7 @@ export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SMALL="--variants default poly_exp2_4 poly_exp2_6 dq_row_split deterministic deterministic_dq_row_split
        --head-dims 64 128 --seq-lens 1024 4096 16384"
-LARGE="--variants default deterministic deterministic_diagonal_first --head-dims 256 --seq-lens 1024 4096"
+LARGE="--variants default deterministic deterministic_lowest_first --head-dims 256 --seq-lens 1024 4096"
 
 if [ "$PHASE" = tests ]; then
   (JAX_PLATFORMS=cpu timeout 250 python3 benchmarks/attention_backward.py --precompile-only --precompile-workers 6 $SMALL
