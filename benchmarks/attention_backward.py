@@ -155,11 +155,11 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),
             ("test_sm90_backward.py", "query_rows_64"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
-        # dQ split between the warp groups by query rows at D = 64's 128 rows (m64n64 wgmmas where the
-        # default's column split issues m64n32), default and deterministic.
-        **{f"{prefix}dq_row_split": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_row_split=True), deterministic, (64,),
-            ("test_sm90_backward.py", "dq_row_split"))
+        # dQ split between the warp groups by head-dim columns at D = 64's 128 rows (m64n32 wgmmas where
+        # the default's row split issues m64n64), default and deterministic.
+        **{f"{prefix}dq_column_split": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_row_split=False), deterministic, (64,),
+            ("test_sm90_backward.py", "dq_column_split"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
         # 80 query rows per block at D = 128 without a mask (dQ computed transposed; the candidate of
         # docs/sm90_backward_tuning.md, "The stall profile"), default and deterministic.

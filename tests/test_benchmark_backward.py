@@ -93,7 +93,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
     runs = [name for name, variant in benchmark._variants().items() if variant.skip_reason(shape) is None]
     if head_dim in (64, 96, 128):
         # MHA: no split divides a group of 1; 64 query rows forced at D = 64 only, 80 at D = 128 only.
-        wide = ["query_rows_64", "deterministic_query_rows_64", "dq_row_split", "deterministic_dq_row_split"] \
+        wide = ["query_rows_64", "deterministic_query_rows_64", "dq_column_split", "deterministic_dq_column_split"] \
             if head_dim == 64 else []
         rows_80 = ["query_rows_80", "deterministic_query_rows_80"] if head_dim == 128 else []
         # Every 4th exp2 on the FMA pipe spills at D = 64's 128 rows: every 6th only there.

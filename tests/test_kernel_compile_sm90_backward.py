@@ -153,11 +153,13 @@ CASES = {
                                         tuning=dict(poly_exp2_every=6)),
     "d96-softcap-poly-exp2-fp16": dict(config=dict(scale=1.0, softcap=5.0), shape=[1, 300, 300, 4, 4, 96],
                                        dtype="float16", tuning=dict(poly_exp2_every=4)),
-    # dQ split by query rows between the warp groups (`Tuning.dq_row_split`, a candidate at D = 64's 128
-    # rows): odd lengths, and causal GQA deterministic.
-    "d64-dq-row-split": dict(config=dict(scale=0.125), shape=[2, 300, 333, 4, 4, 64], tuning=dict(dq_row_split=True)),
-    "d64-causal-gqa-deterministic-dq-row-split": dict(config=dict(scale=0.125, causal=True, deterministic=True),
-                                                      shape=[2, 300, 300, 8, 2, 64], tuning=dict(dq_row_split=True)),
+    # dQ split by head-dim columns between the warp groups at D = 64's 128 rows (`Tuning.dq_row_split=False`;
+    # the default splits by rows there): odd lengths, and causal GQA deterministic.
+    "d64-dq-column-split": dict(config=dict(scale=0.125), shape=[2, 300, 333, 4, 4, 64],
+                                tuning=dict(dq_row_split=False)),
+    "d64-causal-gqa-deterministic-dq-column-split": dict(config=dict(scale=0.125, causal=True, deterministic=True),
+                                                         shape=[2, 300, 300, 8, 2, 64],
+                                                         tuning=dict(query_rows=128, dq_row_split=False)),
     # Packed variable-length sequences (attention_varlen: batch 1, N sequences, cu_seqlens at run time):
     # one CTA per (sequence, key block), the tiled dQ staging, dK / dV by per-element stores. GQA without
     # a mask; causal deterministic (turn counters per query slot); a window, fp16; softcap with sinks (the
@@ -347,6 +349,21 @@ def test_dq_row_split_is_refused_where_no_warp_group_has_64_rows_of_its_own(head
     split = sm90_backward.options(AttentionConfig(scale=0.125), _problem([1, 256, 256, 4, 4, 64]),
                                   sm90_backward.Tuning(dq_row_split=True))
     assert split.tuning.query_rows == 128 and split.tuning.dq_row_split
+
+
+@pytest.mark.parametrize("shape,tuning,expected", [
+    ([1, 256, 256, 4, 4, 64], dict(), True),                       # D = 64 takes 128 rows: split by rows
+    ([1, 256, 256, 4, 4, 64], dict(dq_row_split=False), False),    # kept by columns when asked
+    ([1, 256, 256, 4, 4, 64], dict(flat_dq=False), False),         # the tiled staging: by columns
+    ([1, 256, 256, 4, 4, 64], dict(query_rows=64), False),         # 64 rows: one atom a warp group already
+    ([1, 256, 256, 4, 4, 128], dict(), False),                     # D = 128 runs 64 rows
+])
+def test_dq_row_split_resolves_where_128_rows_are_chosen(shape, tuning, expected):
+    """`Tuning.dq_row_split=None` (the default) resolves to the row split exactly where the options
+    take 128 query rows with the register-order dQ staging, so the compile key holds the choice."""
+    options = sm90_backward.options(AttentionConfig(scale=shape[-1] ** -0.5), _problem(shape),
+                                    sm90_backward.Tuning(**tuning))
+    assert options.tuning.dq_row_split is expected
 
 
 @pytest.mark.parametrize("head_dim,extra,tuning,match", [

@@ -97,11 +97,11 @@ WIDE_QUERY_CASES = [case if case.head_dim == 64 else dataclasses.replace(case, n
                     and case.softcap is None and not case.segments]
 WIDE_QUERY_TUNINGS = {f"query_rows_{rows}{'' if flat else '_tiled_dq'}": dataclasses.replace(
     sm90_backward.DEFAULT_TUNING, query_rows=rows, flat_dq=flat) for rows in (64, 128) for flat in (False, True)}
-# The candidate that splits dQ between the warp groups by query rows (`Tuning.dq_row_split`): it needs
-# 128 rows, which the default gives up for head splits on GQA, so they are forced. Select with
-# `-k dq_row_split`.
-WIDE_QUERY_TUNINGS["dq_row_split"] = dataclasses.replace(
-    sm90_backward.DEFAULT_TUNING, dq_row_split=True, query_rows=sm90_backward.WIDE_QUERY_ROWS)
+# At 128 rows the default splits dQ between the warp groups by query rows (`Tuning.dq_row_split`); the
+# column split it replaced, with its 128 rows forced (the default gives them up for head splits on GQA).
+# Select with `-k dq_column_split`.
+WIDE_QUERY_TUNINGS["dq_column_split"] = dataclasses.replace(
+    sm90_backward.DEFAULT_TUNING, dq_row_split=False, query_rows=sm90_backward.WIDE_QUERY_ROWS)
 
 # 80 query rows per block (`Tuning(query_rows=80)`, the candidate at D = 128 without a mask: dQ computed
 # transposed, one dQ staging buffer): the unmasked D = 128 cases (odd lengths, GQA, sinks with d_lse, a

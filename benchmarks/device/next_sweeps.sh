@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared sweeps in three device calls, one after the other on the same warm machine (the kernel
 # cache in /tmp/fa4_kernels carries over):
-#   tests REV          the candidates' GPU tests (backward poly_exp2_every 4 / 6 and dq_row_split; forward
+#   tests REV          the candidates' GPU tests (backward poly_exp2_every 4 / 6 and dq_column_split; forward
 #                      d64-poly4 / d64-poly8; the large-head diagonal-first / lowest-first turn orders), the
 #                      forward's polynomial-exp2 oracle tests (which the rewritten exp2 must pass as the old
 #                      one did), tests/test_sm90_varlen.py (the packed backward's first GPU run: all pass ->
@@ -28,7 +28,7 @@ REV=$2
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels \
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-SMALL="--variants default poly_exp2_4 poly_exp2_6 dq_row_split deterministic deterministic_dq_row_split
+SMALL="--variants default poly_exp2_4 poly_exp2_6 dq_column_split deterministic deterministic_dq_column_split
        --head-dims 64 128 --seq-lens 1024 4096 16384"
 LARGE="--variants default deterministic deterministic_lowest_first --head-dims 256 --seq-lens 1024 4096"
 
@@ -46,7 +46,7 @@ if [ "$PHASE" = tests ]; then
   SANITIZER=$!
   timeout 420 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
     tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py tests/test_sm90_varlen.py \
-    -k "poly_exp2 or polynomial_exp2 or dq_row_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen or mla" \
+    -k "poly_exp2 or polynomial_exp2 or dq_column_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen or mla" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
   # A warm machine keeps /tmp: the next phases read the logs from here when the tree has no copy yet.

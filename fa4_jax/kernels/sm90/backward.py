@@ -134,8 +134,10 @@ class Tuning:
       shared memory once per instruction: m64n32k16 reads 3 KB per 16 tensor-core clocks, 192 bytes a
       clock against the 128 shared memory gives, where m64n64k16 reads 4 KB per 32 (128). FA4's D = 64
       configuration splits dQ by rows too. The flat dQ staging then holds warp group g's rows 64 g ... in
-      the place of the 64-row atom m (`dq_from_fragments` with one column group reads it). A candidate,
-      off until measured; 128 query rows and flat_dq only.
+      the place of the 64-row atom m (`dq_from_fragments` with one column group reads it). 128 query
+      rows and flat_dq only. None (the default) takes it wherever those are chosen: measured +2.6 to
+      +4.0 % at D = 64 (an H100, rev 6d8d911, docs/sm90_backward_tuning.md, "dq_row_split measured");
+      False keeps the column split.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -152,7 +154,7 @@ class Tuning:
     flat_dq: bool = True
     ds_stmatrix: bool = True
     poly_exp2_every: int = 0
-    dq_row_split: bool = False
+    dq_row_split: Optional[bool] = None
 
 
 DEFAULT_TUNING = Tuning()
@@ -908,7 +910,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         reason = packed_reason(head_splits, query_rows, flat_dq=False)
         if reason is not None:
             raise ValueError(reason)
-        packed_tuning = dataclasses.replace(tuning, head_splits=None, query_rows=query_rows, flat_dq=False)
+        packed_tuning = dataclasses.replace(tuning, head_splits=None, query_rows=query_rows, flat_dq=False,
+                                            dq_row_split=bool(tuning.dq_row_split))
         return dataclasses.replace(BackwardOptions.of(config, problem, packed_tuning), num_sequences=problem.sequences)
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
@@ -931,8 +934,11 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
               or dq_row_split_reason(tuning, query_rows))
     if reason is not None:
         raise ValueError(reason)
-    return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows),
-                              head_splits)
+    dq_row_split = tuning.dq_row_split
+    if dq_row_split is None:
+        dq_row_split = query_rows == WIDE_QUERY_ROWS and tuning.flat_dq
+    return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows,
+                                                                   dq_row_split=dq_row_split), head_splits)
 
 
 def packed_reason(head_splits: int, query_rows: int, flat_dq: bool) -> Optional[str]:
