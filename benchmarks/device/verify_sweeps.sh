@@ -2,8 +2,8 @@
 # One device call after next_sweeps.sh's results were acted on (docs/sm90_backward_tuning.md):
 #   tests   the shipped backward with its only query-stage release (per thread) and the large-head
 #           backward's diagonal-first default (oracle, default and deterministic; at D = 64 the default
-#           splits dQ by rows), the column split it replaced with its 128 rows forced, the forward's d64-poly candidates; memcheck of every sanitizer
-#           case in one process (the last run stopped after 15 of 16) and racecheck again
+#           splits dQ by rows), the column split it replaced with its 128 rows forced, the forward's
+#           d64-poly candidates; then memcheck and racecheck of every sanitizer case in one process
 #   timing  D = 64 backward: poly_exp2_6 on top of the per-thread release, dq_column_split and its
 #           deterministic twin (only those whose tests passed); the forward variant rows (d64-poly,
 #           mla-n128) without a failed test
@@ -22,12 +22,6 @@ SMALL="--variants default poly_exp2_6 dq_column_split deterministic deterministi
  JAX_PLATFORMS=cpu timeout 120 python3 benchmarks/hopper_vs_peers.py --grid head-dims --precompile-only --precompile-workers 6) \
   > "$OUT/precompile.log" 2>&1 &
 PRE=$!
-(timeout 200 compute-sanitizer --tool memcheck --print-limit 12 python3 tests/sanitizer_cases.py all > "$OUT/memcheck_all.log" 2>&1
- echo "memcheck rc=$?" >> "$OUT/memcheck_all.log"
- timeout 150 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 12 python3 tests/sanitizer_cases.py all \
-   > "$OUT/racecheck_all.log" 2>&1
- echo "racecheck rc=$?" >> "$OUT/racecheck_all.log") &
-SANITIZER=$!
 timeout 230 python3 -m pytest -v -n 10 -p no:cacheprovider --timeout 200 \
   tests/test_sm90_backward.py::test_backward_matches_oracle tests/test_sm90_backward.py::test_deterministic_matches_oracle \
   tests/test_sm90_backward.py::test_wide_query_blocks_match_oracle tests/test_sm90_backward_large_heads.py::test_backward_matches_oracle \
@@ -38,10 +32,15 @@ grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/gpu_tests.log" | tail -8
 timeout 150 python3 benchmarks/attention_backward.py --out "$OUT/backward_d64_candidates.json" $SMALL \
   --iterations 10 --variants-passing "$OUT/gpu_tests.log" > "$OUT/backward_bench.log" 2>&1
 echo "backward bench rc=$?"; tail -6 "$OUT/backward_bench.log"
-wait $SANITIZER
 timeout 100 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 80 \
   --out "$OUT/forward_variants.json" > "$OUT/forward_bench.log" 2>&1
 echo "forward bench rc=$?"; grep -E "^D=" "$OUT/forward_bench.log" | tail -8
+# compute-sanitizer segfaults part way when the GPU tests run beside it: alone, after them.
+timeout 120 compute-sanitizer --tool memcheck --print-limit 12 python3 tests/sanitizer_cases.py all > "$OUT/memcheck_all.log" 2>&1
+echo "memcheck rc=$?" >> "$OUT/memcheck_all.log"
+timeout 120 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 12 python3 tests/sanitizer_cases.py all \
+  > "$OUT/racecheck_all.log" 2>&1
+echo "racecheck rc=$?" >> "$OUT/racecheck_all.log"
 for tool in memcheck racecheck; do
   echo "$tool: $(grep -c ': ran' "$OUT/${tool}_all.log") cases ran; $(grep -E "rc=" "$OUT/${tool}_all.log")"
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$OUT/${tool}_all.log" | head -2
