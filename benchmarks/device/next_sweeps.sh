@@ -4,11 +4,9 @@
 #   tests REV          the candidates' GPU tests (backward poly_exp2_every 4 / 6 and dq_column_split; forward
 #                      d64-poly4 / d64-poly8; the large-head diagonal-first / lowest-first turn orders), the
 #                      forward's polynomial-exp2 oracle tests (which the rewritten exp2 must pass as the old
-#                      one did), tests/test_sm90_varlen.py (the packed backward's first GPU run: all pass ->
-#                      delete sm90.backward.PACKED_GPU_VERIFIED);
-#                      racecheck and memcheck of every sanitizer case (forward and backward) in one process
-#                      with the shipped tunings (docs/sm90_backward_tuning.md, "racecheck");
-#                      meanwhile the timed kernels precompile on the CPU
+#                      one did), tests/test_sm90_varlen.py; then, alone on the GPU, memcheck and racecheck
+#                      of every sanitizer case in one process (sanitize_all.sh); meanwhile the timed
+#                      kernels precompile on the CPU
 #   backward REV LOGS  the backward timing (D 64 / 128) of each candidate whose tests passed in the first
 #                      call's gpu_tests.log (copied from what the device tool brought back into the tree,
 #                      LOGS a folder of it)
@@ -38,12 +36,6 @@ if [ "$PHASE" = tests ]; then
    JAX_PLATFORMS=cpu timeout 120 python3 benchmarks/attention.py --compile-only --compile-workers 4) \
     > "$OUT/precompile.log" 2>&1 &
   PRE=$!
-  # Every sanitizer case in one process (sanitizer_cases.run('all')), the shipped tunings.
-  (timeout 230 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 12 \
-     python3 tests/sanitizer_cases.py all > "$OUT/racecheck_all.log" 2>&1
-   timeout 90 compute-sanitizer --tool memcheck --print-limit 12 python3 tests/sanitizer_cases.py all \
-     > "$OUT/memcheck_all.log" 2>&1) &
-  SANITIZER=$!
   timeout 420 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 200 --junitxml="$OUT/gpu_tests.xml" \
     tests/test_sm90_backward.py tests/test_sm90_forward.py tests/test_sm90_backward_large_heads.py tests/test_sm90_varlen.py \
     -k "poly_exp2 or polynomial_exp2 or dq_column_split or (variant and d64-poly) or diagonal_first or lowest_first or varlen or mla" \
@@ -51,12 +43,9 @@ if [ "$PHASE" = tests ]; then
   echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
   # A warm machine keeps /tmp: the next phases read the logs from here when the tree has no copy yet.
   mkdir -p /tmp/next_sweeps_logs && cp "$OUT/gpu_tests.log" "$OUT/gpu_tests.xml" /tmp/next_sweeps_logs/
-  wait $SANITIZER $PRE
   grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/gpu_tests.log" | tail -12
-  for tool in racecheck memcheck; do
-    echo "$tool: $(grep -c ': ran' "$OUT/${tool}_all.log") of 16 cases ran"
-    grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error:|Hazard" "$OUT/${tool}_all.log" | sort | uniq -c | head -6
-  done
+  bash benchmarks/device/sanitize_all.sh 150
+  wait $PRE
   tail -3 "$OUT/precompile.log"
 else
   LOGS=${3:-}

@@ -35,14 +35,5 @@ echo "backward bench rc=$?"; tail -6 "$OUT/backward_bench.log"
 timeout 100 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 80 \
   --out "$OUT/forward_variants.json" > "$OUT/forward_bench.log" 2>&1
 echo "forward bench rc=$?"; grep -E "^D=" "$OUT/forward_bench.log" | tail -8
-# compute-sanitizer segfaults part way when the GPU tests run beside it: alone, after them.
-timeout 120 compute-sanitizer --tool memcheck --print-limit 12 python3 tests/sanitizer_cases.py all > "$OUT/memcheck_all.log" 2>&1
-echo "memcheck rc=$?" >> "$OUT/memcheck_all.log"
-timeout 120 compute-sanitizer --tool racecheck --racecheck-report all --print-limit 12 python3 tests/sanitizer_cases.py all \
-  > "$OUT/racecheck_all.log" 2>&1
-echo "racecheck rc=$?" >> "$OUT/racecheck_all.log"
-for tool in memcheck racecheck; do
-  echo "$tool: $(grep -c ': ran' "$OUT/${tool}_all.log") cases ran; $(grep -E "rc=" "$OUT/${tool}_all.log")"
-  grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$OUT/${tool}_all.log" | head -2
-done
+bash benchmarks/device/sanitize_all.sh 120
 wait $PRE; grep -E "precompiled|compiled" "$OUT/precompile.log"

@@ -50,7 +50,6 @@ class Route:
         return tuple((head_dim, head_dim) for head_dim in self.head_dims) + tuple(self.extra_pairs)
 
 
-
 # Every kernel there is, and what selects it. A call no row matches runs the reference (with the reason).
 ROUTES = (
     # DeepSeek MLA's 192/128 unpadded; its backward and tangent have no such pair and pad.
