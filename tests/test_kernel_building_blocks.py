@@ -87,6 +87,38 @@ def test_tile_coordinates_visit_every_tile_once(num_m_blocks, num_heads, batch, 
         assert [m for m, _, _ in tiles[:num_m_blocks]] == list(range(num_m_blocks))
 
 
+@pytest.mark.parametrize("head_group", [1, 2, 4, 5, 7])
+@pytest.mark.parametrize("num_m_blocks,num_heads,batch", [(1, 1, 1), (7, 3, 2), (8, 4, 3), (16, 32, 1)])
+def test_head_groups_visit_every_tile_once_longest_first_per_chunk(num_m_blocks, num_heads, batch, head_group):
+    """Causal tiles in chunks of `head_group` (batch, head) pairs: every tile once; a chunk's tiles are
+    one contiguous run, of its own pairs only (the last chunk may be smaller), longest first."""
+    pairs = num_heads * batch
+    tiles = [tile_scheduler.tile_coordinates(t, num_m_blocks, num_heads, batch, True, head_group)
+             for t in range(num_m_blocks * pairs)]
+    assert sorted(tiles) == sorted(itertools.product(range(num_m_blocks), range(num_heads), range(batch)))
+    start = 0
+    for first_pair in range(0, pairs, head_group):
+        chunk_pairs = set(range(first_pair, min(first_pair + head_group, pairs)))
+        chunk = tiles[start:start + num_m_blocks * len(chunk_pairs)]
+        start += len(chunk)
+        assert {head + num_heads * b for _, head, b in chunk} == chunk_pairs
+        m_blocks = [m for m, _, _ in chunk]
+        assert m_blocks == sorted(m_blocks, reverse=True)
+    assert start == len(tiles)
+
+
+def test_l2_head_group_keeps_a_chunks_kv_within_the_budget():
+    budget = 24 << 20
+    # B 16, S 1k, H 16, D 128 (K and V 512 KB a head): 48 heads of K/V fit, fewer than the 256 pairs.
+    assert tile_scheduler.l2_head_group(1024, 512, 1, 256, budget) == 48
+    # GQA 4: whole groups, 4 query heads per KV head.
+    assert tile_scheduler.l2_head_group(8192, 512, 4, 32, budget) == 24
+    # Everything fits: one chunk, the plain order.
+    assert tile_scheduler.l2_head_group(1024, 512, 1, 32, budget) == 0
+    # One head larger than the budget still takes one group.
+    assert tile_scheduler.l2_head_group(1 << 20, 512, 2, 64, budget) == 2
+
+
 def _packed_rows(cu_q, cu_k, total_q, total_k, tile_m):
     """[(query row, (its sequence's first row, q_len, k_start, kv_len))] over every slot of one head."""
     num_sequences = len(cu_q) - 1

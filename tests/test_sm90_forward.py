@@ -280,6 +280,25 @@ def _variant_grid():
 @gpu
 @pytest.mark.parametrize("overrides,case", list(_variant_grid()))
 def test_variant_matches_oracle(overrides, case: Case, inputs):
+    _check_overrides_against_oracle(overrides, case, inputs)
+
+
+# Causal tiles in chunks of (batch, head) pairs (KernelOptions.head_group): the test shapes' K and V fit
+# in L2, so `options` picks one chunk; forced small here, with a last chunk smaller than the others
+# (32 pairs in 3s, 16 in 5s), GQA groups, more tiles than CTAs, and D = 192's ping-pong set.
+HEAD_GROUP_CASES = [("persistent-many-tiles", 3), ("gqa", 4), ("sinks-gqa-causal-d64-long", 2),
+                    ("persistent-many-tiles-causal-d192", 5), ("lengths-causal-gqa-fp16-d192", 4),
+                    ("causal-d256", 1)]
+
+
+@gpu
+@pytest.mark.parametrize("case_name,head_group", HEAD_GROUP_CASES, ids=[f"{n}-{g}" for n, g in HEAD_GROUP_CASES])
+def test_head_groups_match_oracle(case_name, head_group, inputs):
+    case = {case.name: case for case in CASES}[case_name]
+    _check_overrides_against_oracle({"head_group": head_group}, case, inputs)
+
+
+def _check_overrides_against_oracle(overrides, case: Case, inputs):
     from fa4_jax.kernels import host
     from fa4_jax.kernels.sm90 import forward as sm90_forward
 

@@ -47,6 +47,10 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
 - zigzag_tiles: the persistent CTAs take their tiles in alternating order, wave by wave
   (tile_scheduler.zigzag_tile), so with longest-first causal tiles no CTA gets the longest tile of
   every wave;
+- head_group: causal tiles are sorted longest first within chunks of this many (batch, query head)
+  pairs, chunk after chunk (tile_scheduler.tile_coordinates), so a chunk's K and V stay in L2 while
+  its tiles run; `options` sizes it from the shapes (tile_scheduler.l2_head_group), 0 sorts all
+  pairs at once;
 - key_block: keys per K / V block instead of the head dim's default (D = 192: 96 -> 112 fills the
   shared memory FA3 fills there, 16 % fewer blocks per tile for the same per-block overheads);
 """
@@ -120,6 +124,7 @@ class KernelOptions:
     split_masked_loop: bool = False
     schedule_first_block: bool = False
     zigzag_tiles: bool = False
+    head_group: int = 0
     key_block: int = 0  # keys per K/V block; 0: the head dim's default (_TILE_N_AND_STAGES)
 
     @property
@@ -220,6 +225,12 @@ TUNING_CANDIDATES: dict = {
     # tiles, as many registers as its tuned kernel (no spills: tests/test_kernel_compile_sm90.py). Not
     # measured; 112-key blocks at D = 192 (d192-n112-pingpong) won full 8k by 1 % and lost causal 2k by 9 %.
     "mla-n128": ({"key_block": 128, "store_chunks": 2}, ((192, 128),), (False, True)),
+    # Causal: the longest-first order over all (batch, head) pairs at once, as before `options` chunked
+    # the pairs to fit their K and V in L2 (tile_scheduler.l2_head_group): kept as the baseline the
+    # chunked order is measured against. Predicted (docs/sm90_forward_tuning.md): the chunks gain most
+    # where the all-pairs order reads the most K/V bytes from DRAM per FLOP, short causal rows of many
+    # heads (B 16, S 1k), more on an H100 (3.35 TB/s) than on an H200 (4.8 TB/s).
+    "all-pairs-order": ({"head_group": 0}, (64, 128, 192, 256, (192, 128)), (True,)),
 }
 
 
@@ -436,7 +447,8 @@ class Sm90ForwardKernel:
         mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK = lengths
         # Packed: slot order (sequence by sequence); the longest-first order needs Sq known statically.
         m_block, head, batch_index = tile_scheduler.tile_coordinates(
-            tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed)
+            tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed,
+            self.options.head_group)
         q_row0 = Int32(0)
         k_row0 = Int32(0)
         if cutlass.const_expr(self.options.packed):
@@ -899,6 +911,10 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
     softcap_value = None if config.softcap is None else float(config.softcap)
     tuned = tuned_overrides(problem.head_dim, problem.v_head_dim, mask, softcap_value, problem.q_len,
                             config.has_cu_seqlens)
+    if mask.causal and not config.has_cu_seqlens:  # K and V in bf16 / fp16: 2 bytes an element
+        tuned["head_group"] = tile_scheduler.l2_head_group(
+            problem.kv_len, (problem.head_dim + problem.v_head_dim) * 2,
+            problem.group, problem.q_heads * problem.batch)
     return KernelOptions(
         dtype_name=problem.dtype,
         head_dim=problem.head_dim,
