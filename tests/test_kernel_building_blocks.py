@@ -87,36 +87,34 @@ def test_tile_coordinates_visit_every_tile_once(num_m_blocks, num_heads, batch, 
         assert [m for m, _, _ in tiles[:num_m_blocks]] == list(range(num_m_blocks))
 
 
-@pytest.mark.parametrize("head_group", [1, 2, 4, 5, 7])
-@pytest.mark.parametrize("num_m_blocks,num_heads,batch", [(1, 1, 1), (7, 3, 2), (8, 4, 3), (16, 32, 1)])
-def test_head_groups_visit_every_tile_once_longest_first_per_chunk(num_m_blocks, num_heads, batch, head_group):
-    """Causal tiles in chunks of `head_group` (batch, head) pairs: every tile once; a chunk's tiles are
-    one contiguous run, of its own pairs only (the last chunk may be smaller), longest first."""
-    pairs = num_heads * batch
-    tiles = [tile_scheduler.tile_coordinates(t, num_m_blocks, num_heads, batch, True, head_group)
-             for t in range(num_m_blocks * pairs)]
-    assert sorted(tiles) == sorted(itertools.product(range(num_m_blocks), range(num_heads), range(batch)))
-    start = 0
-    for first_pair in range(0, pairs, head_group):
-        chunk_pairs = set(range(first_pair, min(first_pair + head_group, pairs)))
-        chunk = tiles[start:start + num_m_blocks * len(chunk_pairs)]
-        start += len(chunk)
-        assert {head + num_heads * b for _, head, b in chunk} == chunk_pairs
-        m_blocks = [m for m, _, _ in chunk]
-        assert m_blocks == sorted(m_blocks, reverse=True)
-    assert start == len(tiles)
-
-
-def test_l2_head_group_keeps_a_chunks_kv_within_the_budget():
-    budget = 24 << 20
-    # B 16, S 1k, H 16, D 128 (K and V 512 KB a head): 48 heads of K/V fit, fewer than the 256 pairs.
-    assert tile_scheduler.l2_head_group(1024, 512, 1, 256, budget) == 48
-    # GQA 4: whole groups, 4 query heads per KV head.
-    assert tile_scheduler.l2_head_group(8192, 512, 4, 32, budget) == 24
-    # Everything fits: one chunk, the plain order.
-    assert tile_scheduler.l2_head_group(1024, 512, 1, 32, budget) == 0
-    # One head larger than the budget still takes one group.
-    assert tile_scheduler.l2_head_group(1 << 20, 512, 2, 64, budget) == 2
+@pytest.mark.parametrize("grid", [1, 3, 7, 132])
+@pytest.mark.parametrize("num_m_blocks,num_heads,batch", [(1, 1, 1), (7, 3, 2), (8, 4, 3), (16, 32, 1), (5, 1, 1)])
+def test_mirrored_order_visits_every_tile_once_in_units_of_equal_length(num_m_blocks, num_heads, batch, grid):
+    """The mirrored causal order: the CTAs' walks (first tile 2c, then `mirrored_next`, while below twice
+    the unit count) cover every virtual tile once; the tiles that hold rows are every (m, head, batch)
+    once; a unit's two tiles are one head's blocks M - 1 - j and j (one block for M odd's middle unit),
+    so every unit sees M + 1 blocks of keys (causal, Sq = Sk); units go head by head."""
+    units = tile_scheduler.mirrored_units(num_m_blocks, num_heads, batch)
+    ctas = min(grid, units)
+    walked = []
+    for cta in range(ctas):
+        tile = 2 * cta
+        while tile < 2 * units:
+            walked.append(tile)
+            tile = tile_scheduler.mirrored_next(tile, ctas)
+    assert sorted(walked) == list(range(2 * units))
+    coordinates = [tile_scheduler.mirrored_tile(t, num_m_blocks, num_heads) for t in range(2 * units)]
+    held = [(m, head, b) for m, head, b, holds in coordinates if holds]
+    assert sorted(held) == sorted(itertools.product(range(num_m_blocks), range(num_heads), range(batch)))
+    for unit in range(units):
+        (m0, h0, b0, holds0), (m1, h1, b1, holds1) = coordinates[2 * unit], coordinates[2 * unit + 1]
+        assert holds0 and (h0, b0) == (h1, b1)
+        if holds1:
+            assert (m0 + 1) + (m1 + 1) == num_m_blocks + 1 and m0 >= m1
+        else:
+            assert 2 * m0 + 1 == num_m_blocks
+    pairs = [h + num_heads * b for _, h, b, _ in coordinates]
+    assert pairs == sorted(pairs)
 
 
 def _packed_rows(cu_q, cu_k, total_q, total_k, tile_m):

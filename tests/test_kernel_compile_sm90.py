@@ -56,10 +56,10 @@ CONFIGS = {
     # zigzag tile order), and zigzag at D = 128.
     "d256-causal-store-chunks-early-q-zigzag": (
         {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
-        {"tma_store": True, "store_chunks": 2, "early_q_release": True, "zigzag_tiles": True}),
-    "d128-causal-zigzag": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"zigzag_tiles": True}),
-    # Causal tiles in chunks of (batch, head) pairs (tile_scheduler.l2_head_group; picked at large shapes).
-    "d128-causal-head-group": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"head_group": 3}),
+        {"tma_store": True, "store_chunks": 2, "early_q_release": True, "zigzag_tiles": True,
+         "mirrored_tiles": False}),
+    "d128-causal-zigzag": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16",
+                           {"zigzag_tiles": True, "mirrored_tiles": False}),
     # The D = 256 causal defaults with every feature that adds registers or shared memory.
     "d256-causal-all-features": (
         {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True, "window_left": 300,

@@ -283,19 +283,20 @@ def test_variant_matches_oracle(overrides, case: Case, inputs):
     _check_overrides_against_oracle(overrides, case, inputs)
 
 
-# Causal tiles in chunks of (batch, head) pairs (KernelOptions.head_group): the test shapes' K and V fit
-# in L2, so `options` picks one chunk; forced small here, with a last chunk smaller than the others
-# (32 pairs in 3s, 16 in 5s), GQA groups, more tiles than CTAs, and D = 192's ping-pong set.
-HEAD_GROUP_CASES = [("persistent-many-tiles", 3), ("gqa", 4), ("sinks-gqa-causal-d64-long", 2),
-                    ("persistent-many-tiles-causal-d192", 5), ("lengths-causal-gqa-fp16-d192", 4),
-                    ("causal-d256", 1)]
+# The mirrored causal order (KernelOptions.mirrored_tiles, every causal default) with fewer CTAs than
+# units, so each CTA walks several units and, where M is odd, skips the empty second tile of a middle
+# unit: many tiles (M 8), Sq > Sk (M 3), three warpgroups (192 rows), lengths, a left window, GQA, and
+# D = 192's / D = 256's ping-pong sets.
+MIRRORED_CASES = [("persistent-many-tiles", 7), ("causal-more-queries", 3), ("causal-d64-long", 5),
+                  ("lengths-causal-fp16", 4), ("window-causal-left", 3), ("gqa", 3),
+                  ("persistent-many-tiles-causal-d192", 11), ("causal-d256", 2)]
 
 
 @gpu
-@pytest.mark.parametrize("case_name,head_group", HEAD_GROUP_CASES, ids=[f"{n}-{g}" for n, g in HEAD_GROUP_CASES])
-def test_head_groups_match_oracle(case_name, head_group, inputs):
+@pytest.mark.parametrize("case_name,sm_count", MIRRORED_CASES, ids=[f"{n}-{c}" for n, c in MIRRORED_CASES])
+def test_mirrored_order_on_few_ctas_matches_oracle(case_name, sm_count, inputs):
     case = {case.name: case for case in CASES}[case_name]
-    _check_overrides_against_oracle({"head_group": head_group}, case, inputs)
+    _check_overrides_against_oracle({"sm_count": sm_count, "mirrored_tiles": True}, case, inputs)
 
 
 def _check_overrides_against_oracle(overrides, case: Case, inputs):

@@ -9,12 +9,12 @@ Order:
   share that head's K and V in L2;
 - causal ("longest first"): tiles sorted by decreasing query block, since with bottom-right alignment a
   later query block sees more keys. Starting the long tiles first and filling the tail with short
-  ones balances the SMs (the LPT rule). Sorted over all (batch, head) pairs at once, a wave of CTAs
-  runs one query block of ~grid different heads, so every tile reads its head's K and V from DRAM:
-  at B 16, S 1k, D 128 that is 4.5x the K/V bytes, ~600 MB, more than an H100 streams in the time
-  the tensor cores need. `head_group` sorts in chunks of that many consecutive (batch, head) pairs
-  instead, chunk after chunk, sized by the kernel so one chunk's K and V stay in L2: each head's
-  K/V come from DRAM once, and within a chunk the long tiles still go first.
+  ones balances the SMs (the LPT rule). But a wave of CTAs then runs one query block of ~grid
+  different heads, so with many (batch, head) pairs every tile reads its head's K and V from DRAM.
+- causal, mirrored pairs (`mirrored_tile`): each work unit is a query block m and its mirror
+  M - 1 - m of the same head, run back to back by one CTA, so every unit sees the same number of
+  keys (M + 1 blocks) and any order balances; units go head by head, as the non-causal tiles do, so
+  the CTAs running together share a few heads' K and V in L2.
 
 Packed variable-length sequences: the query-block axis is a static axis of slots over (sequence,
 block), mapped back by `packed_item` (below).
@@ -28,39 +28,43 @@ from __future__ import annotations
 from fa4_jax.kernels.common import integer
 
 
-def tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first: bool, head_group: int = 0):
-    """Linear tile index -> (m_block, head, batch_index). `head_group` (longest first only; a static
-    int, 0: all pairs in one chunk): the (batch, head) pairs, head fastest, in chunks of this many,
-    longest first within each chunk (the last chunk may be smaller)."""
+def tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first: bool):
+    """Linear tile index -> (m_block, head, batch_index)."""
     if longest_first:
         heads_times_batch = num_heads * batch
-        if head_group:
-            chunk_tiles = head_group * num_m_blocks
-            chunk = tile_index // chunk_tiles
-            first_pair = chunk * head_group
-            pairs = integer.maximum(integer.minimum(heads_times_batch - first_pair, head_group), 1)
-            within = tile_index - chunk * chunk_tiles
-            m_block = num_m_blocks - 1 - within // pairs
-            rest = first_pair + within % pairs
-        else:
-            m_block = num_m_blocks - 1 - tile_index // heads_times_batch
-            rest = tile_index % heads_times_batch
+        m_block = num_m_blocks - 1 - tile_index // heads_times_batch
+        rest = tile_index % heads_times_batch
     else:
         m_block = tile_index % num_m_blocks
         rest = tile_index // num_m_blocks
     return m_block, rest % num_heads, rest // num_heads
 
 
-def l2_head_group(kv_len: int, kv_head_bytes_per_key: int, group: int, pairs: int,
-                  budget_bytes: int = 24 << 20) -> int:
-    """`head_group` for `tile_coordinates`: the most consecutive (batch, query head) pairs whose K and
-    V (`kv_head_bytes_per_key` a key, `kv_len` keys per KV head, `group` query heads per KV head) fit
-    in `budget_bytes`, whole KV groups, at least one group; 0 when all `pairs` fit (one chunk: the
-    plain longest-first order). The budget is about half of an H100's / H200's 50 MB L2, leaving room
-    for the Q and O streams that pass through it."""
-    kv_heads = max(1, budget_bytes // max(1, kv_len * kv_head_bytes_per_key))
-    head_group = kv_heads * group
-    return 0 if head_group >= pairs else head_group
+def mirrored_units(num_m_blocks, num_heads, batch):
+    """Work units of the mirrored order: ceil(M / 2) per (batch, head) pair."""
+    return (num_m_blocks + 1) // 2 * num_heads * batch
+
+
+def mirrored_tile(tile_index, num_m_blocks, num_heads):
+    """Virtual tile index of the mirrored order -> (m_block, head, batch_index, holds). Tiles 2u and
+    2u + 1 are unit u's two query blocks, M - 1 - j then j (j = u's place in its pair's ceil(M / 2)
+    units); with M odd the middle unit has one block, and its second tile does not hold rows. A CTA
+    runs tiles 2u, 2u + 1, then 2 (u + grid), ... (`mirrored_next`), 2 x mirrored_units in all."""
+    per_pair = (num_m_blocks + 1) // 2
+    unit = tile_index // 2
+    second = tile_index - 2 * unit
+    pair = unit // per_pair
+    j = unit - pair * per_pair
+    m_block = j + (1 - second) * (num_m_blocks - 1 - 2 * j)
+    holds = integer.either(second == 0, 2 * j + 1 != num_m_blocks)
+    return m_block, pair % num_heads, pair // num_heads, holds
+
+
+def mirrored_next(tile_index, grid):
+    """The tile after `tile_index` for a CTA of `grid` persistent CTAs in the mirrored order: the second
+    tile of the same unit, then the first of the unit `grid` later."""
+    second = tile_index % 2
+    return tile_index + 1 + second * (2 * grid - 2)
 
 
 def zigzag_tile(wave, cta, grid):

@@ -47,10 +47,10 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
 - zigzag_tiles: the persistent CTAs take their tiles in alternating order, wave by wave
   (tile_scheduler.zigzag_tile), so with longest-first causal tiles no CTA gets the longest tile of
   every wave;
-- head_group: causal tiles are sorted longest first within chunks of this many (batch, query head)
-  pairs, chunk after chunk (tile_scheduler.tile_coordinates), so a chunk's K and V stay in L2 while
-  its tiles run; `options` sizes it from the shapes (tile_scheduler.l2_head_group), 0 sorts all
-  pairs at once;
+- mirrored_tiles (causal, not packed): each CTA runs a query block and its mirror of the same head back
+  to back (tile_scheduler.mirrored_tile), work units of equal length in head order, instead of the
+  longest-first order over all heads (whose waves read a different head's K / V per CTA from DRAM);
+  zigzag_tiles does not apply to it;
 - key_block: keys per K / V block instead of the head dim's default (D = 192: 96 -> 112 fills the
   shared memory FA3 fills there, 16 % fewer blocks per tile for the same per-block overheads);
 """
@@ -124,7 +124,7 @@ class KernelOptions:
     split_masked_loop: bool = False
     schedule_first_block: bool = False
     zigzag_tiles: bool = False
-    head_group: int = 0
+    mirrored_tiles: bool = False
     key_block: int = 0  # keys per K/V block; 0: the head dim's default (_TILE_N_AND_STAGES)
 
     @property
@@ -225,12 +225,10 @@ TUNING_CANDIDATES: dict = {
     # tiles, as many registers as its tuned kernel (no spills: tests/test_kernel_compile_sm90.py). Not
     # measured; 112-key blocks at D = 192 (d192-n112-pingpong) won full 8k by 1 % and lost causal 2k by 9 %.
     "mla-n128": ({"key_block": 128, "store_chunks": 2}, ((192, 128),), (False, True)),
-    # Causal: the longest-first order over all (batch, head) pairs at once, as before `options` chunked
-    # the pairs to fit their K and V in L2 (tile_scheduler.l2_head_group): kept as the baseline the
-    # chunked order is measured against. Predicted (docs/sm90_forward_tuning.md): the chunks gain most
-    # where the all-pairs order reads the most K/V bytes from DRAM per FLOP, short causal rows of many
-    # heads (B 16, S 1k), more on an H100 (3.35 TB/s) than on an H200 (4.8 TB/s).
-    "all-pairs-order": ({"head_group": 0}, (64, 128, 192, 256, (192, 128)), (True,)),
+    # Causal: the longest-first order over all (batch, head) pairs (with the zigzag waves where tuned), as
+    # before `options` chose the mirrored order: kept as the baseline it is measured against
+    # (docs/sm90_forward_tuning.md, fifth round).
+    "all-pairs-order": ({"mirrored_tiles": False}, (64, 128, 192, 256, (192, 128)), (True,)),
 }
 
 
@@ -351,8 +349,7 @@ class Sm90ForwardKernel:
             cute.cosize(v_layout), None if cutlass.const_expr(o_layout is None) else cute.cosize(o_layout))
 
         num_m_blocks = self.query_blocks(mQ)
-        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
-        grid_size = cutlass.min(num_tiles, self.options.sm_count)
+        grid_size = cutlass.min(self.work_units(num_m_blocks, mQ), self.options.sm_count)
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_m_q, tma_k, tma_m_k, tma_v, tma_m_v,
@@ -406,7 +403,9 @@ class Sm90ForwardKernel:
         cute.arch.sync_threads()
 
         num_m_blocks = self.query_blocks(mQ)
-        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        num_tiles = self.work_units(num_m_blocks, mQ)
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            num_tiles = 2 * num_tiles      # two (virtual) tiles a unit
         lengths = (mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK)
 
         if warp_idx < 4:
@@ -420,12 +419,25 @@ class Sm90ForwardKernel:
                          pipeline_q, pipeline_k, pipeline_v, mSinks, mQSegmentIds, mKVSegmentIds,
                          lengths, num_m_blocks, num_tiles, tiled_mma_epilogue, tma_o, mO_tma, sO)
 
+    def work_units(self, num_m_blocks, mQ: cute.Tensor):
+        """What the persistent CTAs share out: tiles, or with mirrored_tiles units of two tiles."""
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            return tile_scheduler.mirrored_units(num_m_blocks, mQ.shape[2], mQ.shape[3])
+        return num_m_blocks * mQ.shape[2] * mQ.shape[3]
+
+    def first_tile(self) -> Int32:
+        """This CTA's first tile (producer and consumers walk the same sequence)."""
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            return 2 * cute.arch.block_idx()[0]
+        return cute.arch.block_idx()[0]
+
     @cute.jit
     def next_tile(self, tile: Int32, wave: Int32) -> Int32:
-        """This CTA's tile in persistent wave `wave`, after `tile` (producer and consumers walk the same
-        sequence)."""
+        """This CTA's tile in persistent wave `wave`, after `tile`."""
         next_tile = tile + cute.arch.grid_dim()[0]
-        if cutlass.const_expr(self.options.zigzag_tiles):
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            next_tile = tile_scheduler.mirrored_next(tile, cute.arch.grid_dim()[0])
+        elif cutlass.const_expr(self.options.zigzag_tiles):
             next_tile = tile_scheduler.zigzag_tile(wave, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
         return next_tile
 
@@ -443,12 +455,16 @@ class Sm90ForwardKernel:
         q_row0 / k_row0: the first query row / key of its sequence in the arrays (0 unless packed),
         m_block its query block within that sequence, rows_left the rows from the block's first to its
         sequence's end; holds_rows is False for a packed slot past its sequence's blocks (both roles
-        skip it) and a constant True otherwise, so the unpacked kernel has no branch for it."""
+        skip it), and for the empty second tile of a middle unit of mirrored_tiles; a constant True
+        otherwise, so the other kernels have no branch for it."""
         mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK = lengths
-        # Packed: slot order (sequence by sequence); the longest-first order needs Sq known statically.
-        m_block, head, batch_index = tile_scheduler.tile_coordinates(
-            tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed,
-            self.options.head_group)
+        # Packed: slot order (sequence by sequence); the causal orders need Sq known statically.
+        holds_rows = cutlass.Boolean(True)
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            m_block, head, batch_index, holds_rows = tile_scheduler.mirrored_tile(tile, num_m_blocks, mQ.shape[2])
+        else:
+            m_block, head, batch_index = tile_scheduler.tile_coordinates(
+                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed)
         q_row0 = Int32(0)
         k_row0 = Int32(0)
         if cutlass.const_expr(self.options.packed):
@@ -463,7 +479,6 @@ class Sm90ForwardKernel:
                 self.mask, m_block, batch_index, self.tile_m, self.tile_n, mQ.shape[0], mK.shape[0],
                 mQSeqLengths, mKVSeqLengths, mQStart, self.options.q_total)
             rows_left = mQ.shape[0] - m_block * self.tile_m
-            holds_rows = cutlass.Boolean(True)
         return (m_block, head, batch_index, q_row0, k_row0, holds_rows, rows_left, row_start, q_len, kv_len,
                 offset, first, end)
 
@@ -485,7 +500,7 @@ class Sm90ForwardKernel:
         # K and V of one key block share a stage index; V runs one block behind K within a tile.
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        tile = cute.arch.block_idx()[0]
+        tile = self.first_tile()
         wave = Int32(0)
         while tile < num_tiles:
             m_block, head, batch_index, q_row0, k_row0, holds_rows, _, _, _, _, _, first, end = self.work_item(
@@ -578,7 +593,7 @@ class Sm90ForwardKernel:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         self.scheduler_start(warpgroup_index)
-        tile = cute.arch.block_idx()[0]
+        tile = self.first_tile()
         wave = Int32(0)
         while tile < num_tiles:
             (m_block, head, batch_index, q_row0, _, holds_rows, rows_left, row_start, q_len, kv_len, offset,
@@ -911,10 +926,11 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
     softcap_value = None if config.softcap is None else float(config.softcap)
     tuned = tuned_overrides(problem.head_dim, problem.v_head_dim, mask, softcap_value, problem.q_len,
                             config.has_cu_seqlens)
-    if mask.causal and not config.has_cu_seqlens:  # K and V in bf16 / fp16: 2 bytes an element
-        tuned["head_group"] = tile_scheduler.l2_head_group(
-            problem.kv_len, (problem.head_dim + problem.v_head_dim) * 2,
-            problem.group, problem.q_heads * problem.batch)
+    if mask.causal and not config.has_cu_seqlens:
+        tuned["mirrored_tiles"] = True
+    tuned.update(overrides)
+    if tuned.get("mirrored_tiles"):
+        tuned["zigzag_tiles"] = False     # the mirrored order is its own; one compile key per kernel
     return KernelOptions(
         dtype_name=problem.dtype,
         head_dim=problem.head_dim,
@@ -930,7 +946,7 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
         q_total=config.q_total if config.has_q_start else None,
         num_sequences=problem.sequences if config.has_cu_seqlens else None,
         sm_count=host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
-        **{**tuned, **overrides},
+        **tuned,
     )
 
 
