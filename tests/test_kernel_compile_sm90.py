@@ -58,6 +58,8 @@ CONFIGS = {
         {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
         {"tma_store": True, "store_chunks": 2, "early_q_release": True, "zigzag_tiles": True,
          "mirrored_tiles": False}),
+    # The non-causal candidate order over groups of heads (tile_scheduler.interleaved_tile).
+    "d128-heads-interleaved": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"interleaved_heads": 4}),
     "d128-causal-zigzag": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16",
                            {"zigzag_tiles": True, "mirrored_tiles": False}),
     # The D = 256 causal defaults with every feature that adds registers or shared memory.

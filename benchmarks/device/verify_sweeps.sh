@@ -6,7 +6,7 @@
 #           cases of the old order (all-pairs-order: the previous default, tested before) and of the
 #           candidates measured and left off (d64-poly, d192-n112)
 #   timing  the forward variant rows (benchmarks/attention.py --variants): default (mirrored) against
-#           all-pairs-order and cuDNN, causal rows first
+#           all-pairs-order and cuDNN, causal rows first; then D = 128 full 16k / 4k with heads-interleaved-4
 # Meanwhile the CPU precompiles hopper_vs_peers.py's kernels into /tmp/fa4_kernels for the next call.
 # Usage (device machine, repo root, bundle sourced): bash benchmarks/device/verify_sweeps.sh REV
 set -u

@@ -51,6 +51,9 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
   to back (tile_scheduler.mirrored_tile), work units of equal length in head order, instead of the
   longest-first order over all heads (whose waves read a different head's K / V per CTA from DRAM);
   zigzag_tiles does not apply to it;
+- interleaved_heads (non-causal, not packed; a candidate): tiles in groups of this many (batch, head)
+  pairs with the query block slowest (tile_scheduler.interleaved_tile), so the CTAs running together
+  spread over that many heads' K / V instead of one head's;
 - key_block: keys per K / V block instead of the head dim's default (D = 192: 96 -> 112 fills the
   shared memory FA3 fills there, 16 % fewer blocks per tile for the same per-block overheads);
 """
@@ -125,6 +128,7 @@ class KernelOptions:
     schedule_first_block: bool = False
     zigzag_tiles: bool = False
     mirrored_tiles: bool = False
+    interleaved_heads: int = 0
     key_block: int = 0  # keys per K/V block; 0: the head dim's default (_TILE_N_AND_STAGES)
 
     @property
@@ -229,6 +233,11 @@ TUNING_CANDIDATES: dict = {
     # before `options` chose the mirrored order: kept as the baseline it is measured against
     # (docs/sm90_forward_tuning.md, fifth round).
     "all-pairs-order": ({"mirrored_tiles": False}, (64, 128, 192, 256, (192, 128)), (True,)),
+    # D = 128 non-causal: the CTAs running together over 4 heads, not one head's blocks. The long rows
+    # trail FA4 more the longer they are (H100, 6d8d911: 0.95 / 0.93 / 0.89 at 4k / 8k / 16k) while the
+    # tile count is the same; at 16k one wave is one head, every CTA reading the same K / V block at the
+    # same time. Predicted: +0 to +5 % at 16k, 0 at 4k, if that lockstep costs L2 bandwidth; 0 if not.
+    "heads-interleaved-4": ({"interleaved_heads": 4}, (128,), (False,)),
 }
 
 
@@ -462,6 +471,10 @@ class Sm90ForwardKernel:
         holds_rows = cutlass.Boolean(True)
         if cutlass.const_expr(self.options.mirrored_tiles):
             m_block, head, batch_index, holds_rows = tile_scheduler.mirrored_tile(tile, num_m_blocks, mQ.shape[2])
+        elif cutlass.const_expr(self.options.interleaved_heads > 0 and not self.mask.causal
+                                and not self.options.packed):
+            m_block, head, batch_index = tile_scheduler.interleaved_tile(
+                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.options.interleaved_heads)
         else:
             m_block, head, batch_index = tile_scheduler.tile_coordinates(
                 tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed)
