@@ -30,17 +30,16 @@ def test_forward_flops(benchmark):
 
 
 def test_variant_rows_get_the_candidates_of_their_head_dims(benchmark):
-    """A candidate applies to the rows of its head dims only: MLA's 192/128 rows get the default and
-    mla-n128 (whose 128-key blocks would not fit D = 192's shared memory), D = 192 rows the D = 192
-    candidate and not mla-n128, causal rows of every head dim the old tile order (all-pairs-order);
-    each row's value is Dv wide."""
+    """A candidate applies to the rows of its head dims only: D = 192 rows get the D = 192 candidate,
+    MLA's 192/128 rows (other head dims) do not; causal rows of every head dim get the old tile order
+    (all-pairs-order); each row's value is Dv wide."""
     pytest.importorskip("cutlass")
     shapes = {(benchmark.head_dims_of(shape), shape["causal"]): shape for shape in benchmark.variant_shapes()}
-    assert benchmark.variants_for((192, 128), False) == ["default", "mla-n128"]
-    assert benchmark.variants_for((192, 128), True) == ["default", "mla-n128", "all-pairs-order"]
+    assert benchmark.variants_for((192, 128), False) == ["default"]
+    assert benchmark.variants_for((192, 128), True) == ["default", "all-pairs-order"]
     assert benchmark.variants_for((192, 192), False) == ["default", "d192-n112-pingpong"]
     assert benchmark.variants_for((128, 128), True) == ["default", "all-pairs-order"]
-    assert benchmark.variants_for((192, 128), True, excluded={"mla-n128": []}) == ["default", "all-pairs-order"]
+    assert benchmark.variants_for((192, 128), True, excluded={"all-pairs-order": []}) == ["default"]
     mla = shapes[(192, 128), True]
     assert benchmark.input_shapes(mla) == ((mla["batch"], 2048, 10, 192),) * 2 + ((mla["batch"], 2048, 10, 128),)
     assert benchmark.forward_flops(mla) == 2 * mla["batch"] * 10 * 2048 ** 2 * (192 + 128) / 2

@@ -87,23 +87,6 @@ def test_tile_coordinates_visit_every_tile_once(num_m_blocks, num_heads, batch, 
         assert [m for m, _, _ in tiles[:num_m_blocks]] == list(range(num_m_blocks))
 
 
-@pytest.mark.parametrize("heads", [1, 2, 4, 5])
-@pytest.mark.parametrize("num_m_blocks,num_heads,batch", [(1, 1, 1), (7, 3, 2), (16, 32, 1)])
-def test_interleaved_heads_visit_every_tile_once(num_m_blocks, num_heads, batch, heads):
-    """Non-causal tiles in groups of `heads` pairs: every tile once; a group's tiles are one contiguous
-    run of its own pairs (the last group may be smaller), query block slowest."""
-    pairs = num_heads * batch
-    tiles = [tile_scheduler.interleaved_tile(t, num_m_blocks, num_heads, batch, heads)
-             for t in range(num_m_blocks * pairs)]
-    assert sorted(tiles) == sorted(itertools.product(range(num_m_blocks), range(num_heads), range(batch)))
-    start = 0
-    for first_pair in range(0, pairs, heads):
-        group = range(first_pair, min(first_pair + heads, pairs))
-        run = tiles[start:start + num_m_blocks * len(group)]
-        start += len(run)
-        assert [(m, h + num_heads * b) for m, h, b in run] == [(m, p) for m in range(num_m_blocks) for p in group]
-
-
 @pytest.mark.parametrize("grid", [1, 3, 7, 132])
 @pytest.mark.parametrize("num_m_blocks,num_heads,batch", [(1, 1, 1), (7, 3, 2), (8, 4, 3), (16, 32, 1), (5, 1, 1)])
 def test_mirrored_order_visits_every_tile_once_in_units_of_equal_length(num_m_blocks, num_heads, batch, grid):

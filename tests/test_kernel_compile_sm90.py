@@ -58,8 +58,6 @@ CONFIGS = {
         {"causal": True}, [2, 1000, 1000, 4, 4, 256], "bfloat16",
         {"tma_store": True, "store_chunks": 2, "early_q_release": True, "zigzag_tiles": True,
          "mirrored_tiles": False}),
-    # The non-causal candidate order over groups of heads (tile_scheduler.interleaved_tile).
-    "d128-heads-interleaved": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"interleaved_heads": 4}),
     "d128-causal-zigzag": ({"causal": True}, [2, 1000, 1000, 4, 4, 128], "bfloat16",
                            {"zigzag_tiles": True, "mirrored_tiles": False}),
     # The D = 256 causal defaults with every feature that adds registers or shared memory.
@@ -81,19 +79,18 @@ CONFIGS = {
         "float16", {}),
     "d192-n112-pingpong": ({}, [2, 1000, 1000, 4, 4, 192], "bfloat16",
                            {"key_block": 112, "tma_store": False, "store_chunks": 1}),
-    # DeepSeek MLA, D = 192 with Dv = 128 (EXTRA_HEAD_DIM_PAIRS): the D = 192 sets with the TMA store in
-    # one piece; causal with lengths (the store's clipping), GQA and Sq != Sk; packed (per-row stores).
+    # DeepSeek MLA, D = 192 with Dv = 128 (EXTRA_HEAD_DIM_PAIRS): the D = 192 sets with 128-key blocks and
+    # the TMA store in two chunks (forward.MLA); causal with lengths (the store's clipping), GQA and
+    # Sq != Sk, in bf16 and fp16; packed (per-row stores).
     "d192-v128": ({}, [2, 1000, 1000, 4, 4, 192, 128], "bfloat16", {}),
     "d192-v128-causal-lengths-gqa": (
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 8, 2, 192, 128],
         "bfloat16", {}),
+    "d192-v128-causal-lengths-fp16": (
+        {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 8, 2, 192, 128],
+        "float16", {}),
     "d192-v128-packed-causal-gqa-fp16": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 8, 2, 192, 128],
                                          "float16", {}),
-    # The MLA candidate (TUNING_CANDIDATES mla-n128): 128-key blocks, the store in two chunks.
-    "d192-v128-n128": ({}, [2, 1000, 1000, 4, 4, 192, 128], "bfloat16", {"key_block": 128, "store_chunks": 2}),
-    "d192-v128-n128-causal-lengths-fp16": (
-        {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 8, 2, 192, 128],
-        "float16", {"key_block": 128, "store_chunks": 2}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),

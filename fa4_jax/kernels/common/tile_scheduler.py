@@ -6,9 +6,8 @@ queried from the driver while tracing, so kernels compile on a CPU-only machine)
 
 Order:
 - non-causal: query blocks of one (batch, head) are adjacent, so the CTAs running at the same time
-  share that head's K and V in L2; `interleaved_tile` spreads them over a few heads instead (a
-  candidate: at B 1, S 16k one wave of 132 CTAs is one head's 128 blocks, reading every K / V block
-  together);
+  share that head's K and V in L2 (spreading them over 4 heads instead measured no faster at B 1,
+  S 16k, where one wave is one head: docs/sm90_forward_tuning.md);
 - causal ("longest first"): tiles sorted by decreasing query block, since with bottom-right alignment a
   later query block sees more keys. Starting the long tiles first and filling the tail with short
   ones balances the SMs (the LPT rule). But a wave of CTAs then runs one query block of ~grid
@@ -40,18 +39,6 @@ def tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first: 
         m_block = tile_index % num_m_blocks
         rest = tile_index // num_m_blocks
     return m_block, rest % num_heads, rest // num_heads
-
-
-def interleaved_tile(tile_index, num_m_blocks, num_heads, batch, heads: int):
-    """Non-causal tiles in groups of `heads` consecutive (batch, head) pairs (a static int; the last
-    group may be smaller), query block slowest within a group: tile -> (m_block, head, batch_index)."""
-    group_tiles = heads * num_m_blocks
-    group = tile_index // group_tiles
-    first_pair = group * heads
-    pairs = integer.maximum(integer.minimum(num_heads * batch - first_pair, heads), 1)
-    within = tile_index - group * group_tiles
-    rest = first_pair + within % pairs
-    return within // pairs, rest % num_heads, rest // num_heads
 
 
 def mirrored_units(num_m_blocks, num_heads, batch):

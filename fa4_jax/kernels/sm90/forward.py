@@ -51,9 +51,6 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
   to back (tile_scheduler.mirrored_tile), work units of equal length in head order, instead of the
   longest-first order over all heads (whose waves read a different head's K / V per CTA from DRAM);
   zigzag_tiles does not apply to it;
-- interleaved_heads (non-causal, not packed; a candidate): tiles in groups of this many (batch, head)
-  pairs with the query block slowest (tile_scheduler.interleaved_tile), so the CTAs running together
-  spread over that many heads' K / V instead of one head's;
 - key_block: keys per K / V block instead of the head dim's default (D = 192: 96 -> 112 fills the
   shared memory FA3 fills there, 16 % fewer blocks per tile for the same per-block overheads);
 """
@@ -128,7 +125,6 @@ class KernelOptions:
     schedule_first_block: bool = False
     zigzag_tiles: bool = False
     mirrored_tiles: bool = False
-    interleaved_heads: int = 0
     key_block: int = 0  # keys per K/V block; 0: the head dim's default (_TILE_N_AND_STAGES)
 
     @property
@@ -200,6 +196,11 @@ LARGE_HEAD_CAUSAL = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chu
 # loop when causal (2k 0.85 -> 0.96x, 8k 0.97 -> 1.10x). MLA's Dv = 128 takes the same sets with the
 # store in one piece (`_measured_overrides`; not yet run on a GPU).
 D192 = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3, "early_q_release": True}
+# MLA (D = 192, Dv = 128) on top of D = 192's sets: 128-key blocks with the O store in two 64-column
+# chunks (Q 48 KB, K 2 x 48 KB, V 2 x 32 KB, O 16 KB: 225 of the 227 KB). Measured as candidate mla-n128
+# in two sweeps (H100, rev 6d8d911 and 4db1efb): full 8k +3.5 % both times, causal 2k +0.3 % then +10.5 %
+# (the second on the mirrored tile order); docs/sm90_forward_tuning.md.
+MLA = {"key_block": 128, "store_chunks": 2}
 D192_CAUSAL = dict(D192, zigzag_tiles=True, split_masked_loop=True)
 # D = 64 causal: wg3-all was 8 % slower than q2-tma at Sq = 1024 and 8 % faster at 2048; the cut sits
 # at the geometric middle, ~1448, rounded to the next multiple of 64 rows.
@@ -221,23 +222,11 @@ TUNING_CANDIDATES: dict = {
     # tensor cores; a quarter of the scores moved off it leaves it 25 % of slack.
     "d64-poly4": ({"poly_exp2_every": 4}, (64,), (False, True)),
     "d64-poly8": ({"poly_exp2_every": 8}, (64,), (False, True)),
-    # MLA (D = 192, Dv = 128): 128-key blocks, the O store back in two 64-column chunks to fit: Q 48 KB,
-    # K 2 x 48 KB, V 2 x 32 KB, O 16 KB, 225 of the 227 KB (the smaller V ring makes the room D = 192's
-    # 96-key blocks cannot have). A third more keys per block, so a quarter fewer blocks and their
-    # per-block pipeline waits, row rescales and ping-pong turns; and with the 128-row query tile a
-    # causal diagonal crosses one key block per tile instead of two. S and O are D = 128's 128 x 128
-    # tiles, as many registers as its tuned kernel (no spills: tests/test_kernel_compile_sm90.py). Not
-    # measured; 112-key blocks at D = 192 (d192-n112-pingpong) won full 8k by 1 % and lost causal 2k by 9 %.
-    "mla-n128": ({"key_block": 128, "store_chunks": 2}, ((192, 128),), (False, True)),
     # Causal: the longest-first order over all (batch, head) pairs (with the zigzag waves where tuned), as
     # before `options` chose the mirrored order: kept as the baseline it is measured against
     # (docs/sm90_forward_tuning.md, fifth round).
     "all-pairs-order": ({"mirrored_tiles": False}, (64, 128, 192, 256, (192, 128)), (True,)),
-    # D = 128 non-causal: the CTAs running together over 4 heads, not one head's blocks. The long rows
-    # trail FA4 more the longer they are (H100, 6d8d911: 0.95 / 0.93 / 0.89 at 4k / 8k / 16k) while the
-    # tile count is the same; at 16k one wave is one head, every CTA reading the same K / V block at the
-    # same time. Predicted: +0 to +5 % at 16k, 0 at 4k, if that lockstep costs L2 bandwidth; 0 if not.
-    "heads-interleaved-4": ({"interleaved_heads": 4}, (128,), (False,)),
+
 }
 
 
@@ -471,10 +460,6 @@ class Sm90ForwardKernel:
         holds_rows = cutlass.Boolean(True)
         if cutlass.const_expr(self.options.mirrored_tiles):
             m_block, head, batch_index, holds_rows = tile_scheduler.mirrored_tile(tile, num_m_blocks, mQ.shape[2])
-        elif cutlass.const_expr(self.options.interleaved_heads > 0 and not self.mask.causal
-                                and not self.options.packed):
-            m_block, head, batch_index = tile_scheduler.interleaved_tile(
-                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.options.interleaved_heads)
         else:
             m_block, head, batch_index = tile_scheduler.tile_coordinates(
                 tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed)
@@ -918,10 +903,7 @@ def _measured_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape,
     if head_dim == 192:
         tuned = dict(D192_CAUSAL if mask.causal else D192)
         if v_head_dim != head_dim:
-            # MLA (Dv = 128): the whole 32 KB O tile fits next to the smaller V ring (201 KB in all), so
-            # one store, not chunks; two 64-column chunks also fit, but made ptxas 13 serialise the
-            # wgmmas (warning C7520) of the plain bf16 kernel.
-            tuned["store_chunks"] = 1
+            tuned.update(MLA)
         return tuned
     if head_dim == 256 and mask.causal:
         return dict(LARGE_HEAD_CAUSAL)
