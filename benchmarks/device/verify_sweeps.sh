@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call after the mirrored causal order was measured (docs/sm90_forward_tuning.md, fifth round):
 #   tests   MLA's 192/128 forward with its promoted set (128-key blocks, the store in two chunks) and the
-#           D = 192 cases beside it
-#   timing  the forward variant rows, D = 64 causal 2k / 4k first (three warpgroups: the one row where
-#           hopper_vs_peers read the mirrored order slower, 0.98 -> 0.94 of the faster peer), then MLA
+#           D = 64 causal warp-group candidates (d64-causal-two-warpgroups / -three-warpgroups)
+#   timing  the forward variant rows, D = 64 causal 2k / 4k / 1k first (three warpgroups from 1472 rows:
+#           hopper_vs_peers read D = 64 causal 2k slower with the mirrored order, 0.98 -> 0.94 of the
+#           faster peer), against the old order and the other warp-group count; then MLA
 # Usage (device machine, repo root, bundle sourced): bash benchmarks/device/verify_sweeps.sh REV
 set -u
 REV=$1
@@ -13,8 +14,8 @@ export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA
 JAX_PLATFORMS=cpu timeout 150 python3 benchmarks/attention.py --compile-only --compile-workers 8 \
   > "$OUT/compile_variants.log" 2>&1 &
 VARIANTS=$!
-timeout 150 python3 -m pytest -v -n 8 -p no:cacheprovider --timeout 140 tests/test_sm90_forward.py \
-  -k "(mla or d192) and not d192-n112" --junitxml="$OUT/forward_tests.xml" > "$OUT/gpu_tests.log" 2>&1
+timeout 170 python3 -m pytest -v -n 10 -p no:cacheprovider --timeout 160 tests/test_sm90_forward.py \
+  -k "mla or d64-causal-t" --junitxml="$OUT/forward_tests.xml" > "$OUT/gpu_tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
 grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/gpu_tests.log" | tail -8
 wait $VARIANTS; tail -1 "$OUT/compile_variants.log"

@@ -226,6 +226,13 @@ TUNING_CANDIDATES: dict = {
     # before `options` chose the mirrored order: kept as the baseline it is measured against
     # (docs/sm90_forward_tuning.md, fifth round).
     "all-pairs-order": ({"mirrored_tiles": False}, (64, 128, 192, 256, (192, 128)), (True,)),
+    # D = 64 causal: the warp-group count on the other side of THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN (each is
+    # the default on one side, so each is a no-op on the other). The cut was measured with the
+    # all-pairs order (three groups 8 % slower at 1k, 8 % faster at 2k); the mirrored order changes what
+    # a tile waits for, and hopper_vs_peers read D = 64 causal 2k 4 % slower with it (0.98 -> 0.94x).
+    "d64-causal-two-warpgroups": ({"consumer_warpgroups": 2, "early_q_release": False, "split_masked_loop": False,
+                                   "schedule_first_block": False}, (64,), (True,)),
+    "d64-causal-three-warpgroups": (dict(THREE_WARPGROUPS), (64,), (True,)),
 
 }
 
