@@ -14,11 +14,11 @@ export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA
 JAX_PLATFORMS=cpu timeout 150 python3 benchmarks/attention.py --compile-only --compile-workers 8 \
   > "$OUT/compile_variants.log" 2>&1 &
 VARIANTS=$!
-timeout 170 python3 -m pytest -v -n 10 -p no:cacheprovider --timeout 160 tests/test_sm90_forward.py \
+timeout 140 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 130 tests/test_sm90_forward.py \
   -k "mla or d64-causal-t" --junitxml="$OUT/forward_tests.xml" > "$OUT/gpu_tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
 grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/gpu_tests.log" | tail -8
 wait $VARIANTS; tail -1 "$OUT/compile_variants.log"
-timeout 120 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 75 \
+timeout 90 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 50 \
   --exclude-failed "$OUT/forward_tests.xml" --out "$OUT/forward_variants.json" > "$OUT/forward_bench.log" 2>&1
 echo "forward bench rc=$?"; grep -E "^D=" "$OUT/forward_bench.log" | tail -16
