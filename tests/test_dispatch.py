@@ -500,3 +500,29 @@ def test_packed_forward_options_keep_rows_inside_their_sequence():
     problem = host.Problem(shape, shape, shape, "bfloat16", sequences=9)
     for changes in (dict(has_kv_seq_lengths=True), dict(has_segment_ids=True)):
         assert "does not combine packed sequences" in sm90_forward.unsupported_reason(packed.replace(**changes), problem)
+
+
+@needs_cutlass
+def test_forward_tile_order_and_mla_blocks_by_call():
+    """The causal forward walks mirrored units (no zigzag beside them); packed causal and non-causal calls
+    keep their orders. MLA's 192/128 takes 128-key blocks with the store in two chunks, except packed
+    (its GPU tests ran with D = 192's 96-key blocks only)."""
+    from fa4_jax.kernels.sm90 import forward as sm90_forward
+
+    query = (2, 2048, 8, 192)
+    value = (2, 2048, 8, 128)
+    for causal in (False, True):
+        config = AttentionConfig(scale=0.125, causal=causal)
+        options = sm90_forward.options(config, host.Problem(query, query, value, "bfloat16"), sm_count=132)
+        assert options.mirrored_tiles == causal and not options.zigzag_tiles
+        assert (options.tile_n, options.store_chunks) == (128, 2)
+        plain = sm90_forward.options(config, host.Problem(query, query, query, "bfloat16"), sm_count=132)
+        assert plain.tile_n == 96 and plain.mirrored_tiles == causal
+        old_order = sm90_forward.options(config, host.Problem(query, query, query, "bfloat16"), sm_count=132,
+                                         mirrored_tiles=False)
+        assert not old_order.mirrored_tiles and old_order.zigzag_tiles == causal
+    packed_query, packed_value = (1, 4096, 8, 192), (1, 4096, 8, 128)
+    packed = sm90_forward.options(AttentionConfig(scale=0.125, causal=True, has_cu_seqlens=True),
+                                  host.Problem(packed_query, packed_query, packed_value, "bfloat16", sequences=5),
+                                  sm_count=132)
+    assert not packed.mirrored_tiles and packed.tile_n == 96
