@@ -10,7 +10,8 @@ Design (one CTA = one 128-row query tile at a time, persistent over tiles):
   registers; then O is normalised and written, with LSE [B, Hq, Sq] in float32.
 - key blocks are walked from the last visible one down to the first; blocks that no query row of the
   tile can see (causal, window, lengths) are never loaded.
-- the persistent grid walks tiles through fa4_jax.kernels.tile_scheduler (causal: longest first).
+- the persistent grid walks tiles through fa4_jax.kernels.tile_scheduler (causal: mirrored units, a
+  query block and its mirror of one head back to back).
 - packed variable-length sequences (attention_varlen, `KernelOptions.packed`): B = 1 and the tiles
   are tile_scheduler.packed_item's slots over (sequence, query block, head), the sequence found at run
   time from cu_seqlens (one compile serves every packing); Q, K, V tiles are TMA loads from the
