@@ -526,3 +526,18 @@ def test_forward_tile_order_and_mla_blocks_by_call():
                                   host.Problem(packed_query, packed_query, packed_value, "bfloat16", sequences=5),
                                   sm_count=132)
     assert not packed.mirrored_tiles and packed.tile_n == 96
+
+
+@needs_cutlass
+def test_sm100_forward_takes_mirrored_units_where_the_query_blocks_pair_up():
+    """The sm100 forward walks mirrored units when causal with an even query-block count (256 rows a CTA
+    at D = 128: 1024 rows pair up, 1000 -> 4 blocks too, 1300 -> 6, 1100 -> 5 does not), so no role has an
+    empty tile to skip; otherwise the longest-first order."""
+    from fa4_jax.kernels.sm100 import forward as sm100_forward
+
+    for q_len, causal, mirrored in ((1024, True, True), (1000, True, True), (1300, True, True), (1100, True, False),
+                                    (1024, False, False)):
+        shape = (2, q_len, 8, 128)
+        options = sm100_forward.options(AttentionConfig(scale=0.125, causal=causal),
+                                        host.Problem(shape, shape, shape, "bfloat16"), sm_count=148)
+        assert options.mirrored_tiles == mirrored, (q_len, causal)

@@ -102,6 +102,12 @@ class KernelOptions:
     rescale_threshold: float = 8.0
     # Every `poly_exp2_every`-th score of a row takes the FMA-pipe exp2 (0: all on MUFU.EX2).
     poly_exp2_every: int = 4
+    # Causal: each CTA runs a query block and its mirror of the same head back to back
+    # (tile_scheduler.mirrored_tile), units of equal length in head order, instead of the
+    # longest-first order over all heads, whose waves read a different head's K / V per CTA from DRAM
+    # (the sm90 forward's measured change, docs/sm90_forward_tuning.md). `options` takes it where the
+    # query-block count is even, so no unit has an empty second tile to skip in five warp roles.
+    mirrored_tiles: bool = False
 
 
 class Sm100ForwardKernel:
@@ -288,6 +294,10 @@ class Sm100ForwardKernel:
 
         num_m_blocks = (seqlen_q + self.cta_rows - 1) // self.cta_rows
         num_tiles = num_m_blocks * num_q_heads * batch
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            if cutlass.const_expr(isinstance(num_m_blocks, int) and num_m_blocks % 2 == 1):
+                raise ValueError(f"mirrored_tiles needs an even query-block count, not {num_m_blocks}")
+            num_tiles = tile_scheduler.mirrored_units(num_m_blocks, num_q_heads, batch)  # CTAs share units
         grid_size = cutlass.min(num_tiles, self.options.sm_count)
         self.kernel(
             qk_tiled_mma, pv_tiled_mma,
@@ -434,8 +444,23 @@ class Sm100ForwardKernel:
     @cute.jit
     def tile_coordinates(self, tile_index: Int32, problem):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            m_block, head, batch_index, _ = tile_scheduler.mirrored_tile(tile_index, num_m_blocks, num_q_heads)
+            return m_block, head, batch_index
         return tile_scheduler.tile_coordinates(
             tile_index, num_m_blocks, num_q_heads, batch, self.mask.causal)
+
+    def first_tile(self) -> Int32:
+        """This CTA's first tile; every role walks the same sequence."""
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            return 2 * cute.arch.block_idx()[0]
+        return cute.arch.block_idx()[0]
+
+    @cute.jit
+    def next_tile(self, tile_index: Int32) -> Int32:
+        if cutlass.const_expr(self.options.mirrored_tiles):
+            return tile_scheduler.mirrored_next(tile_index, cute.arch.grid_dim()[0])
+        return tile_index + cute.arch.grid_dim()[0]
 
     def head_batch_coordinate(self, head: Int32, batch_index: Int32):
         """Coordinate of query head `head` in the ((group, Hkv), B) mode of the tensor views."""
@@ -484,7 +509,7 @@ class Sm100ForwardKernel:
 
         self.protocol.begin("load")
         num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = cute.arch.block_idx()[0]
+        tile_index = self.first_tile()
         self.protocol.loop("load", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -517,7 +542,7 @@ class Sm100ForwardKernel:
             handle = kv_producer.acquire_and_advance()
             cute.copy(tma_atom_v, tVgV_tile[None, n_max - 1], tVsV[None, handle.index],
                       tma_bar_ptr=handle.barrier)
-            tile_index += cute.arch.grid_dim()[0]
+            tile_index = self.next_tile(tile_index)
         self.protocol.end("load", "tiles")
         self.protocol.finish("load")
 
@@ -563,7 +588,7 @@ class Sm100ForwardKernel:
         self.protocol.begin("mma")
         p_ready_phase = Int32(0)
         num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = cute.arch.block_idx()[0]
+        tile_index = self.first_tile()
         self.protocol.loop("mma", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -623,7 +648,7 @@ class Sm100ForwardKernel:
             for stage, handle in enumerate(q_handles):
                 self.protocol.expect("mma", RELEASE, f"q{stage}")
                 handle.release()
-            tile_index += cute.arch.grid_dim()[0]
+            tile_index = self.next_tile(tile_index)
         self.protocol.end("mma", "tiles")
         self.protocol.finish("mma")
 
@@ -672,7 +697,7 @@ class Sm100ForwardKernel:
         s_full_phase = Int32(0)
         stats_free_phase = Int32(1)  # the first tile has no previous row_stats to wait for
         num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = cute.arch.block_idx()[0]
+        tile_index = self.first_tile()
         self.protocol.loop("softmax0", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -723,7 +748,7 @@ class Sm100ForwardKernel:
             row_stats[row, 1, stage] = lse_rows[0]
             self.protocol.expect("softmax0", ARRIVE, "stats_final", stage)
             cute.arch.mbarrier_arrive(stats_final + stage)
-            tile_index += cute.arch.grid_dim()[0]
+            tile_index = self.next_tile(tile_index)
         self.protocol.end("softmax0", "tiles")
         self.protocol.finish("softmax0")
 
@@ -782,7 +807,7 @@ class Sm100ForwardKernel:
         stats_phase = Int32(0)
         final_phase = Int32(0)
         num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = cute.arch.block_idx()[0]
+        tile_index = self.first_tile()
         self.protocol.loop("correction", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -833,7 +858,7 @@ class Sm100ForwardKernel:
                 handle.commit()
             self.protocol.expect("correction", FLIP, "final_phase")
             final_phase ^= 1
-            tile_index += cute.arch.grid_dim()[0]
+            tile_index = self.next_tile(tile_index)
         self.protocol.end("correction", "tiles")
         self.protocol.finish("correction")
 
@@ -875,7 +900,7 @@ class Sm100ForwardKernel:
         gO = cute.flat_divide(tma_o, (ROWS_PER_TILE, self.head_dim))
         self.protocol.begin("epilogue")
         num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = cute.arch.block_idx()[0]
+        tile_index = self.first_tile()
         self.protocol.loop("epilogue", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -901,7 +926,7 @@ class Sm100ForwardKernel:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 self.protocol.expect("epilogue", RELEASE, "o")
                 handle.release()
-            tile_index += cute.arch.grid_dim()[0]
+            tile_index = self.next_tile(tile_index)
         self.protocol.end("epilogue", "tiles")
         self.protocol.finish("epilogue")
 
@@ -928,6 +953,9 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
             **overrides) -> KernelOptions:
     """The static kernel configuration for one call, with `overrides` (KernelOptions fields, for tests
     and tuning sweeps) on top; also what the compile tests build."""
+    q_stage, _ = _tile_shape(problem.head_dim)
+    query_blocks = -(-problem.q_len // (q_stage * ROWS_PER_TILE))
+    overrides = {"mirrored_tiles": config.causal and query_blocks % 2 == 0, **overrides}
     return KernelOptions(
         dtype_name=problem.dtype,
         head_dim=problem.head_dim,
