@@ -541,3 +541,16 @@ def test_sm100_forward_takes_mirrored_units_where_the_query_blocks_pair_up():
         options = sm100_forward.options(AttentionConfig(scale=0.125, causal=causal),
                                         host.Problem(shape, shape, shape, "bfloat16"), sm_count=148)
         assert options.mirrored_tiles == mirrored, (q_len, causal)
+
+
+@needs_cutlass
+def test_tangent_kernel_takes_mirrored_units_where_the_query_blocks_pair_up():
+    """The sm90 tangent (jvp) kernel, 128 rows a block: mirrored units when causal with an even block
+    count (1024 -> 8, 1000 -> 8), the longest-first order otherwise (1100 -> 9) and never when not causal."""
+    from fa4_jax.kernels.sm90 import tangent
+
+    for q_len, causal, mirrored in ((1024, True, True), (1000, True, True), (1100, True, False), (1024, False, False)):
+        shape = (2, q_len, 8, 128)
+        options = tangent.options(AttentionConfig(scale=0.125, causal=causal),
+                                  host.Problem(shape, shape, shape, "bfloat16"), sm_count=132)
+        assert options.mirrored_tiles == mirrored, (q_len, causal)
