@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call after the mirrored causal order was measured (docs/sm90_forward_tuning.md, fifth round):
-#   tests   MLA's 192/128 forward with its promoted set (128-key blocks, the store in two chunks) and the
-#           D = 64 causal warp-group candidates (d64-causal-two-warpgroups / -three-warpgroups)
+#   tests   MLA's 192/128 forward with its promoted set (128-key blocks, the store in two chunks), the
+#           D = 64 causal warp-group candidates (d64-causal-two-warpgroups / -three-warpgroups) and the
+#           tangent (jvp) kernel, whose causal calls with an even query-block count now walk mirrored
+#           units (not yet run on a GPU)
 #   timing  the forward variant rows, D = 64 causal 2k / 4k / 1k first (three warpgroups from 1472 rows:
 #           hopper_vs_peers read D = 64 causal 2k slower with the mirrored order, 0.98 -> 0.94 of the
 #           faster peer), against the old order and the other warp-group count; then MLA
@@ -14,8 +16,8 @@ export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA
 JAX_PLATFORMS=cpu timeout 150 python3 benchmarks/attention.py --compile-only --compile-workers 8 \
   > "$OUT/compile_variants.log" 2>&1 &
 VARIANTS=$!
-timeout 140 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 130 tests/test_sm90_forward.py \
-  -k "mla or d64-causal-t" --junitxml="$OUT/forward_tests.xml" > "$OUT/gpu_tests.log" 2>&1
+timeout 200 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 190 tests/test_sm90_tangent.py \
+  tests/test_sm90_forward.py -k "test_sm90_tangent or mla or d64-causal-t" --junitxml="$OUT/forward_tests.xml" > "$OUT/gpu_tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
 grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/gpu_tests.log" | tail -8
 wait $VARIANTS; tail -1 "$OUT/compile_variants.log"
