@@ -526,6 +526,8 @@ def test_forward_tile_order_and_mla_blocks_by_call():
                                   host.Problem(packed_query, packed_query, packed_value, "bfloat16", sequences=5),
                                   sm_count=132)
     assert not packed.mirrored_tiles and packed.tile_n == 96
+    with pytest.raises(ValueError, match="mirrored_tiles"):
+        dataclasses.replace(packed, mirrored_tiles=True).check()
 
 
 @needs_cutlass

@@ -175,6 +175,10 @@ class KernelOptions:
             # The TMA unit clips a store at the array's end only: a tile's rows past its sequence's
             # end would overwrite the next sequence's rows.
             raise ValueError("packed sequences store O with per-row predicated stores, not the TMA-store epilogue")
+        if self.packed and self.mirrored_tiles:
+            # The mirror of a query block is M - 1 - m of a static M; a packed sequence's blocks are slots.
+            raise ValueError("mirrored_tiles walks the query blocks of the static Sq; packed sequences take "
+                             "their slots in sequence order")
         if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
             raise ValueError(f"{self.shared_memory_bytes()} bytes of shared memory needed, "
                              f"{SHARED_MEMORY_LIMIT} available")
