@@ -150,6 +150,10 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_stmatrix=False), deterministic,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_plain_store"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
+        # The deterministic dQ writer frees a staging buffer once it is read (`Tuning.dq_free_on_read`).
+        "deterministic_dq_free_on_read": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_free_on_read=True), True,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "dq_free_on_read")),
         # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
         **{f"{prefix}query_rows_64": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),

@@ -99,7 +99,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         # Every 4th exp2 on the FMA pipe spills at D = 64's 128 rows: every 6th only there.
         poly = ["poly_exp2_6"] if head_dim == 64 else ["poly_exp2_4", "poly_exp2_6"]
         assert runs == [*SHIPPED, *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
-                        "deterministic_ds_plain_store", *wide, *rows_80,
+                        "deterministic_ds_plain_store", "deterministic_dq_free_on_read", *wide, *rows_80,
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
         # D = 192's former two-warp-group layout, for comparison.

@@ -113,6 +113,13 @@ CASES = {
     "d128-causal-gqa-head-splits-2-tiled-dq": dict(config=dict(scale=128 ** -0.5, causal=True),
                                                    shape=[2, 300, 333, 8, 2, 128], head_splits=2,
                                                    tuning=dict(flat_dq=False)),
+    # The deterministic dQ writer freeing its staging buffer on read (`Tuning.dq_free_on_read`): D 64 at
+    # 128 rows, and GQA D 128 with head splits.
+    "d64-deterministic-dq-free-on-read": dict(config=dict(scale=0.125, deterministic=True),
+                                              shape=[2, 300, 333, 4, 4, 64], tuning=dict(dq_free_on_read=True)),
+    "d128-causal-gqa-deterministic-dq-free-on-read": dict(
+        config=dict(scale=128 ** -0.5, causal=True, deterministic=True), shape=[2, 256, 512, 8, 2, 128],
+        tuning=dict(dq_free_on_read=True)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),

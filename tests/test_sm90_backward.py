@@ -56,8 +56,9 @@ CASES = [
 # The default, and the candidates under measurement: the grid launched key block slowest (longest
 # walks first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
 # accumulator's register order); dS^T staged with plain 32-bit stores (the default uses stmatrix,
-# docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe. Select their
-# tests with `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store` or `-k poly_exp2`.
+# docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe; the
+# deterministic dQ writer freeing its staging buffer on read. Select their tests with `-k key_blocks_outer`,
+# `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2` or `-k dq_free_on_read`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
@@ -65,6 +66,7 @@ TUNINGS = {
     "ds_plain_store": dataclasses.replace(sm90_backward.DEFAULT_TUNING, ds_stmatrix=False),
     "poly_exp2_4": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=4),
     "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
+    "dq_free_on_read": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_free_on_read=True),
 }
 
 # Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.

@@ -138,6 +138,12 @@ class Tuning:
       rows and flat_dq only. None (the default) takes it wherever those are chosen: measured +2.6 to
       +4.0 % at D = 64 (an H100, rev 6d8d911, docs/sm90_backward_tuning.md, "dq_row_split measured");
       False keeps the column split.
+    dq_free_on_read (deterministic): the dQ writer hands a staging buffer back to the consumers once the
+      copy engine has read it, and passes the tile's turn on when the adds are complete in global memory,
+      instead of freeing the buffer only after passing the turn. The consumers then wait for a buffer one
+      write-completion latency less per query block: the deterministic rows that trail the default most
+      (D = 64 full, 0.73-0.76x on an H100) are where the writer's chain is longest against a block's time.
+      A candidate, off until measured (docs/sm90_backward_tuning.md).
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -155,6 +161,7 @@ class Tuning:
     ds_stmatrix: bool = True
     poly_exp2_every: int = 0
     dq_row_split: Optional[bool] = None
+    dq_free_on_read: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -806,8 +813,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 for half in cutlass.range_constexpr(2):
                     cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
             cute.arch.cp_async_bulk_commit_group()
-            ordered_reduction.finish_bulk_adds(flag, lane)
-            dq_pipe.consumer_release(dq_state)
+            if const_expr(self.deterministic and self.tuning.dq_free_on_read):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                dq_pipe.consumer_release(dq_state)
+                ordered_reduction.finish_bulk_adds(flag, lane)   # complete in global memory, then the turn
+            else:
+                ordered_reduction.finish_bulk_adds(flag, lane)
+                dq_pipe.consumer_release(dq_state)
             dq_state.advance()
             q_head, m_block = self._next_query_block(q_head, m_block, m_lo, m_count)
 
