@@ -248,8 +248,9 @@ def test_tuning_options_are_checked():
     for causal in (False, True):
         mla = options_for(192, causal, 4096, v_head_dim=128)
         mla.check()
-        # The D = 192 set, its O store in one piece; three 64-column chunks do not divide Dv = 128.
-        assert (mla.tile_n, mla.store_chunks, mla.tma_store, mla.split_masked_loop) == (96, 1, True, causal)
+        # The D = 192 set with MLA's 128-key blocks and the O store in two 64-column chunks
+        # (forward.MLA); three chunks do not divide Dv = 128.
+        assert (mla.tile_n, mla.store_chunks, mla.tma_store, mla.split_masked_loop) == (128, 2, True, causal)
         with pytest.raises(ValueError, match="store_chunks 3"):
             dataclasses.replace(mla, store_chunks=3).check()
 
