@@ -10,6 +10,7 @@
 #   backward the deterministic dQ writer freeing its staging buffer on read (Tuning.dq_free_on_read,
 #           docs/sm90_backward_tuning.md, last section): its deterministic oracle and bitwise tests, then
 #           D = 64 / 128, 1k / 4k, deterministic with and without it, against the default
+# Meanwhile the CPU precompiles hopper_vs_peers.py's kernels into /tmp/fa4_kernels for the next call.
 # Usage (device machine, repo root, bundle sourced): bash benchmarks/device/verify_sweeps.sh REV
 set -u
 REV=$1
@@ -23,6 +24,11 @@ VARIANTS=$!
 JAX_PLATFORMS=cpu timeout 200 python3 benchmarks/attention_backward.py --precompile-only --precompile-workers 3 \
   $BACKWARD > "$OUT/precompile_backward.log" 2>&1 &
 BACKWARD_PRE=$!
+# For the next call on the warm machine (the peer grids, with .dev/peer carried instead of .dev/cute).
+(JAX_PLATFORMS=cpu timeout 400 python3 benchmarks/hopper_vs_peers.py --precompile-only --precompile-workers 3
+ JAX_PLATFORMS=cpu timeout 150 python3 benchmarks/hopper_vs_peers.py --grid head-dims --precompile-only --precompile-workers 3) \
+  > "$OUT/precompile_peers.log" 2>&1 &
+PEERS_PRE=$!
 timeout 200 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 190 tests/test_sm90_tangent.py \
   tests/test_sm90_forward.py -k "test_sm90_tangent or mla or d64-causal-t" --junitxml="$OUT/forward_tests.xml" > "$OUT/gpu_tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/gpu_tests.log"
@@ -39,3 +45,4 @@ wait $BACKWARD_PRE; tail -1 "$OUT/precompile_backward.log"
 timeout 120 python3 benchmarks/attention_backward.py --out "$OUT/backward_dq_free_on_read.json" $BACKWARD \
   --iterations 10 --variants-passing "$OUT/backward_tests.log" > "$OUT/backward_bench.log" 2>&1
 echo "backward bench rc=$?"; tail -10 "$OUT/backward_bench.log"
+wait $PEERS_PRE; grep -E "precompiled" "$OUT/precompile_peers.log"
