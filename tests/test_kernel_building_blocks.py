@@ -79,6 +79,12 @@ def test_right_reach_combines_causal_and_window():
 def test_tile_coordinates_visit_every_tile_once(num_m_blocks, num_heads, batch, longest_first):
     tiles = [tile_scheduler.tile_coordinates(t, num_m_blocks, num_heads, batch, longest_first)
              for t in range(num_m_blocks * num_heads * batch)]
+    # The kernels' walk without mirrored units: tile c, c + grid, ..., each holding rows.
+    assert tile_scheduler.work_units(num_m_blocks, num_heads, batch, mirrored=False) == len(tiles)
+    assert tile_scheduler.walked_tiles(num_m_blocks, num_heads, batch, mirrored=False) == len(tiles)
+    assert (tile_scheduler.first_tile(3, mirrored=False), tile_scheduler.next_tile(3, 7, mirrored=False)) == (3, 10)
+    assert [tile_scheduler.work_tile(t, num_m_blocks, num_heads, batch, longest_first, mirrored=False)
+            for t in range(len(tiles))] == [(*tile, True) for tile in tiles]
     assert sorted(tiles) == sorted(itertools.product(range(num_m_blocks), range(num_heads), range(batch)))
     if longest_first:  # causal: the longest (last) query blocks come first
         m_blocks = [m for m, _, _ in tiles]
@@ -94,16 +100,21 @@ def test_mirrored_order_visits_every_tile_once_in_units_of_equal_length(num_m_bl
     the unit count) cover every virtual tile once; the tiles that hold rows are every (m, head, batch)
     once; a unit's two tiles are one head's blocks M - 1 - j and j (one block for M odd's middle unit),
     so every unit sees M + 1 blocks of keys (causal, Sq = Sk); units go head by head."""
-    units = tile_scheduler.mirrored_units(num_m_blocks, num_heads, batch)
+    units = tile_scheduler.work_units(num_m_blocks, num_heads, batch, mirrored=True)
+    assert units == tile_scheduler.mirrored_units(num_m_blocks, num_heads, batch)
     ctas = min(grid, units)
     walked = []
     for cta in range(ctas):
-        tile = 2 * cta
+        tile = tile_scheduler.first_tile(cta, mirrored=True)
         while tile < 2 * units:
             walked.append(tile)
-            tile = tile_scheduler.mirrored_next(tile, ctas)
-    assert sorted(walked) == list(range(2 * units))
-    coordinates = [tile_scheduler.mirrored_tile(t, num_m_blocks, num_heads) for t in range(2 * units)]
+            tile = tile_scheduler.next_tile(tile, ctas, mirrored=True)
+    assert sorted(walked) == list(range(2 * units)) == list(range(
+        tile_scheduler.walked_tiles(num_m_blocks, num_heads, batch, mirrored=True)))
+    coordinates = [tile_scheduler.work_tile(t, num_m_blocks, num_heads, batch, True, mirrored=True)
+                   for t in range(2 * units)]
+    assert coordinates == [tile_scheduler.mirrored_tile(t, num_m_blocks, num_heads) for t in range(2 * units)]
+    assert tile_scheduler.mirrors_whole_units(num_m_blocks * 128 - 5, 128) == (num_m_blocks % 2 == 0)
     held = [(m, head, b) for m, head, b, holds in coordinates if holds]
     assert sorted(held) == sorted(itertools.product(range(num_m_blocks), range(num_heads), range(batch)))
     for unit in range(units):

@@ -68,6 +68,46 @@ def mirrored_next(tile_index, grid):
     return tile_index + 1 + second * (2 * grid - 2)
 
 
+def work_units(num_m_blocks, num_heads, batch, mirrored: bool):
+    """What a persistent grid of min(this, SM count) CTAs shares out: the tiles, or the mirrored units."""
+    if mirrored:
+        return mirrored_units(num_m_blocks, num_heads, batch)
+    return num_m_blocks * num_heads * batch
+
+
+def walked_tiles(num_m_blocks, num_heads, batch, mirrored: bool):
+    """The tile indices the CTAs walk run below this: two per mirrored unit (with M odd the middle
+    unit's second holds no rows), or the tiles."""
+    if mirrored:
+        return 2 * mirrored_units(num_m_blocks, num_heads, batch)
+    return num_m_blocks * num_heads * batch
+
+
+def first_tile(cta, mirrored: bool):
+    """CTA `cta`'s first tile: tile `cta`, or the first tile of unit `cta`."""
+    return 2 * cta if mirrored else cta
+
+
+def next_tile(tile_index, grid, mirrored: bool):
+    """The tile after `tile_index` for one of `grid` persistent CTAs: `grid` tiles on, or `mirrored_next`."""
+    return mirrored_next(tile_index, grid) if mirrored else tile_index + grid
+
+
+def work_tile(tile_index, num_m_blocks, num_heads, batch, longest_first: bool, mirrored: bool):
+    """(m_block, head, batch_index, holds) of a tile: `mirrored_tile`'s, or `tile_coordinates`' with
+    holds True. Every role of a kernel walks first_tile, next_tile, ... and maps each through this."""
+    if mirrored:
+        return mirrored_tile(tile_index, num_m_blocks, num_heads)
+    return (*tile_coordinates(tile_index, num_m_blocks, num_heads, batch, longest_first), True)
+
+
+def mirrors_whole_units(q_len, tile_rows):
+    """Whether Sq in query blocks of `tile_rows` rows gives an even block count, so that no mirrored
+    unit has an empty second tile: where the kernels without that tile's skip (the sm100 forward, the
+    tangent kernel) take the mirrored order."""
+    return -(-q_len // tile_rows) % 2 == 0
+
+
 def zigzag_tile(wave, cta, grid):
     """The tile CTA `cta` of `grid` persistent CTAs takes in wave `wave` when waves alternate direction:
     even waves hand tiles wave * grid + 0, 1, ... to CTAs 0, 1, ..., odd waves in reverse. With tiles

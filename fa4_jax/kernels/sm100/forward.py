@@ -293,12 +293,10 @@ class Sm100ForwardKernel:
         self.shared_storage = SharedStorage
 
         num_m_blocks = (seqlen_q + self.cta_rows - 1) // self.cta_rows
-        num_tiles = num_m_blocks * num_q_heads * batch
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            if cutlass.const_expr(isinstance(num_m_blocks, int) and num_m_blocks % 2 == 1):
-                raise ValueError(f"mirrored_tiles needs an even query-block count, not {num_m_blocks}")
-            num_tiles = tile_scheduler.mirrored_units(num_m_blocks, num_q_heads, batch)  # CTAs share units
-        grid_size = cutlass.min(num_tiles, self.options.sm_count)
+        if cutlass.const_expr(self.options.mirrored_tiles and isinstance(num_m_blocks, int) and num_m_blocks % 2 == 1):
+            raise ValueError(f"mirrored_tiles needs an even query-block count, not {num_m_blocks}")
+        units = tile_scheduler.work_units(num_m_blocks, num_q_heads, batch, self.options.mirrored_tiles)
+        grid_size = cutlass.min(units, self.options.sm_count)
         self.kernel(
             qk_tiled_mma, pv_tiled_mma,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
@@ -444,23 +442,9 @@ class Sm100ForwardKernel:
     @cute.jit
     def tile_coordinates(self, tile_index: Int32, problem):
         seqlen_q, seqlen_k, num_q_heads, batch, num_m_blocks = problem
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            m_block, head, batch_index, _ = tile_scheduler.mirrored_tile(tile_index, num_m_blocks, num_q_heads)
-            return m_block, head, batch_index
-        return tile_scheduler.tile_coordinates(
-            tile_index, num_m_blocks, num_q_heads, batch, self.mask.causal)
-
-    def first_tile(self) -> Int32:
-        """This CTA's first tile; every role walks the same sequence."""
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            return 2 * cute.arch.block_idx()[0]
-        return cute.arch.block_idx()[0]
-
-    @cute.jit
-    def next_tile(self, tile_index: Int32) -> Int32:
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            return tile_scheduler.mirrored_next(tile_index, cute.arch.grid_dim()[0])
-        return tile_index + cute.arch.grid_dim()[0]
+        m_block, head, batch_index, _ = tile_scheduler.work_tile(
+            tile_index, num_m_blocks, num_q_heads, batch, self.mask.causal, self.options.mirrored_tiles)
+        return m_block, head, batch_index
 
     def head_batch_coordinate(self, head: Int32, batch_index: Int32):
         """Coordinate of query head `head` in the ((group, Hkv), B) mode of the tensor views."""
@@ -508,8 +492,8 @@ class Sm100ForwardKernel:
             cute.group_modes(tOgV, 0, 3))
 
         self.protocol.begin("load")
-        num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = self.first_tile()
+        num_tiles = tile_scheduler.walked_tiles(num_m_blocks, num_q_heads, batch, self.options.mirrored_tiles)
+        tile_index = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         self.protocol.loop("load", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -542,7 +526,7 @@ class Sm100ForwardKernel:
             handle = kv_producer.acquire_and_advance()
             cute.copy(tma_atom_v, tVgV_tile[None, n_max - 1], tVsV[None, handle.index],
                       tma_bar_ptr=handle.barrier)
-            tile_index = self.next_tile(tile_index)
+            tile_index = tile_scheduler.next_tile(tile_index, cute.arch.grid_dim()[0], self.options.mirrored_tiles)
         self.protocol.end("load", "tiles")
         self.protocol.finish("load")
 
@@ -587,8 +571,8 @@ class Sm100ForwardKernel:
 
         self.protocol.begin("mma")
         p_ready_phase = Int32(0)
-        num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = self.first_tile()
+        num_tiles = tile_scheduler.walked_tiles(num_m_blocks, num_q_heads, batch, self.options.mirrored_tiles)
+        tile_index = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         self.protocol.loop("mma", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -648,7 +632,7 @@ class Sm100ForwardKernel:
             for stage, handle in enumerate(q_handles):
                 self.protocol.expect("mma", RELEASE, f"q{stage}")
                 handle.release()
-            tile_index = self.next_tile(tile_index)
+            tile_index = tile_scheduler.next_tile(tile_index, cute.arch.grid_dim()[0], self.options.mirrored_tiles)
         self.protocol.end("mma", "tiles")
         self.protocol.finish("mma")
 
@@ -696,8 +680,8 @@ class Sm100ForwardKernel:
         self.protocol.begin("softmax0")
         s_full_phase = Int32(0)
         stats_free_phase = Int32(1)  # the first tile has no previous row_stats to wait for
-        num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = self.first_tile()
+        num_tiles = tile_scheduler.walked_tiles(num_m_blocks, num_q_heads, batch, self.options.mirrored_tiles)
+        tile_index = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         self.protocol.loop("softmax0", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -748,7 +732,7 @@ class Sm100ForwardKernel:
             row_stats[row, 1, stage] = lse_rows[0]
             self.protocol.expect("softmax0", ARRIVE, "stats_final", stage)
             cute.arch.mbarrier_arrive(stats_final + stage)
-            tile_index = self.next_tile(tile_index)
+            tile_index = tile_scheduler.next_tile(tile_index, cute.arch.grid_dim()[0], self.options.mirrored_tiles)
         self.protocol.end("softmax0", "tiles")
         self.protocol.finish("softmax0")
 
@@ -806,8 +790,8 @@ class Sm100ForwardKernel:
         self.protocol.begin("correction")
         stats_phase = Int32(0)
         final_phase = Int32(0)
-        num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = self.first_tile()
+        num_tiles = tile_scheduler.walked_tiles(num_m_blocks, num_q_heads, batch, self.options.mirrored_tiles)
+        tile_index = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         self.protocol.loop("correction", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -858,7 +842,7 @@ class Sm100ForwardKernel:
                 handle.commit()
             self.protocol.expect("correction", FLIP, "final_phase")
             final_phase ^= 1
-            tile_index = self.next_tile(tile_index)
+            tile_index = tile_scheduler.next_tile(tile_index, cute.arch.grid_dim()[0], self.options.mirrored_tiles)
         self.protocol.end("correction", "tiles")
         self.protocol.finish("correction")
 
@@ -899,8 +883,8 @@ class Sm100ForwardKernel:
         lane = cute.arch.lane_idx()
         gO = cute.flat_divide(tma_o, (ROWS_PER_TILE, self.head_dim))
         self.protocol.begin("epilogue")
-        num_tiles = num_m_blocks * num_q_heads * batch
-        tile_index = self.first_tile()
+        num_tiles = tile_scheduler.walked_tiles(num_m_blocks, num_q_heads, batch, self.options.mirrored_tiles)
+        tile_index = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         self.protocol.loop("epilogue", "tiles")
         while tile_index < num_tiles:
             m_block, head, batch_index = self.tile_coordinates(tile_index, problem)
@@ -926,7 +910,7 @@ class Sm100ForwardKernel:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 self.protocol.expect("epilogue", RELEASE, "o")
                 handle.release()
-            tile_index = self.next_tile(tile_index)
+            tile_index = tile_scheduler.next_tile(tile_index, cute.arch.grid_dim()[0], self.options.mirrored_tiles)
         self.protocol.end("epilogue", "tiles")
         self.protocol.finish("epilogue")
 
@@ -954,8 +938,8 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
     """The static kernel configuration for one call, with `overrides` (KernelOptions fields, for tests
     and tuning sweeps) on top; also what the compile tests build."""
     q_stage, _ = _tile_shape(problem.head_dim)
-    query_blocks = -(-problem.q_len // (q_stage * ROWS_PER_TILE))
-    overrides = {"mirrored_tiles": config.causal and query_blocks % 2 == 0, **overrides}
+    mirrored = config.causal and tile_scheduler.mirrors_whole_units(problem.q_len, q_stage * ROWS_PER_TILE)
+    overrides = {"mirrored_tiles": mirrored, **overrides}
     return KernelOptions(
         dtype_name=problem.dtype,
         head_dim=problem.head_dim,

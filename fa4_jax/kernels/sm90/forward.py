@@ -198,8 +198,8 @@ LARGE_HEAD_CAUSAL = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chu
                      "early_q_release": True, "zigzag_tiles": True}
 # D = 192 (fourth sweep, rev 74443c7): ping-pong turns and the TMA-store epilogue in three 64-column
 # chunks with early Q release (full 2k: 0.99 -> 1.05x cuDNN), with the zigzag order and the split key
-# loop when causal (2k 0.85 -> 0.96x, 8k 0.97 -> 1.10x). MLA's Dv = 128 takes the same sets with the
-# store in one piece (`_measured_overrides`; not yet run on a GPU).
+# loop when causal (2k 0.85 -> 0.96x, 8k 0.97 -> 1.10x). MLA's Dv = 128 takes the same sets with MLA's
+# blocks and store chunks on top (`_measured_overrides`).
 D192 = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3, "early_q_release": True}
 # MLA (D = 192, Dv = 128) on top of D = 192's sets: 128-key blocks with the O store in two 64-column
 # chunks (Q 48 KB, K 2 x 48 KB, V 2 x 32 KB, O 16 KB: 225 of the 227 KB). Measured as candidate mla-n128
@@ -238,7 +238,6 @@ TUNING_CANDIDATES: dict = {
     "d64-causal-two-warpgroups": ({"consumer_warpgroups": 2, "early_q_release": False, "split_masked_loop": False,
                                    "schedule_first_block": False}, (64,), (True,)),
     "d64-causal-three-warpgroups": (dict(THREE_WARPGROUPS), (64,), (True,)),
-
 }
 
 
@@ -359,7 +358,9 @@ class Sm90ForwardKernel:
             cute.cosize(v_layout), None if cutlass.const_expr(o_layout is None) else cute.cosize(o_layout))
 
         num_m_blocks = self.query_blocks(mQ)
-        grid_size = cutlass.min(self.work_units(num_m_blocks, mQ), self.options.sm_count)
+        grid_size = cutlass.min(
+            tile_scheduler.work_units(num_m_blocks, mQ.shape[2], mQ.shape[3], self.options.mirrored_tiles),
+            self.options.sm_count)
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_m_q, tma_k, tma_m_k, tma_v, tma_m_v,
@@ -413,9 +414,7 @@ class Sm90ForwardKernel:
         cute.arch.sync_threads()
 
         num_m_blocks = self.query_blocks(mQ)
-        num_tiles = self.work_units(num_m_blocks, mQ)
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            num_tiles = 2 * num_tiles      # two (virtual) tiles a unit
+        num_tiles = tile_scheduler.walked_tiles(num_m_blocks, mQ.shape[2], mQ.shape[3], self.options.mirrored_tiles)
         lengths = (mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK)
 
         if warp_idx < 4:
@@ -429,25 +428,12 @@ class Sm90ForwardKernel:
                          pipeline_q, pipeline_k, pipeline_v, mSinks, mQSegmentIds, mKVSegmentIds,
                          lengths, num_m_blocks, num_tiles, tiled_mma_epilogue, tma_o, mO_tma, sO)
 
-    def work_units(self, num_m_blocks, mQ: cute.Tensor):
-        """What the persistent CTAs share out: tiles, or with mirrored_tiles units of two tiles."""
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            return tile_scheduler.mirrored_units(num_m_blocks, mQ.shape[2], mQ.shape[3])
-        return num_m_blocks * mQ.shape[2] * mQ.shape[3]
-
-    def first_tile(self) -> Int32:
-        """This CTA's first tile (producer and consumers walk the same sequence)."""
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            return 2 * cute.arch.block_idx()[0]
-        return cute.arch.block_idx()[0]
-
     @cute.jit
     def next_tile(self, tile: Int32, wave: Int32) -> Int32:
-        """This CTA's tile in persistent wave `wave`, after `tile`."""
-        next_tile = tile + cute.arch.grid_dim()[0]
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            next_tile = tile_scheduler.mirrored_next(tile, cute.arch.grid_dim()[0])
-        elif cutlass.const_expr(self.options.zigzag_tiles):
+        """This CTA's tile in persistent wave `wave`, after `tile` (producer and consumers walk the same
+        sequence, from tile_scheduler.first_tile)."""
+        next_tile = tile_scheduler.next_tile(tile, cute.arch.grid_dim()[0], self.options.mirrored_tiles)
+        if cutlass.const_expr(self.options.zigzag_tiles and not self.options.mirrored_tiles):
             next_tile = tile_scheduler.zigzag_tile(wave, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
         return next_tile
 
@@ -469,12 +455,10 @@ class Sm90ForwardKernel:
         otherwise, so the other kernels have no branch for it."""
         mQSeqLengths, mKVSeqLengths, mQStart, mCuSeqlensQ, mCuSeqlensK = lengths
         # Packed: slot order (sequence by sequence); the causal orders need Sq known statically.
-        holds_rows = cutlass.Boolean(True)
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            m_block, head, batch_index, holds_rows = tile_scheduler.mirrored_tile(tile, num_m_blocks, mQ.shape[2])
-        else:
-            m_block, head, batch_index = tile_scheduler.tile_coordinates(
-                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed)
+        m_block, head, batch_index, holds_rows = tile_scheduler.work_tile(
+            tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal and not self.options.packed,
+            self.options.mirrored_tiles)
+        holds_rows = cutlass.Boolean(holds_rows)
         q_row0 = Int32(0)
         k_row0 = Int32(0)
         if cutlass.const_expr(self.options.packed):
@@ -510,7 +494,7 @@ class Sm90ForwardKernel:
         # K and V of one key block share a stage index; V runs one block behind K within a tile.
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        tile = self.first_tile()
+        tile = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         wave = Int32(0)
         while tile < num_tiles:
             m_block, head, batch_index, q_row0, k_row0, holds_rows, _, _, _, _, _, first, end = self.work_item(
@@ -603,7 +587,7 @@ class Sm90ForwardKernel:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         self.scheduler_start(warpgroup_index)
-        tile = self.first_tile()
+        tile = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         wave = Int32(0)
         while tile < num_tiles:
             (m_block, head, batch_index, q_row0, _, holds_rows, rows_left, row_start, q_len, kv_len, offset,

@@ -196,10 +196,8 @@ class Sm90TangentKernel:
             self.dtype, self.num_stages, cute.cosize(q_layout), cute.cosize(k_layout), cute.cosize(v_layout))
 
         num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
-        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            num_tiles = tile_scheduler.mirrored_units(num_m_blocks, mQ.shape[2], mQ.shape[3])  # CTAs share units
-        grid_size = cutlass.min(num_tiles, self.options.sm_count)
+        units = tile_scheduler.work_units(num_m_blocks, mQ.shape[2], mQ.shape[3], self.options.mirrored_tiles)
+        grid_size = cutlass.min(units, self.options.sm_count)
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_m_q, tma_tq, tma_m_tq, tma_k, tma_m_k, tma_tk, tma_m_tk,
@@ -250,7 +248,7 @@ class Sm90TangentKernel:
         cute.arch.sync_threads()
 
         num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
-        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        num_tiles = tile_scheduler.walked_tiles(num_m_blocks, mQ.shape[2], mQ.shape[3], self.options.mirrored_tiles)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
@@ -272,25 +270,6 @@ class Sm90TangentKernel:
         return masking.tile_extents(self.mask, m_block, batch_index, self.tile_m, self.tile_n, q_len_static,
                                     kv_len_static, mQSeqLengths, mKVSeqLengths, mQStart, self.options.q_total)
 
-    def first_tile(self) -> Int32:
-        """This CTA's first tile (producer and consumers walk the same sequence)."""
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            return 2 * cute.arch.block_idx()[0]
-        return cute.arch.block_idx()[0]
-
-    @cute.jit
-    def next_tile(self, tile: Int32) -> Int32:
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            return tile_scheduler.mirrored_next(tile, cute.arch.grid_dim()[0])
-        return tile + cute.arch.grid_dim()[0]
-
-    @cute.jit
-    def tile_coordinates(self, tile: Int32, num_m_blocks: Int32, mQ: cute.Tensor):
-        if cutlass.const_expr(self.options.mirrored_tiles):
-            m_block, head, batch_index, _ = tile_scheduler.mirrored_tile(tile, num_m_blocks, mQ.shape[2])
-            return m_block, head, batch_index
-        return tile_scheduler.tile_coordinates(tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal)
-
     @cute.jit
     def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_tq: cute.CopyAtom, mTQ: cute.Tensor,
                 tma_k: cute.CopyAtom, mK: cute.Tensor, tma_tk: cute.CopyAtom, mTK: cute.Tensor,
@@ -304,9 +283,10 @@ class Sm90TangentKernel:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        tile = self.first_tile()
+        tile = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         while tile < num_tiles:
-            m_block, head, batch_index = self.tile_coordinates(tile, num_m_blocks, mQ)
+            m_block, head, batch_index, _ = tile_scheduler.work_tile(
+                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal, self.options.mirrored_tiles)
             head_kv = head // self.options.group
             _, _, _, _, first, end = self.tile_bounds(
                 m_block, batch_index, mQ.shape[0], mK.shape[0], mQSeqLengths, mKVSeqLengths, mQStart)
@@ -342,7 +322,7 @@ class Sm90TangentKernel:
                 cute.copy(tma_v, t_v_gmem[None, n_block], t_v_smem[None, v_state.index], tma_bar_ptr=v_barrier)
                 cute.copy(tma_tv, t_tv_gmem[None, n_block], t_tv_smem[None, v_state.index], tma_bar_ptr=v_barrier)
                 v_state = advanced(v_state)
-            tile = self.next_tile(tile)
+            tile = tile_scheduler.next_tile(tile, cute.arch.grid_dim()[0], self.options.mirrored_tiles)
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, mQ: cute.Tensor,
@@ -386,9 +366,10 @@ class Sm90TangentKernel:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        tile = self.first_tile()
+        tile = tile_scheduler.first_tile(cute.arch.block_idx()[0], self.options.mirrored_tiles)
         while tile < num_tiles:
-            m_block, head, batch_index = self.tile_coordinates(tile, num_m_blocks, mQ)
+            m_block, head, batch_index, _ = tile_scheduler.work_tile(
+                tile, num_m_blocks, mQ.shape[2], mQ.shape[3], self.mask.causal, self.options.mirrored_tiles)
             row_start, q_len, kv_len, offset, first, end = self.tile_bounds(
                 m_block, batch_index, mQ.shape[0], mK.shape[0], mQSeqLengths, mKVSeqLengths, mQStart)
             local_row_start = m_block * self.tile_m
@@ -408,7 +389,7 @@ class Sm90TangentKernel:
             q_state = advanced(q_state)
             self.epilogue(acc_o_mn, coords_o, lse_rows, t_lse_rows, mO, mTO, mTLSE, mSinks, mTSinks,
                           thread_mma_pv, m_block, head, batch_index)
-            tile = self.next_tile(tile)
+            tile = tile_scheduler.next_tile(tile, cute.arch.grid_dim()[0], self.options.mirrored_tiles)
 
     @cute.jit
     def key_block(self, n_block: Int32, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -503,7 +484,6 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
 
 def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[int] = None) -> TangentOptions:
     """The static kernel configuration for one call; also what the compile tests build."""
-    query_blocks = -(-problem.q_len // (ROWS_PER_WARPGROUP * CONSUMER_WARPGROUPS))
     return TangentOptions(
         dtype_name=problem.dtype,
         head_dim=problem.head_dim,
@@ -518,7 +498,8 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
         has_q_start=config.has_q_start,
         q_total=config.q_total if config.has_q_start else None,
         sm_count=host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
-        mirrored_tiles=config.causal and query_blocks % 2 == 0,
+        mirrored_tiles=config.causal and tile_scheduler.mirrors_whole_units(
+            problem.q_len, ROWS_PER_WARPGROUP * CONSUMER_WARPGROUPS),
     )
 
 
