@@ -163,8 +163,11 @@ def attention_backward(query, key, value, d_out, d_lse=None, *, scale=None, caus
                        window=None, softcap=None, sinks=None, segment_ids=None,
                        q_seq_lengths=None, kv_seq_lengths=None):
     """Gradients of sum(out * d_out) + sum(lse * d_lse): dict with dq, dk, dv and dsinks (or None),
-    and dsinks_scale: the largest sum of |terms| behind one dsinks entry, the scale its rounding error
-    grows with (the terms can cancel, so |dsinks| itself may be far smaller).
+    and the scale each one's rounding error grows with (the terms can cancel, so the gradient itself may be
+    far smaller): dsinks_scale, the largest sum of |terms| behind one dsinks entry; dq_scale, dk_scale and
+    dv_scale, the largest root-sum-square of |terms| behind one entry, where dS's terms are
+    P_ij (|dO_i . V_j| + |Delta_i| + |dlse_i|). A row with one visible key has dO_i . V_j = Delta_i exactly,
+    so its dQ is scale dlse_i K_j while float32 rounding errors still scale with |dO_i . V_j|.
 
     With P the probabilities, O the output and Delta_i = dO_i . O_i:
       dV_j   = sum_i P_ij dO_i
@@ -196,6 +199,16 @@ def attention_backward(query, key, value, d_out, d_lse=None, *, scale=None, caus
         d_logits = d_logits * (1.0 - np.tanh(state.raw_logits / softcap) ** 2)
     d_query = scale * np.einsum("bhqk,bkhd->bqhd", d_logits, state.key)
     d_key = scale * np.einsum("bhqk,bqhd->bkhd", d_logits, query_64)
+    d_logit_terms = state.probabilities * (np.abs(d_probabilities) + np.abs(delta)[..., None]
+                                           + np.abs(d_lse)[..., None])
+    if softcap is not None:
+        d_logit_terms = d_logit_terms * (1.0 - np.tanh(state.raw_logits / softcap) ** 2)
+    squared = d_logit_terms ** 2
+    d_query_scale = scale * np.sqrt(np.einsum("bhqk,bkhd->bqhd", squared, state.key ** 2)).max(initial=0.0)
+    d_key_scale = scale * np.sqrt(_fold_kv_heads(np.einsum("bhqk,bqhd->bkhd", squared, query_64 ** 2),
+                                                 kv_heads)).max(initial=0.0)
+    d_value_scale = np.sqrt(_fold_kv_heads(np.einsum("bhqk,bqhd->bkhd", state.probabilities ** 2, d_out ** 2),
+                                           kv_heads)).max(initial=0.0)
 
     d_sinks = d_sinks_scale = None
     if sinks is not None:
@@ -208,6 +221,9 @@ def attention_backward(query, key, value, d_out, d_lse=None, *, scale=None, caus
         "dv": _fold_kv_heads(d_value, kv_heads),
         "dsinks": d_sinks,
         "dsinks_scale": d_sinks_scale,
+        "dq_scale": d_query_scale,
+        "dk_scale": d_key_scale,
+        "dv_scale": d_value_scale,
     }
 
 
@@ -244,8 +260,10 @@ def attention_tangent(query, key, value, t_query, t_key, t_value, t_sinks=None, 
     return t_out, t_lse
 
 
-def assert_close(actual, expected, tolerance, what, floor=1e-6):
-    """max |actual - expected| <= tolerance * max |expected|, with infinities matched exactly."""
+def assert_close(actual, expected, tolerance, what, floor=0.0):
+    """max |actual - expected| <= tolerance * max(max |expected|, floor, 1e-6), with infinities matched
+    exactly; floor is the scale of the terms behind `expected` where they can cancel (the *_scale entries
+    of `attention_backward`)."""
     actual = to_float64(actual)
     expected = np.asarray(expected, dtype=np.float64)
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != expected {expected.shape}"
@@ -258,7 +276,7 @@ def assert_close(actual, expected, tolerance, what, floor=1e-6):
     finite = ~infinite
     if not np.any(finite):
         return
-    magnitude = max(np.max(np.abs(expected[finite])), floor)
+    magnitude = max(np.max(np.abs(expected[finite])), floor, 1e-6)
     difference = np.abs(np.where(finite, actual, 0.0) - np.where(finite, expected, 0.0))
     worst = np.unravel_index(np.argmax(difference), difference.shape)
     error = difference[worst] / magnitude
