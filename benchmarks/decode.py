@@ -3,8 +3,11 @@
 Rows: batch in {1, 8, 64}, context in {1k, 8k, 32k, 128k} (every sequence full), Hq / Hkv = 32 / 8,
 D = 128, page size 16 and 64, Sq in {1, 4}, bf16, block tables a random permutation of the cache.
 Per row: our kernel (`fa4_jax.paged_attention(implementation="cute")`: the split kernel and the
-XLA pass that merges its splits; `num_splits` records how many; with --fused-combine also the same
-splits merged by the kernel's last CTA, `fa4_jax_fused_combine_ms`), Pallas `decode_attention.gqa` on the same cache
+XLA pass that merges its splits; `num_splits` records how many; with --combines also the kernel with
+the splits merged another way (DecodeOptions.combine): `fa4_jax_last_cta_combine_ms` (the same splits,
+merged by the kernel's last CTA; `fa4_jax_fused_combine_ms` in reports before 2026-12-06) and
+`fa4_jax_cluster_combine_ms` (at most 16 splits, `cluster_num_splits`, merged through distributed
+shared memory)), Pallas `decode_attention.gqa` on the same cache
 viewed contiguously (its API takes [B, L, Hkv, D] and transposes K and V to [B, Hkv, L, D] inside the call, which its time includes) and
 Pallas `paged_attention` (its own [Hkv, pages, page, D] layout, copied untimed; its default
 block_h = 16, the smallest it takes) where they run (Sq = 1 only: both take one query token), and the
@@ -19,7 +22,8 @@ Our kernels compile first in parallel CPU-only processes into the on-disk kernel
 distinct DecodeOptions), so the timed process loads them.
 
 Usage:
-    python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick] [--fused-combine]
+    python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick]
+        [--combines last_cta,cluster]
     python benchmarks/decode.py --plot benchmarks/results/decode_h200.json --png decode_h200.png
     python benchmarks/decode.py --merge b1.json b8.json b64.json --out decode_h200.json   (no GPU needed)
 
@@ -166,7 +170,7 @@ def _pallas_functions(row, arguments):
     return functions
 
 
-def measure(row, key, iterations, sm_count: int = None, fused_combine: bool = False) -> dict:
+def measure(row, key, iterations, sm_count: int = None, combines=()) -> dict:
     import jax
     import fa4_jax
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode
@@ -182,13 +186,15 @@ def measure(row, key, iterations, sm_count: int = None, fused_combine: bool = Fa
     except Exception as error:
         our_out = None
         record["fa4_jax_error"] = attention_error(error)
-    if fused_combine:   # the same splits merged by the kernel's last CTA instead of combine_partials (XLA)
-        options = _options(row, sm_count, fused_combine=True)
+    for combine in combines:   # the kernel's own merge instead of combine_partials (XLA)
+        options = _options(row, sm_count, combine=combine)
+        if combine == "cluster":
+            record["cluster_num_splits"] = options.num_splits
         try:
-            _, record["fa4_jax_fused_combine_ms"] = attention._median_ms(
+            _, record[f"fa4_jax_{combine}_combine_ms"] = attention._median_ms(
                 jax.jit(lambda *a: decode.run(options, *a)), arguments, iterations)
         except Exception as error:
-            record["fa4_jax_fused_combine_error"] = attention_error(error)
+            record[f"fa4_jax_{combine}_combine_error"] = attention_error(error)
     pallas_times = {}
     for name, (function, pallas_arguments) in _pallas_functions(row, arguments).items():
         try:
@@ -222,7 +228,8 @@ def _format(record) -> str:
         return fmt.format(value) if isinstance(value, (int, float)) else "    -   "
     return (f"B={record['batch']:3d} ctx={record['context']:6d} q={record['q_len']} page={record['page_size']:2d}  "
             f"ours {number('fa4_jax_ms')} ms {number('fa4_jax_tbps', '{:5.2f}')} TB/s "
-            f"({record.get('num_splits')} splits; fused combine {number('fa4_jax_fused_combine_ms')} ms)  "
+            f"({record.get('num_splits')} splits; last CTA {number('fa4_jax_last_cta_combine_ms')} ms; "
+            f"cluster of {record.get('cluster_num_splits', '-')} {number('fa4_jax_cluster_combine_ms')} ms)  "
             f"pallas best {number('pallas_best_ms')} ms  ref {number('reference_ms')} ms"
             + "".join(f"  [{name}: {record[name][:80]}]" for name in record if name.endswith("_error")))
 
@@ -241,14 +248,15 @@ def run(args):
                   shape=dict(q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16"),
                   timing="CUPTI kernel time per call (all kernels), median", rows=[])
     sm_count = host.sm_count(DEFAULT_SM_COUNT)
-    variants = ({}, {"fused_combine": True}) if args.fused_combine else ({},)
+    combines = tuple(args.combines.split(",")) if args.combines else ()
+    variants = ({},) + tuple({"combine": combine} for combine in combines)
     if args.compile_workers > 0:
         report["precompile"] = precompile(row_list, args.compile_workers, sm_count, variants)
     report["copy_tbps"] = copy_bandwidth(args.iterations)
     print(f"device-to-device copy: {report['copy_tbps']:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     for row in row_list:
-        record = measure(row, key, args.iterations, sm_count, args.fused_combine)
+        record = measure(row, key, args.iterations, sm_count, combines)
         record["copy_tbps"] = report["copy_tbps"]
         if "fa4_jax_tbps" in record:
             record["fraction_of_copy"] = record["fa4_jax_tbps"] / report["copy_tbps"]
@@ -316,8 +324,8 @@ def main(argv=None):
     parser.add_argument("--page-sizes", help="comma-separated subset of 16,64")
     parser.add_argument("--quick", action="store_true", help="B in {1, 64}, contexts 8k and 32k")
     parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--fused-combine", action="store_true",
-                        help="also time the same splits merged by the kernel's last CTA (fa4_jax_fused_combine_ms)")
+    parser.add_argument("--combines", help="comma-separated kernel merges to time besides the default XLA pass: "
+                                           "last_cta, cluster (fa4_jax_<combine>_combine_ms)")
     parser.add_argument("--compile-workers", type=int, default=12)
     parser.add_argument("--plot", help="a report to plot (no GPU needed)")
     parser.add_argument("--png")

@@ -13,7 +13,10 @@ memory, and everything computed from them, are stand-ins:
   the others give 0 (they feed MMA operands);
 - shfl.sync returns the thread's own value: right for the warp-uniform values kernels broadcast (the
   shared base, the warp index), a stand-in for butterfly reductions of floats;
-- barriers, fences and cp.async groups are no-ops (one thread runs at a time);
+- barriers (CTA and cluster), fences and cp.async groups are no-ops (one thread runs at a time);
+- distributed shared memory: `mapa` puts the peer's rank in bits 24 and up of the shared address
+  (CLUSTER_RANK_SHIFT; a CTA's shared window is far smaller), and a `ld.shared::cluster` is recorded
+  (space "cluster") and reads 0: the caller decodes the rank and offset of each;
 - shared memory holds what earlier stores (of this thread, or of earlier threads of the CTA when the
   caller passes one `shared_memory` dict to each) left there, 0 elsewhere: so a flag one thread
   stores before a barrier reaches the threads run after it;
@@ -34,6 +37,7 @@ import re
 import struct
 
 _MASKS = {width: (1 << width) - 1 for width in (8, 16, 32, 64)}
+CLUSTER_RANK_SHIFT = 24
 _COMPARISONS = {"lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
                 "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
                 "lo": lambda a, b: a < b, "ls": lambda a, b: a <= b, "hi": lambda a, b: a > b,
@@ -179,7 +183,7 @@ class _Thread:
     def execute(self, opcode: str, operands: list):
         parts = opcode.split(".")
         name, type_name = parts[0], parts[-1]
-        if name in ("bar", "fence", "membar") or opcode.startswith(("cp.async.commit_group",
+        if name in ("bar", "barrier", "fence", "membar") or opcode.startswith(("cp.async.commit_group",
                                                                       "cp.async.wait_group")):
             return
         if name == "atom" and parts[1] == "global":
@@ -192,6 +196,10 @@ class _Thread:
             size = int(operands[2])
             self.record("cp.async.dst", "shared", self.address(operands[0]), size)
             self.record("cp.async.src", "global", self.address(operands[1]), size)
+            return
+        if name == "mapa":
+            rank = self.value(operands[2], 32)
+            self.write(operands[0], self.value(operands[1], 32) | rank << CLUSTER_RANK_SHIFT, 32)
             return
         if name == "ldmatrix":
             self.record("ldmatrix", "shared", self.address(operands[1]), 16)
@@ -254,6 +262,11 @@ class _Thread:
                 self.registers[register] = int.from_bytes(data[start:start + width // 8], "little")
             return
         address = self.value(base) + offset
+        if space == "shared::cluster":
+            self.accesses.append(Access("ld.shared::cluster", "cluster", address, width // 8 * len(registers)))
+            for register in registers:
+                self.registers[register] = 0
+            return
         self.accesses.append(Access("ld." + space, space, address, width // 8 * len(registers)))
         memory = self.shared_memory if space == "shared" else self.global_memory
         for i, register in enumerate(registers):

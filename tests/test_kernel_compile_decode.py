@@ -27,10 +27,10 @@ from tools.sm100_inspect import find_ptxas  # noqa: E402
 
 
 # name -> (AttentionConfig fields, [B, Sq, Hq, Hkv, D, max_blocks], dtype, page size, arch[, DecodeOptions
-# overrides]). The cases compile the fused combine (`fused_combine=True`: its arrival protocol is what the
+# overrides]). The cases compile the last-CTA combine (`combine="last_cta"`: its arrival protocol is what the
 # PTX checks and the PTX interpreter below are about) unless their overrides say otherwise; the default,
-# the XLA combine, is the "d128-xla-combine" case.
-FUSED = {"fused_combine": True}
+# the XLA combine, is the "d128-xla-combine" case, the cluster combine the "cluster" cases.
+LAST_CTA = {"combine": "last_cta"}
 CONFIGS = {
     "d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a"),
     "d128-q4-page64-sinks": ({"has_sinks": True}, [8, 4, 32, 8, 128, 32], "bfloat16", 64, "sm_90a"),
@@ -47,7 +47,14 @@ CONFIGS = {
     "d128-stages4": ({}, [2, 4, 32, 8, 128, 64], "bfloat16", 64, "sm_90a", {"num_stages": 4}),
     # One split: the CTA writes the final O (sinks folded in) itself; and the XLA combine's variant.
     "d128-one-split-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 8], "bfloat16", 16, "sm_90a", {"num_splits": 1}),
-    "d128-xla-combine": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"fused_combine": False}),
+    "d128-xla-combine": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"combine": "xla"}),
+    # The cluster combine: 16 splits of one block (B = 1, 1k, the benchmark's row), 4 query tokens with
+    # sinks on 3 splits, and D = 256 (two merge passes' worth of items on 2 splits).
+    "d128-cluster-16": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"combine": "cluster"}),
+    "d128-q4-cluster-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 3], "bfloat16", 64, "sm_90a",
+                              {"combine": "cluster"}),
+    "d256-cluster-2": ({}, [8, 2, 16, 2, 256, 2], "bfloat16", 64, "sm_90a", {"combine": "cluster", "num_splits": 2}),
+    "sm100-d128-cluster": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a", {"combine": "cluster"}),
     "sm100-d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a"),
     "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),
 }
@@ -69,7 +76,7 @@ for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
     logical = (B, max_blocks * page, Hkv, D)
     problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
     assert decode.unsupported_reason(config, problem) is None
-    overrides = {"fused_combine": True, **(overrides[0] if overrides else {})}   # FUSED, then the case's
+    overrides = {"combine": "last_cta", **(overrides[0] if overrides else {})}   # LAST_CTA, then the case's
     options = decode.options(config, problem, sm_count=132, **overrides)
     cute.compile(decode.Sm90DecodeKernel(options), make_fake_stream(),
                  *decode.fake_arguments(options, B, Hkv, 50, max_blocks, fields.get("has_sinks", False)))
@@ -112,8 +119,8 @@ def test_ptx_has_the_design(compiled, name):
     assert "wgmma" not in ptx and "cp.async.bulk" not in ptx  # arch-neutral by design
     options = _compiled_options(name)
     arrivals = re.findall(r"atom\.global(?:\.acq_rel)?(?:\.gpu)?\.add\.[us]32", ptx)
-    if options.fused_combine and options.num_splits > 1:
-        # The fused combine: partial stores, a device-scope fence, then one acq_rel arrival per CTA, and
+    if options.combine == "last_cta" and options.num_splits > 1:
+        # The last-CTA combine: partial stores, a device-scope fence, then one acq_rel arrival per CTA, and
         # a fence again before the last CTA reads the partials.
         assert re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add\.[us]32", ptx) == arrivals and len(arrivals) == 1, \
             f"expected one acq_rel device-scope atomic add, found {arrivals}"
@@ -124,6 +131,17 @@ def test_ptx_has_the_design(compiled, name):
         assert any(f > atomic for f in fences), "no fence between the arrival and the last CTA's reads"
     else:
         assert not arrivals, "an arrival counter where no split waits for another"
+    arrives = [m.start() for m in re.finditer(r"barrier\.cluster\.arrive;", ptx)]
+    waits = [m.start() for m in re.finditer(r"barrier\.cluster\.wait;", ptx)]
+    remote_loads = [m.start() for m in re.finditer(r"ld\.shared::cluster", ptx)]
+    if options.combine == "cluster" and options.num_splits > 1:
+        # Release / acquire around the partials in shared memory, every remote load between the first
+        # wait and the second arrive (no CTA leaves while a peer may read it), no global partial.
+        assert len(arrives) == len(waits) == 2 and arrives[0] < waits[0] < arrives[1] < waits[1], (arrives, waits)
+        assert remote_loads and all(waits[0] < load < arrives[1] for load in remote_loads)
+        assert all(m.start() > waits[0] for m in re.finditer(r"st\.global", ptx)), "a global store before the merge"
+    else:
+        assert not arrives and not waits and not remote_loads, "cluster barriers or remote loads without a cluster"
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="ptxas not installed")
@@ -144,7 +162,7 @@ def _compiled_options(name):
     config = AttentionConfig(scale=D ** -0.5, causal=True, has_kv_seq_lengths=True, **fields)
     logical = (B, max_blocks * page, Hkv, D)
     problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
-    return decode.options(config, problem, sm_count=132, **{**FUSED, **(overrides[0] if overrides else {})})
+    return decode.options(config, problem, sm_count=132, **{**LAST_CTA, **(overrides[0] if overrides else {})})
 
 
 def _shapes(options, name):
@@ -182,15 +200,7 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
     params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
     shapes = _shapes(options, name)
     sizes = {b: int(np.prod(shapes[b])) * _element_bytes(b) for b in buffers}
-    max_len = max_blocks * options.page_size
-    lengths = [max_len] + [int(rng.integers(1, max_len + 1)) for _ in range(B - 1)]
-    pages = [-(-length // options.page_size) for length in lengths]
-    memory = {_BASES["lengths"] + 4 * b: length for b, length in enumerate(lengths)}
-    for b in range(B):
-        for j in range(max_blocks):
-            block = int(rng.integers(0, _FAKE_BLOCKS)) if j < pages[b] else int(rng.choice([-7, _FAKE_BLOCKS,
-                                                                                             2 ** 31 - 1]))
-            memory[_BASES["tables"] + 4 * (b * max_blocks + j)] = block & 0xFFFFFFFF
+    memory, pages = _paged_cache(options, B, max_blocks, rng)
     head_tiles = Hkv * options.row_tiles
     splits = options.num_splits
     shared_end = 1024 + options.shared_memory_bytes()
@@ -203,18 +213,8 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
         for thread in range(decode.THREADS):
             for access in ptx_addresses.thread_accesses(program, thread, block, params, cta_memory,
                                                         shared_memory=shared):
-                where = f"{name} CTA {block} thread {thread}: {access}"
-                assert access.address % min(access.size, 16) == 0, f"misaligned {where}"
-                if access.space == "shared":
-                    assert 1024 <= access.address and access.address + access.size <= shared_end, where
-                    continue
-                buffer = max((b for b in buffers if _BASES[b] <= access.address), key=_BASES.get)
-                offset = access.address - _BASES[buffer]
-                assert offset + access.size <= sizes[buffer], f"past the end of {buffer}: {where}"
-                if buffer == "tables":
-                    assert offset // 4 % max_blocks < pages[offset // 4 // max_blocks], f"table past length: {where}"
-                unit = _element_bytes(buffer)
-                touched[buffer][access.kind].extend(range(offset // unit, (offset + access.size) // unit))
+                _check_access(access, f"{name} CTA {block} thread {thread}: {access}", buffers, sizes,
+                              shared_end, max_blocks, pages, touched)
 
         def elements(buffer, index):
             return sorted(np.arange(int(np.prod(shapes[buffer]))).reshape(shapes[buffer])[index].ravel().tolist())
@@ -242,11 +242,107 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
         assert arrivals == ([batch * head_tiles + head_tile] if splits > 1 else []), f"{name} CTA {block}: counter"
 
 
+def _paged_cache(options, batch, max_blocks, rng):
+    """({address: value} of the lengths (the first sequence fills its table, the others are random) and
+    the block tables (random blocks, garbage past each sequence's last page), pages per sequence)."""
+    max_len = max_blocks * options.page_size
+    lengths = [max_len] + [int(rng.integers(1, max_len + 1)) for _ in range(batch - 1)]
+    pages = [-(-length // options.page_size) for length in lengths]
+    memory = {_BASES["lengths"] + 4 * b: length for b, length in enumerate(lengths)}
+    for b in range(batch):
+        for j in range(max_blocks):
+            block = int(rng.integers(0, _FAKE_BLOCKS)) if j < pages[b] else int(rng.choice([-7, _FAKE_BLOCKS,
+                                                                                             2 ** 31 - 1]))
+            memory[_BASES["tables"] + 4 * (b * max_blocks + j)] = block & 0xFFFFFFFF
+    return memory, pages
+
+
+def _check_access(access, where, buffers, sizes, shared_end, max_blocks, pages, touched):
+    """Aligned to its width, inside the CTA's shared allocation or its global buffer, no table entry past
+    a sequence's last page; global element indices recorded in touched[buffer][instruction]. Reads of
+    a peer CTA's shared memory (space "cluster") are left to the caller."""
+    assert access.address % min(access.size, 16) == 0, f"misaligned {where}"
+    if access.space == "cluster":
+        return
+    if access.space == "shared":
+        assert 1024 <= access.address and access.address + access.size <= shared_end, where
+        return
+    buffer = max((b for b in buffers if _BASES[b] <= access.address), key=_BASES.get)
+    offset = access.address - _BASES[buffer]
+    assert offset + access.size <= sizes[buffer], f"past the end of {buffer}: {where}"
+    if buffer == "tables":
+        assert offset // 4 % max_blocks < pages[offset // 4 // max_blocks], f"table past length: {where}"
+    unit = _element_bytes(buffer)
+    touched[buffer][access.kind].extend(range(offset // unit, (offset + access.size) // unit))
+
+
+@pytest.mark.parametrize("name", sorted(name for name, config in CONFIGS.items()
+                                        if config[4] == "sm_90a" and config[5:] and config[5].get("combine") == "cluster"))
+def test_cluster_combine_reads_every_split_and_writes_once(compiled, name, rng):
+    """Every CTA of one cluster (the splits of the last (batch, head tile)), all threads, through the
+    PTX interpreter: accesses aligned and in bounds as above; no partial, counter or atomic in global
+    memory; the remote loads read from every split exactly the bytes that split's CTA stored to its own
+    shared memory for its tile's rows (its partial O and LSE) -- never an unwritten byte --, each byte
+    of O once (16-byte loads) and each row's LSE twice per 8-column item of the row (scalar loads: the
+    merge's max, then its weights), and every row's O and LSE of the tile is written exactly once over
+    the cluster."""
+    options = _compiled_options(name)
+    fields, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
+    buffers = [b for b in ("q", "k", "v", "tables", "lengths", "sinks", "out", "lse")
+               if b != "sinks" or fields.get("has_sinks")]
+    with open(compiled[name]["ptx"]) as handle:
+        program = ptx_addresses.parse(handle.read())
+    assert [size for _, size in program.params] == [8] * len(buffers), f"expected {len(buffers)} tensor pointers"
+    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
+    shapes = _shapes(options, name)
+    sizes = {b: int(np.prod(shapes[b])) * _element_bytes(b) for b in buffers}
+    memory, pages = _paged_cache(options, B, max_blocks, rng)
+    splits, head_tiles = options.num_splits, Hkv * options.row_tiles
+    assert splits > 1
+    batch, head_tile = B - 1, head_tiles - 1
+    shared_end = 1024 + options.shared_memory_bytes()
+    touched = {b: collections.defaultdict(list) for b in buffers}
+    stored = {}   # rank -> shared bytes it stored
+    remote = {4: collections.defaultdict(list), 16: collections.defaultdict(list)}   # load size -> peer -> bytes
+    for rank in range(splits):
+        shared = {}
+        stored[rank] = set()
+        for thread in range(decode.THREADS):
+            for access in ptx_addresses.thread_accesses(program, thread, (rank, head_tile, batch), params, memory,
+                                                        shared_memory=shared):
+                _check_access(access, f"{name} rank {rank} thread {thread}: {access}", buffers, sizes, shared_end,
+                              max_blocks, pages, touched)
+                if access.kind == "st.shared":
+                    stored[rank].update(range(access.address, access.address + access.size))
+                elif access.space == "cluster":
+                    peer = access.address >> ptx_addresses.CLUSTER_RANK_SHIFT
+                    local = access.address & ((1 << ptx_addresses.CLUSTER_RANK_SHIFT) - 1)
+                    assert 0 <= peer < splits and 1024 <= local and local + access.size <= shared_end, access
+                    remote[access.size][peer].extend(range(local, local + access.size))
+    rows = min(options.rows - head_tile % options.row_tiles * decode.TILE_M, decode.TILE_M)
+    assert set(remote) == {4, 16}
+    for peer in range(splits):
+        for size, elements, reads in ((16, rows * D, 1), (4, rows, 2 * D // decode.CHUNK)):
+            read = collections.Counter(remote[size][peer])
+            assert set(read) <= stored[peer], f"{name}: rank {peer}'s shared memory read where it stored nothing"
+            assert len(read) == elements * 4, f"{name}: rank {peer}: {len(read)} bytes read by {size}-byte loads"
+            assert set(read.values()) == {reads}, f"{name}: rank {peer}: bytes read {set(read.values())} times"
+    head_kv, first = head_tile // options.row_tiles, head_tile % options.row_tiles * decode.TILE_M
+    packed = np.arange(first, first + rows)
+    positions, heads = packed // options.group, head_kv * options.group + packed % options.group
+    for buffer, index in (("out", (batch, positions, heads)), ("lse", (batch, heads, positions))):
+        expected = sorted(np.arange(int(np.prod(shapes[buffer]))).reshape(shapes[buffer])[index].ravel().tolist())
+        assert sorted(touched[buffer]["st.global"]) == expected, f"{name}: {buffer} elements"
+    assert not any(kind.startswith("atom") for b in buffers for kind in touched[b]), "an atomic in the cluster combine"
+
+
 def test_options_are_checked():
     problem = _problem()
     config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
     for overrides, message in [({"tile_n": 96}, "multiple of 64"), ({"num_stages": 1}, "num_stages"),
-                               ({"tile_n": 256, "num_stages": 4}, "shared memory")]:
+                               ({"tile_n": 256, "num_stages": 4}, "shared memory"),
+                               ({"combine": "fused"}, "combine must be one of"),
+                               ({"combine": "cluster", "num_splits": 17}, "at most 16 splits")]:
         with pytest.raises(ValueError, match=message):
             decode.options(config, problem, **overrides).check()
     for head_dim in decode.SUPPORTED_HEAD_DIMS:
@@ -281,6 +377,19 @@ def test_split_heuristic_on_the_benchmark_shapes(q_len, page):
         per_split = -(-blocks // splits)
         assert (splits - 1) * per_split < blocks, f"an idle split at {(batch, context)}"
         assert splits == 1 or batch * 8 * splits <= 264, f"splits past one wave at {(batch, context)}"
+
+
+def test_cluster_combine_splits_on_the_benchmark_shapes():
+    """With combine="cluster" the splits come from the same rule capped at one cluster (16): B = 1 takes
+    16 splits at every context (one CTA per SM, which the page-64 sweep measured faster at 8k and 32k),
+    B = 8 and 64 keep theirs (4 and 1)."""
+    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
+    for (batch, context), splits in BENCHMARK_SPLITS.items():
+        logical = (batch, context, 8, 128)
+        problem = host.Problem((batch, 1, 32, 128), logical, logical, "bfloat16", page_size=16)
+        options = decode.options(config, problem, sm_count=132, combine="cluster")
+        assert options.num_splits == min(splits, decode.MAX_CLUSTER_SPLITS), (batch, context)
+        options.check()
 
 
 def test_split_heuristic():

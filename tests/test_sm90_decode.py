@@ -73,6 +73,21 @@ def _options(case):
 @gpu
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_paged_decode_matches_oracle(case, rng):
+    _check_paged_case(case, rng)
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_cluster_combine_matches_oracle(case, rng, monkeypatch):
+    """The cluster combine (DecodeOptions.combine="cluster": the splits merge through distributed shared
+    memory) on every paged case, through the public API with the kernel's options patched."""
+    default_options = decode.options
+    monkeypatch.setattr(decode, "options",
+                        lambda *args, **overrides: default_options(*args, **{"combine": "cluster", **overrides}))
+    _check_paged_case(case, rng)
+
+
+def _check_paged_case(case, rng):
     drawn = paged_cases.build(case, rng)
     arguments = paged_cases.arguments(drawn)
     reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
@@ -86,15 +101,19 @@ def test_paged_decode_matches_oracle(case, rng):
 FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits": 40}, {"num_splits": 128},
           {"tile_n": 128, "num_stages": 2}, {"num_stages": 4}, {"tile_n": 128, "num_stages": 2, "num_splits": 3},
           # The last CTA's combine instead of the XLA pass (combine_partials, the default).
-          {"fused_combine": True}, {"fused_combine": True, "num_splits": 1},
-          {"fused_combine": True, "num_splits": 40}, {"fused_combine": True, "num_splits": 128}]
+          {"combine": "last_cta"}, {"combine": "last_cta", "num_splits": 1},
+          {"combine": "last_cta", "num_splits": 40}, {"combine": "last_cta", "num_splits": 128},
+          # The cluster combine: its own split choice (at most 16), one split, 2, and 16 (15 key blocks:
+          # one split is empty and merges as -inf).
+          {"combine": "cluster"}, {"combine": "cluster", "num_splits": 1}, {"combine": "cluster", "num_splits": 2},
+          {"combine": "cluster", "num_splits": 16}]
 
 
 @gpu
 @pytest.mark.parametrize("overrides", FORCED, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_forced_options(overrides, rng):
     """Every split count merges to the same attention (splits past the key blocks get none: -inf; 128
-    splits of 15 blocks leave 113 empty), in the kernel's last CTA and in XLA, and the tuning
+    splits of 15 blocks leave 113 empty), in the kernel's last CTA, in a cluster and in XLA, and the tuning
     alternatives (block size, stages) compute it too. Sinks, LSE, poisoned memory."""
     from fa4_jax import paged
     from fa4_jax.kernels.sm90 import decode
@@ -165,7 +184,7 @@ def test_garbage_is_never_read(rng):
 
 @gpu
 @pytest.mark.parametrize("num_splits", [1, 9])
-def test_fused_combine_calls_in_a_row(num_splits, rng):
+def test_last_cta_combine_calls_in_a_row(num_splits, rng):
     """The arrival counters start at zero on every call: the same compiled call twice, then three calls
     in one program (lax.map: the kernel runs back to back, XLA free to reuse buffers), each with other
     lengths, each matches the oracle and the first two match each other bit for bit."""
@@ -178,7 +197,7 @@ def test_fused_combine_calls_in_a_row(num_splits, rng):
     drawn = paged_cases.build(case, rng)
     arguments = paged_cases.arguments(drawn)
     options = decode.options(config, paged.paged_problem(*arguments[:4]), num_splits=num_splits,
-                             fused_combine=True)
+                             combine="last_cta")
     call = jax.jit(lambda *a: decode.run(options, *a))
     reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
                                                return_lse=True)

@@ -12,13 +12,22 @@ kernel is built to keep that read at the memory-bandwidth limit:
   quarter of every key block and keeps its own online softmax, so no warp waits on another in the
   key loop; at the end the 4 warps merge their (O, LSE) through shared memory (the K/V ring is free
   by then) into the split's one.
-- Fused combine (`fused_combine=True`; measured ~1 us slower than the XLA pass, below): each split writes its
-  normalised partial O (fp32, only the tile's real rows) and LSE, fences (device scope), and one thread adds 1 to the (batch, head tile)'s int32
-  counter with an acq_rel atomic; the CTA that sees splits - 1 is the last, zeroes the counter again,
-  and merges every split's partial (just written, so read from L2) with the sinks into the final O
-  (output dtype, [B, Sq, Hq, Dv]) and LSE [B, Hq, Sq]. One split writes them directly. The counters
-  come zeroed from XLA (aliased in and out, so the kernel owns the buffer). The default,
-  `fused_combine=False`, leaves the merge to `combine_partials`, one fused XLA pass.
+- Where the splits merge (`DecodeOptions.combine`; one split always writes the final O and LSE itself):
+  - "xla" (the default): each split writes its normalised partial O (fp32, only the tile's real rows)
+    and LSE, and `combine_partials`, one fused XLA pass, merges them with the sinks.
+  - "last_cta" (measured ~1 us slower than the XLA pass, below): each split writes its partial, fences
+    (device scope), and one thread adds 1 to the (batch, head tile)'s int32 counter with an acq_rel
+    atomic; the CTA that sees splits - 1 is the last, zeroes the counter again, and merges every
+    split's partial (just written, so read from L2) with the sinks into the final O (output dtype,
+    [B, Sq, Hq, Dv]) and LSE [B, Hq, Sq]. The counters come zeroed from XLA (aliased in and out, so the
+    kernel owns the buffer).
+  - "cluster" (a candidate, not yet measured): the splits of one (batch, head tile) are one thread-block
+    cluster (so at most MAX_CLUSTER_SPLITS of them). Each keeps its partial in its own shared memory;
+    after a cluster barrier (release / acquire) every CTA merges a share of the (row, 8-column chunk)
+    items, reading all the splits' partials through distributed shared memory, and writes them to the
+    final O and LSE; a second barrier keeps each CTA's shared memory alive until the others have read
+    it. No partial reaches global memory, no counter, no second kernel: the XLA pass is one more
+    launch (~2 us of the 7.4 us step at B = 1, 1k) and the last CTA's merge a chain of L2 round trips.
 
   Why (B = 1, Hq / Hkv = 32 / 8, D = 128, bf16; benchmarks/results/decode_h200.json, rev d309c5e): K/V
   is 4 KiB per token (8 heads x 2 x 128 x 2 bytes): 4 MiB at 1k, 32 MiB at 8k, 128 MiB at 32k, i.e.
@@ -67,7 +76,7 @@ from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.common import masking, online_softmax
+from fa4_jax.kernels.common import cluster_memory, masking, online_softmax
 from fa4_jax.kernels.common.softcap import apply_softcap
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, wgmma
 
@@ -82,6 +91,10 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 # (8 warps, 2 x 64 KB of cp.async in flight per SM); one at D = 256.
 _TILE_N_AND_STAGES = {64: (128, 3), 128: (64, 3), 256: (64, 2)}
 CHUNK = 8                # elements per 16-byte cp.async
+COMBINES = ("xla", "last_cta", "cluster")
+# The largest thread-block cluster sm_90 / sm_100 launch (16 needs the non-portable size, which the DSL
+# allows on every kernel it builds); with 2 CTAs per SM one cluster of 16 spans 8 SMs of one GPC.
+MAX_CLUSTER_SPLITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +112,18 @@ class DecodeOptions:
     num_splits: int
     tile_n: int               # keys per block (each warp takes tile_n / 4)
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
-    fused_combine: bool = False  # True: the last split's CTA merges the splits (measured ~1 us slower)
+    combine: str = "xla"      # where the splits merge: "xla", "last_cta" or "cluster" (module docstring)
     rescale_threshold: float = 8.0
 
     @property
     def rows(self) -> int:
         """Packed query rows per key/value head."""
         return self.q_len * self.group
+
+    @property
+    def writes_output(self) -> bool:
+        """Whether the kernel writes the final O and LSE (else its partials, for `combine_partials`)."""
+        return self.combine != "xla"
 
     @property
     def row_tiles(self) -> int:
@@ -119,6 +137,11 @@ class DecodeOptions:
         if self.tile_n % (16 * WARPS) or self.num_stages < 2:
             raise ValueError(f"tile_n must be a multiple of {16 * WARPS} (16 keys per warp per MMA k block) and "
                              f"num_stages >= 2; got {self.tile_n}, {self.num_stages}")
+        if self.combine not in COMBINES:
+            raise ValueError(f"combine must be one of {COMBINES}; got {self.combine!r}")
+        if self.combine == "cluster" and self.num_splits > MAX_CLUSTER_SPLITS:
+            raise ValueError(f"the cluster combine merges at most {MAX_CLUSTER_SPLITS} splits (one thread-block "
+                             f"cluster); got {self.num_splits}")
         if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
             raise ValueError(f"{self.shared_memory_bytes()} bytes of shared memory needed, {SHARED_MEMORY_LIMIT} "
                              "available")
@@ -147,18 +170,18 @@ def shared_layouts(dtype, head_dim: int, tile_n: int, num_stages: int):
 
 
 def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int, tile_n: int,
-                      sm_count: int, ctas_per_sm: int) -> int:
+                      sm_count: int, ctas_per_sm: int, max_splits: int = MAX_SPLITS) -> int:
     """How many CTAs share one sequence's key blocks (flash-decoding's num_splits).
 
     One split when batch · kv_heads · row_tiles CTAs already fill every SM's CTA slots; otherwise as
     many splits as fit in one wave of the slots (floor: one more would start a second, mostly empty
     wave, e.g. 5 x 64 CTAs on 264 slots), but no more than leaves MIN_BLOCKS_PER_SPLIT key blocks of
-    the longest sequence per split and no more than MAX_SPLITS; then as few splits as give each the
+    the longest sequence per split and no more than `max_splits`; then as few splits as give each the
     same number of blocks (128 blocks on 33 splits is 4 a split: 32 splits, no idle CTA).
 
     Why one block per split is enough: a split's fixed costs (block table, Q and its first blocks in
     flight together, then its partial and the arrival) run in parallel with every other split's while
-    the CTAs fit in one wave, and the fused combine reads one row-sized partial per split (B = 1, one
+    the CTAs fit in one wave, and a combine reads one row-sized partial per split (B = 1, one
     token, 8 kv heads: 2 KB per split per head), so more splits cost the last CTA little next to what
     they spread: at B = 1 and 1k keys 16 blocks per head become 16 CTAs of one block (128 CTAs on 132
     SMs) instead of 8 of two (64 SMs idle). The table for the decode benchmark's shapes (Hkv 8, D 128,
@@ -170,7 +193,7 @@ def choose_num_splits(batch: int, kv_heads: int, row_tiles: int, max_kv_len: int
     if ctas >= slots:
         return 1
     blocks = -(-max_kv_len // tile_n)
-    wanted = max(1, min(slots // max(ctas, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    wanted = max(1, min(slots // max(ctas, 1), blocks // MIN_BLOCKS_PER_SPLIT, max_splits))
     per_split = -(-blocks // wanted)
     return max(1, -(-blocks // per_split))
 
@@ -226,8 +249,9 @@ class Sm90DecodeKernel:
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mBlockTables: cute.Tensor, mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor],
-                 mSemaphore: Optional[cute.Tensor], mPartialO: cute.Tensor, mPartialLSE: cute.Tensor,
-                 mO: Optional[cute.Tensor] = None, mLSE: Optional[cute.Tensor] = None):
+                 mSemaphore: Optional[cute.Tensor], mPartialO: Optional[cute.Tensor],
+                 mPartialLSE: Optional[cute.Tensor], mO: Optional[cute.Tensor] = None,
+                 mLSE: Optional[cute.Tensor] = None):
         q_layout, kv_layout = shared_layouts(self.dtype, self.head_dim, self.tile_n, self.num_stages)
 
         @cute.struct
@@ -246,14 +270,16 @@ class Sm90DecodeKernel:
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
                                         permutation_mnk=(16, 16, 16))
         grid = (self.options.num_splits, mK.shape[2] * self.options.row_tiles, mQ.shape[0])
+        # The cluster combine: one cluster per (batch, head tile), its CTAs the splits (rank = split).
+        cluster = {"cluster": [self.options.num_splits, 1, 1]} if self.options.combine == "cluster" else {}
         self.kernel(mQ, mK, mV, mBlockTables, mKVSeqLengths, mSinks, mSemaphore, mPartialO, mPartialLSE, mO, mLSE,
                     q_layout, kv_layout, tiled_load, load_atom, tiled_mma, SharedStorage).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream)
+            grid=grid, block=[THREADS, 1, 1], stream=stream, **cluster)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mBlockTables: cute.Tensor,
                mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
-               mPartialO: cute.Tensor, mPartialLSE: cute.Tensor, mO: Optional[cute.Tensor],
+               mPartialO: Optional[cute.Tensor], mPartialLSE: Optional[cute.Tensor], mO: Optional[cute.Tensor],
                mLSE: Optional[cute.Tensor], q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
                tiled_load: cute.TiledCopy, load_atom: cute.CopyAtom, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         tidx = cute.arch.thread_idx()[0]
@@ -384,7 +410,8 @@ class Sm90DecodeKernel:
         cute.arch.cp_async_wait_group(0)
 
         # Merge the 4 warps' (O, LSE) into this split's, through shared memory that the K/V ring and Q
-        # no longer need: scratch O [warp, 16, D] fp32 over the K ring, LSE [warp, 16] over Q.
+        # no longer need: scratch O [warp, 16, D] fp32 over the K ring, LSE [warp, 16] over Q (and the
+        # cluster combine's split partial: O [16, D] over the V ring, LSE in row WARPS of the LSE scratch).
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         output_scale = cute.make_rmem_tensor(num_rows, Float32)
         self.softmax.finalize(row_max, row_sum, None, lse_rows, output_scale)
@@ -392,14 +419,17 @@ class Sm90DecodeKernel:
         cute.arch.sync_threads()   # every warp is done reading the ring
         warp_o = storage.s_k.get_tensor(cute.make_ordered_layout((WARPS, TILE_M, self.head_dim), order=(2, 1, 0)),
                                         dtype=Float32)
-        warp_lse = storage.s_q.get_tensor(cute.make_ordered_layout((WARPS, TILE_M), order=(1, 0)), dtype=Float32)
+        scratch_lse = storage.s_q.get_tensor(cute.make_ordered_layout((WARPS + 1, TILE_M), order=(1, 0)),
+                                             dtype=Float32)
+        split_o = storage.s_v.get_tensor(cute.make_ordered_layout((TILE_M, self.head_dim), order=(1, 0)),
+                                         dtype=Float32)
         t_warp_o = accumulator_mn(thread_mma.partition_C(warp_o[warp_index, None, None]))
         for r in cutlass.range_constexpr(num_rows):
             for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                 t_warp_o[r, c] = acc_o_mn[r, c]
         if coords_o[0, 0][1] == 0:
             for r in cutlass.range_constexpr(num_rows):
-                warp_lse[warp_index, coords_o[r, 0][0]] = lse_rows[r]
+                scratch_lse[warp_index, coords_o[r, 0][0]] = lse_rows[r]
         cute.arch.sync_threads()
 
         # Each thread then owns 8 columns of one row per pass; rows past the tile's last are skipped.
@@ -407,22 +437,29 @@ class Sm90DecodeKernel:
         rows_per_pass = THREADS // chunks
         chunk = tidx % chunks
         values = cute.make_rmem_tensor(CHUNK, Float32)
-        fused, splits = self.options.fused_combine, self.options.num_splits
+        combine, splits = self.options.combine, self.options.num_splits
+        warp_lse = lambda w, row: scratch_lse[w, row]
+        warp_chunk = lambda w, row, chunk: cute.local_tile(warp_o[w, row, None], (CHUNK,), (chunk,)).load()
         for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
             row = p * rows_per_pass + tidx // chunks
             if row < rows_here:
-                if cutlass.const_expr(fused and splits == 1):
-                    lse = self.merge(warp_o, warp_lse, WARPS, row, chunk,
+                if cutlass.const_expr(combine != "xla" and splits == 1):
+                    lse = self.merge(warp_lse, warp_chunk, WARPS, row, chunk,
                                      self.sink(mSinks, head_kv, packed_start + row), values)
                     self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
                 else:
-                    lse = self.merge(warp_o, warp_lse, WARPS, row, chunk, None, values)
-                    g_o = cute.local_tile(mPartialO[batch_index, head_tile, split, row, None], (CHUNK,), (chunk,))
-                    g_o.store(values.load())
-                    if chunk == 0:
-                        mPartialLSE[batch_index, head_tile, split, row] = lse
+                    lse = self.merge(warp_lse, warp_chunk, WARPS, row, chunk, None, values)
+                    if cutlass.const_expr(combine == "cluster"):
+                        cute.local_tile(split_o[row, None], (CHUNK,), (chunk,)).store(values.load())
+                        if chunk == 0:
+                            scratch_lse[WARPS, row] = lse
+                    else:
+                        g_o = cute.local_tile(mPartialO[batch_index, head_tile, split, row, None], (CHUNK,), (chunk,))
+                        g_o.store(values.load())
+                        if chunk == 0:
+                            mPartialLSE[batch_index, head_tile, split, row] = lse
 
-        if cutlass.const_expr(fused and splits > 1):
+        if cutlass.const_expr(combine == "last_cta" and splits > 1):
             # The last CTA of this (batch, head tile) to arrive merges every split's partial (written
             # just before, so in L2). Release: each thread's partial stores are ordered before thread
             # 0's atomic by its own fence and the barrier; acquire: the atomic's and the fence after it.
@@ -439,14 +476,46 @@ class Sm90DecodeKernel:
                 if tidx == 0:
                     # Every split has arrived: zero the counter for the next call on this buffer.
                     mSemaphore[batch_index, head_tile] = Int32(0)
-                split_o = mPartialO[batch_index, head_tile, None, None, None]
-                split_lse = mPartialLSE[batch_index, head_tile, None, None]
+                split_o_global = mPartialO[batch_index, head_tile, None, None, None]
+                split_lse_global = mPartialLSE[batch_index, head_tile, None, None]
                 for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
                     row = p * rows_per_pass + tidx // chunks
                     if row < rows_here:
-                        lse = self.merge(split_o, split_lse, splits, row, chunk,
-                                         self.sink(mSinks, head_kv, packed_start + row), values)
+                        lse = self.merge(lambda q, r: split_lse_global[q, r],
+                                         lambda q, r, c: cute.local_tile(split_o_global[q, r, None], (CHUNK,), (c,)).load(),
+                                         splits, row, chunk, self.sink(mSinks, head_kv, packed_start + row), values)
                         self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
+
+        if cutlass.const_expr(combine == "cluster" and splits > 1):
+            # Every split's partial is in its CTA's shared memory once the cluster barrier completes (its
+            # arrive releases this CTA's writes, its wait acquires the others'). The (row, chunk) items go
+            # to CTA `item % splits` (the rank: the cluster spans the grid's split axis), so each CTA
+            # merges a 1 / splits share, every split's part read through distributed shared memory.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            remote_lse = lambda q, r: cluster_memory.load_f32(scratch_lse.iterator + (WARPS * TILE_M + r), q)
+            remote_chunk = lambda q, r, c: self.remote_chunk(split_o, q, r, c)
+            for p in cutlass.range_constexpr(-(-TILE_M * chunks // (THREADS * splits))):
+                item = (p * THREADS + tidx) * splits + split
+                row = item // chunks
+                if row < rows_here:
+                    lse = self.merge(remote_lse, remote_chunk, splits, row, item % chunks,
+                                     self.sink(mSinks, head_kv, packed_start + row), values)
+                    self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, item % chunks)
+            # No CTA may exit (and free its shared memory) while another may still read its partial.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    def remote_chunk(self, split_o: cute.Tensor, rank: Int32, row: Int32, chunk: Int32):
+        """Columns [8 chunk, 8 chunk + 8) of row `row` of cluster rank `rank`'s split_o (fp32 [16, D] in
+        its shared memory), as two 16-byte loads."""
+        fragment = cute.make_rmem_tensor(CHUNK, Float32)
+        start = split_o.iterator + (row * self.head_dim + chunk * CHUNK)
+        for half in range(CHUNK // 4):   # plain Python loops: this helper is traced, not preprocessed
+            quad = cluster_memory.load_f32x4(start + 4 * half, rank)
+            for i in range(4):
+                fragment[4 * half + i] = quad[i]
+        return fragment.load()
 
     def sink(self, mSinks, head_kv, packed):
         """The sink logit of packed row `packed`'s query head, or None without sinks."""
@@ -455,19 +524,20 @@ class Sm90DecodeKernel:
         return mSinks[head_kv * self.group + packed % self.group]
 
     @cute.jit
-    def merge(self, parts_o: cute.Tensor, parts_lse: cute.Tensor, num_parts: cutlass.Constexpr, row: Int32,
-              chunk: Int32, sink, values: cute.Tensor):
+    def merge(self, part_lse, part_chunk, num_parts: cutlass.Constexpr, row: Int32, chunk: Int32, sink,
+              values: cute.Tensor):
         """values = columns [8 chunk, 8 chunk + 8) of row `row` of the softmax over every part's keys
         (and the sink): sum_p exp(lse_p - lse) O_p with lse = log(sum_p exp(lse_p) + exp(sink)).
-        Returns lse; a row no part saw (and no sink) gets O 0 and lse -inf. parts_o [P, 16, D] holds
-        normalised partial O, parts_lse [P, 16] their LSE (natural log)."""
+        Returns lse; a row no part saw (and no sink) gets O 0 and lse -inf. part_lse(p, row) is part p's
+        LSE of a row (natural log), part_chunk(p, row, chunk) the 8 values of its normalised partial O:
+        a warp's in shared memory, a split's in global memory or in its CTA's shared memory."""
         top = -Float32.inf
         if cutlass.const_expr(sink is not None):
             top = sink
         # Unrolled wide so that many parts' loads are in flight at once: the last CTA's merge is a
         # chain of L2 round trips, one per unrolled group (32 splits: 1 + 4 of them).
         for p in cutlass.range(num_parts, unroll=32):
-            top = cute.arch.fmax(top, parts_lse[p, row])
+            top = cute.arch.fmax(top, part_lse(p, row))
         shift = top * online_softmax.LOG2_E
         if top == -Float32.inf:
             shift = Float32(0.0)
@@ -476,10 +546,9 @@ class Sm90DecodeKernel:
             total = cute.math.exp2(sink * online_softmax.LOG2_E - shift, fastmath=True)
         values.fill(0.0)
         for p in cutlass.range(num_parts, unroll=8):
-            weight = cute.math.exp2(parts_lse[p, row] * online_softmax.LOG2_E - shift, fastmath=True)
+            weight = cute.math.exp2(part_lse(p, row) * online_softmax.LOG2_E - shift, fastmath=True)
             total = total + weight
-            part = cute.local_tile(parts_o[p, row, None], (CHUNK,), (chunk,))
-            values.store(values.load() + weight * part.load())
+            values.store(values.load() + weight * part_chunk(p, row, chunk))
         lse = -Float32.inf
         scale = Float32(0.0)
         if total > 0.0:
@@ -557,7 +626,8 @@ MAX_DECODE_ROWS = 64
 def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[int] = None,
             **overrides) -> DecodeOptions:
     """The static kernel configuration for one call; `overrides` (DecodeOptions fields, for tests and
-    tuning sweeps: tile_n, num_stages, num_splits) go on top of the defaults."""
+    tuning sweeps: tile_n, num_stages, num_splits, combine) go on top of the defaults; with
+    combine="cluster" the splits are chosen among at most MAX_CLUSTER_SPLITS (one cluster)."""
     page_size = problem.page_size if problem.page_size is not None else problem.kv_len
     tile_n, stages = _TILE_N_AND_STAGES[problem.head_dim]
     tile_n, stages = overrides.get("tile_n", tile_n), overrides.get("num_stages", stages)
@@ -567,7 +637,8 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
     batch = problem.batch if isinstance(problem.batch, int) else 1
     num_splits = choose_num_splits(batch, problem.kv_heads, row_tiles, problem.kv_len, tile_n,
                                    host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
-                                   max(1, SHARED_MEMORY_LIMIT // per_cta))
+                                   max(1, SHARED_MEMORY_LIMIT // per_cta),
+                                   MAX_CLUSTER_SPLITS if overrides.get("combine") == "cluster" else MAX_SPLITS)
     fields = dict(dtype_name=problem.dtype, head_dim=problem.head_dim, group=problem.group, q_len=problem.q_len,
                   page_size=page_size, scale=float(config.scale), mask=masking.MaskShape.from_config(config),
                   softcap=None if config.softcap is None else float(config.softcap), num_splits=num_splits,
@@ -589,12 +660,12 @@ def partial_shapes(options: DecodeOptions, batch: int, kv_heads: int):
 
 
 def semaphore_shape(options: DecodeOptions, batch: int, kv_heads: int):
-    """The fused combine's arrival counters: one int32 per (batch, head tile), zero between calls."""
+    """The last-CTA combine's arrival counters: one int32 per (batch, head tile), zero between calls."""
     return (batch, kv_heads * options.row_tiles)
 
 
 def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batch: int, kv_heads: int):
-    """Merge the split partials in XLA (the path with fused_combine=False): out [B, Sq, Hq, D] float32,
+    """Merge the split partials in XLA (the path with combine="xla"): out [B, Sq, Hq, D] float32,
     lse [B, Hq, Sq].
 
     lse = log(sum_p exp(lse_p) + exp(sink)); out = sum_p exp(lse_p - lse) O_p, a row whose every
@@ -634,21 +705,27 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
     batch, q_len, q_heads, _ = query.shape
     kv_heads = key_cache.shape[2]
     o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
-    outputs = [jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
+    partials = [jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
+    final = [jax.ShapeDtypeStruct((batch, q_len, q_heads, options.head_dim), query.dtype),
+             jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32)]
+    # The kernel's operands: query, caches, tables, lengths, sinks, semaphore, then its outputs.
     arguments = [query, key_cache, value_cache, block_tables, kv_seq_lengths, None, None]
     aliases = None
-    if options.fused_combine:
+    if options.combine == "xla":
+        outputs = partials
+    elif options.combine == "last_cta":
         # The counters are zeroed here and left zero by the kernel; aliased to an output so that
         # XLA hands the kernel a buffer of its own to count in.
         semaphore = jnp.zeros(semaphore_shape(options, batch, kv_heads), jnp.int32)
         arguments[5:] = [sinks, semaphore]
         aliases = {6: 0}
-        outputs = [jax.ShapeDtypeStruct(semaphore.shape, jnp.int32), *outputs,
-                   jax.ShapeDtypeStruct((batch, q_len, q_heads, options.head_dim), query.dtype),
-                   jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32)]
+        outputs = [jax.ShapeDtypeStruct(semaphore.shape, jnp.int32), *partials, *final]
+    else:   # "cluster": no counter and no partial in global memory (absent operands take no buffer)
+        arguments[5:] = [sinks, None, None, None]
+        outputs = final
     kernel = _kernel(options)
     results = host.call_kernel(kernel, tuple(arguments), tuple(outputs), (str(kernel), options), aliases)
-    if options.fused_combine:
+    if options.writes_output:
         return results[-2], results[-1]
     out, lse = combine_partials(options, results[0], results[1], sinks, batch, kv_heads)
     return out.astype(query.dtype), lse
@@ -657,19 +734,22 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
 def fake_arguments(options: DecodeOptions, batch: int, kv_heads: int, num_blocks: int, max_blocks: int,
                    has_sinks: bool = False) -> list:
     """Fake tensors in the kernel's argument order, for compiling without a GPU: (query, key and value
-    caches, block tables, lengths, sinks or None, semaphore or None, partial O, partial LSE[, out, lse])."""
+    caches, block tables, lengths, sinks or None, semaphore or None, partial O or None, partial LSE or
+    None[, out, lse])."""
     element = host.cutlass_dtype(options.dtype_name)
     q_heads = kv_heads * options.group
     o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
     cache = (num_blocks, options.page_size, kv_heads, options.head_dim)
-    fused = options.fused_combine
+    writes_output, cluster = options.writes_output, options.combine == "cluster"
     arguments = [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
                  host.fake_tensor(element, cache), host.fake_tensor(element, cache),
                  host.fake_tensor(cutlass.Int32, (batch, max_blocks)), host.fake_tensor(cutlass.Int32, (batch,)),
-                 host.fake_tensor(Float32, (q_heads,)) if fused and has_sinks else None,
-                 host.fake_tensor(cutlass.Int32, semaphore_shape(options, batch, kv_heads)) if fused else None,
-                 host.fake_tensor(Float32, o_shape), host.fake_tensor(Float32, lse_shape)]
-    if fused:
+                 host.fake_tensor(Float32, (q_heads,)) if writes_output and has_sinks else None,
+                 host.fake_tensor(cutlass.Int32, semaphore_shape(options, batch, kv_heads))
+                 if options.combine == "last_cta" else None,
+                 None if cluster else host.fake_tensor(Float32, o_shape),
+                 None if cluster else host.fake_tensor(Float32, lse_shape)]
+    if writes_output:
         arguments += [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
                       host.fake_tensor(Float32, (batch, q_heads, options.q_len))]
     return arguments
