@@ -77,6 +77,15 @@ class Variant:
         group = shape["heads"] // _kv_heads(shape)
         if head_splits is not None and group % head_splits:
             return f"head_splits={head_splits} does not divide the group of {group} query heads"
+        if getattr(self.tuning, "rotated_turns", False):
+            # `options` turns it off where it cannot run safely: such a row would time the plain order.
+            from fa4_jax.kernels import host
+            from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT
+            reason = self.kernel.rotated_turns_reason(_config(shape, self.deterministic),
+                                                      host.ceil_div(shape["seq_len"], self.kernel.TILE_N),
+                                                      host.sm_count(DEFAULT_SM_COUNT))
+            if reason is not None:
+                return reason
         return None
 
     def kernel_at(self, head_dim):
@@ -154,6 +163,11 @@ def _variants():
         "deterministic_dq_free_on_read": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_free_on_read=True), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "dq_free_on_read")),
+        # Deterministic full-mask walks rotated to start at the key block's index, the dQ turns in arrival
+        # order (`Tuning.rotated_turns`; resolved off past half the SMs' worth of key blocks: 8k at D <= 128).
+        "deterministic_rotated_turns": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, rotated_turns=True), True,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "rotated_turns"), masks=("full",)),
         # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
         **{f"{prefix}query_rows_64": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),

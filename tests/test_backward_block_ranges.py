@@ -154,3 +154,59 @@ def test_packed_key_slots_cover_every_key_once_and_every_visible_pair(shape, see
         visitors.sort()
         assert [turn for turn, _ in visitors] == list(range(len(visitors)))
         assert [slot for _, slot in visitors] == sorted((slot for _, slot in visitors), reverse=True)
+
+
+@pytest.mark.parametrize("key_blocks", [1, 2, 5, 8, 13, 32])
+@pytest.mark.parametrize("query_blocks", [1, 3, 8, 16, 20])
+def test_rotated_turns_are_the_arrival_order(key_blocks, query_blocks):
+    """`rotated_turn` against its definition: key block k, walking query blocks from k (mod M), reaches
+    query block m at step (m - k) mod M; the turns at m are 0 .. N - 1, earlier steps first and, at equal
+    steps, lower key blocks first."""
+    for m in range(query_blocks):
+        arrival = {k: ((m - k) % query_blocks, k) for k in range(key_blocks)}
+        expected = {k: rank for rank, k in enumerate(sorted(arrival, key=arrival.get))}
+        turns = {k: ordered_reduction.rotated_turn(k, m, key_blocks, query_blocks) for k in range(key_blocks)}
+        assert turns == expected, (m, turns, expected)
+
+
+def _run_rotated_heads(heads, key_blocks, query_blocks, slots):
+    """Whether every CTA finishes: `heads` x `key_blocks` CTAs launched in order onto `slots` SMs, each
+    walking its query blocks rotated and adding at each in its `rotated_turn` (a step is taken once every
+    earlier turn of that tile is done); None if at some point no resident CTA can move (a deadlock)."""
+    walked = {}                                    # (head, key block) -> steps taken
+    done = {}                                      # (head, query block) -> adds done there
+    pending = [(h, k) for h in range(heads) for k in range(key_blocks)]
+    resident, finished = [], 0
+    while pending or resident:
+        while pending and len(resident) < slots:
+            resident.append(pending.pop(0))
+            walked[resident[-1]] = 0
+        moved = False
+        for cta in list(resident):
+            head, k = cta
+            step = walked[cta]
+            m = (k + step) % query_blocks
+            if done.get((head, m), 0) == ordered_reduction.rotated_turn(k, m, key_blocks, query_blocks):
+                done[(head, m)] = done.get((head, m), 0) + 1
+                walked[cta] = step + 1
+                moved = True
+                if step + 1 == query_blocks:
+                    resident.remove(cta)
+                    finished += 1
+        if not moved:
+            return None
+    return finished
+
+
+@pytest.mark.parametrize("key_blocks, query_blocks", [(8, 16), (32, 32), (16, 8), (66, 32)])
+def test_rotated_turns_finish_when_a_head_fits_on_the_gpu(key_blocks, query_blocks):
+    """Rotated turns wait for later-launched key blocks, so they finish only if a head's key blocks can
+    all be resident: with the slots `rotated_turns_reason` asks for (2 N: half the SMs) and even with N,
+    every CTA of several heads finishes; with fewer than N slots (and no more key blocks than query
+    blocks, so that every key block waits for the last one somewhere) the first head's CTAs wait for one
+    another forever, which is why the kernel resolves the tuning off where a head may not fit."""
+    heads = 3
+    assert _run_rotated_heads(heads, key_blocks, query_blocks, 2 * key_blocks) == heads * key_blocks
+    assert _run_rotated_heads(heads, key_blocks, query_blocks, key_blocks) == heads * key_blocks
+    if 1 < key_blocks <= query_blocks:
+        assert _run_rotated_heads(heads, key_blocks, query_blocks, key_blocks - 1) is None

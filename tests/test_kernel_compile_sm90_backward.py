@@ -120,6 +120,13 @@ CASES = {
     "d128-causal-gqa-deterministic-dq-free-on-read": dict(
         config=dict(scale=128 ** -0.5, causal=True, deterministic=True), shape=[2, 256, 512, 8, 2, 128],
         tuning=dict(dq_free_on_read=True)),
+    # Rotated turns for deterministic full-mask rows (`Tuning.rotated_turns`): D 64 at 128 rows, GQA D 128
+    # with head splits and key lengths.
+    "d64-deterministic-rotated-turns": dict(config=dict(scale=0.125, deterministic=True),
+                                            shape=[2, 300, 333, 4, 4, 64], tuning=dict(rotated_turns=True)),
+    "d128-gqa-lengths-deterministic-rotated-turns": dict(
+        config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
+        shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(rotated_turns=True)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),
@@ -264,8 +271,9 @@ def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
     deterministic = CASES[name]["config"].get("deterministic", False)
     assert bool(re.search(r"ld(\.[a-z]+)*\.acquire", ptx)) == deterministic
     assert bool(re.search(r"red(\.[a-z]+)*\.release", ptx)) == deterministic
-    if deterministic:
-        # The dQ turn order is highest key block first, launched in that order.
+    if deterministic and not kernel.rotated_turns:
+        # The dQ turn order is highest key block first, launched in that order (rotated turns: the
+        # arrival order of walks that start at the key block's own index, launched lowest first).
         axis = "z" if kernel.key_blocks_outer else "x"
         assert f"%nctaid.{axis}" in ptx, "key block not taken from the end of the grid"
     # dS^T goes to shared memory through stmatrix with the candidate only (the forward's O epilogue
@@ -569,3 +577,26 @@ def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_sp
                                                         column_groups=1 if row_split else 2)(
         flat.reshape(1, 1, 1, -1), query_rows))
     np.testing.assert_array_equal(rows[0, :, 0], np.arange(query_rows * head_dim).reshape(query_rows, head_dim))
+
+
+@pytest.mark.parametrize("extra, kv_len, expected", [
+    ({}, 4096, True),                               # 32 key blocks of 128 on 132 SMs
+    ({}, 8192, True),                               # 64: at most half the SMs
+    ({}, 16384, False),                             # 128 key blocks cannot all be resident with room to spare
+    ({"causal": True}, 4096, False),                # the turns of a full mask only
+    ({"window_left": 100}, 4096, False),
+    ({"has_segment_ids": True}, 4096, False),
+    ({"has_kv_seq_lengths": True}, 4096, True),     # lengths shorten both walks and turns alike
+])
+def test_rotated_turns_resolve_where_they_are_safe(extra, kv_len, expected):
+    """`Tuning.rotated_turns` survives `options` only for deterministic full-mask calls whose key blocks
+    fit on half the SMs (132 here, the CPU's stand-in), and never without determinism."""
+    from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, backward
+
+    assert DEFAULT_SM_COUNT == 132
+    problem = host.Problem((2, kv_len, 8, 128), (2, kv_len, 8, 128), (2, kv_len, 8, 128), "bfloat16")
+    tuning = dataclasses.replace(backward.DEFAULT_TUNING, rotated_turns=True)
+    for deterministic in (True, False):
+        config = AttentionConfig(scale=0.1, deterministic=deterministic, **extra)
+        resolved = backward.options(config, problem, tuning).tuning.rotated_turns
+        assert resolved == (expected and deterministic), (extra, kv_len, deterministic)

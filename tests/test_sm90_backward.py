@@ -57,8 +57,9 @@ CASES = [
 # walks first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
 # accumulator's register order); dS^T staged with plain 32-bit stores (the default uses stmatrix,
 # docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe; the
-# deterministic dQ writer freeing its staging buffer on read. Select their tests with `-k key_blocks_outer`,
-# `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2` or `-k dq_free_on_read`.
+# deterministic dQ writer freeing its staging buffer on read; deterministic full-mask walks rotated to start at
+# the key block's index, with the dQ turns in arrival order. Select their tests with `-k key_blocks_outer`,
+# `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2`, `-k dq_free_on_read` or `-k rotated_turns`.
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
@@ -67,7 +68,13 @@ TUNINGS = {
     "poly_exp2_4": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=4),
     "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
     "dq_free_on_read": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_free_on_read=True),
+    "rotated_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=True),
 }
+# Rotated turns beyond the shared cases: more key blocks than query blocks (several key blocks reach a
+# tile at the same step of their walks), query and key lengths, each also with head splits of 2.
+ROTATED_TURN_CASES = [Case("more-keys", q_len=130, kv_len=1500, q_heads=8, kv_heads=2),
+                      Case("lengths-gqa", q_lengths=True, kv_lengths=True, q_len=700, kv_len=900, q_heads=8,
+                           kv_heads=2, head_dim=64)]
 
 # Head splits (`Tuning.head_splits`): the CTAs sharing a (key block, KV head) add fp32 partial dK / dV.
 # GQA and MQA groups of 4, 8 and 16, each with every split of 2, 4, 8, 16 that divides it (the largest:
@@ -203,6 +210,16 @@ def test_head_splits_match_oracle(case: Case, head_splits, flat_dq, inputs):
     [case for case in HEAD_SPLIT_CASES if case.name in DETERMINISTIC_HEAD_SPLIT_CASES], (2,)))
 def test_deterministic_head_splits_match_oracle(case: Case, head_splits, tuning, inputs):
     tuning = dataclasses.replace(TUNINGS[tuning], head_splits=head_splits)
+    _check_against_oracle(case, tuning, inputs, deterministic=True)
+
+
+@pytest.mark.parametrize("head_splits", [1, 2])
+@pytest.mark.parametrize("case", ROTATED_TURN_CASES, ids=lambda case: case.name)
+def test_rotated_turns_match_oracle(case: Case, head_splits, inputs):
+    tuning = dataclasses.replace(TUNINGS["rotated_turns"], head_splits=head_splits)
+    query, key, value, *_, config = _make_problem(case, inputs)
+    options = sm90_backward.options(config.replace(deterministic=True), host.Problem.of(query, key, value), tuning)
+    assert options.tuning.rotated_turns, "resolved off: the case would not test the rotated walk"
     _check_against_oracle(case, tuning, inputs, deterministic=True)
 
 

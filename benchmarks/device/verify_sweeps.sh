@@ -7,9 +7,7 @@
 #   timing  the forward variant rows, D = 64 causal 2k / 4k / 1k first (three warpgroups from 1472 rows:
 #           hopper_vs_peers read D = 64 causal 2k slower with the mirrored order, 0.98 -> 0.94 of the
 #           faster peer), against the old order and the other warp-group count; then MLA
-#   backward the deterministic dQ writer freeing its staging buffer on read (Tuning.dq_free_on_read,
-#           docs/sm90_backward_tuning.md, last section): its deterministic oracle and bitwise tests, then
-#           D = 64 / 128, 1k / 4k, deterministic with and without it, against the default
+#   (the deterministic backward candidates moved to backward_deterministic.sh, a call of their own)
 # Meanwhile the CPU precompiles hopper_vs_peers.py's kernels into /tmp/fa4_kernels for the next call.
 # Usage (device machine, repo root, bundle sourced): bash benchmarks/device/verify_sweeps.sh REV
 set -u
@@ -17,13 +15,9 @@ REV=$1
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels \
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-BACKWARD="--variants default deterministic deterministic_dq_free_on_read --head-dims 64 128 --seq-lens 1024 4096"
 JAX_PLATFORMS=cpu timeout 150 python3 benchmarks/attention.py --compile-only --compile-workers 6 \
   > "$OUT/compile_variants.log" 2>&1 &
 VARIANTS=$!
-JAX_PLATFORMS=cpu timeout 200 python3 benchmarks/attention_backward.py --precompile-only --precompile-workers 3 \
-  $BACKWARD > "$OUT/precompile_backward.log" 2>&1 &
-BACKWARD_PRE=$!
 # For the next call on the warm machine (the peer grids, with .dev/peer carried instead of .dev/cute).
 (JAX_PLATFORMS=cpu timeout 400 python3 benchmarks/hopper_vs_peers.py --precompile-only --precompile-workers 3
  JAX_PLATFORMS=cpu timeout 150 python3 benchmarks/hopper_vs_peers.py --grid head-dims --precompile-only --precompile-workers 3) \
@@ -37,12 +31,4 @@ wait $VARIANTS; tail -1 "$OUT/compile_variants.log"
 timeout 90 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 50 \
   --exclude-failed "$OUT/forward_tests.xml" --out "$OUT/forward_variants.json" > "$OUT/forward_bench.log" 2>&1
 echo "forward bench rc=$?"; grep -E "^D=" "$OUT/forward_bench.log" | tail -16
-timeout 100 python3 -m pytest -v -n 12 -p no:cacheprovider --timeout 90 tests/test_sm90_backward.py \
-  -k "dq_free_on_read and (deterministic or reproducible)" > "$OUT/backward_tests.log" 2>&1
-echo "pytest rc=$?" >> "$OUT/backward_tests.log"
-grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" "$OUT/backward_tests.log" | tail -6
-wait $BACKWARD_PRE; tail -1 "$OUT/precompile_backward.log"
-timeout 120 python3 benchmarks/attention_backward.py --out "$OUT/backward_dq_free_on_read.json" $BACKWARD \
-  --iterations 10 --variants-passing "$OUT/backward_tests.log" > "$OUT/backward_bench.log" 2>&1
-echo "backward bench rc=$?"; tail -10 "$OUT/backward_bench.log"
 wait $PEERS_PRE; grep -E "precompiled" "$OUT/precompile_peers.log"

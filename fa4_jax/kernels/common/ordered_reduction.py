@@ -19,7 +19,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from fa4_jax.kernels.common import masking
+from fa4_jax.kernels.common import integer, masking
 
 
 def key_block_turn(shape: masking.MaskShape, n_block, row_start, tile_m, tile_n, kv_len, offset,
@@ -35,6 +35,29 @@ def key_block_turn(shape: masking.MaskShape, n_block, row_start, tile_m, tile_n,
     if highest_first:
         return end - 1 - n_block
     return n_block - first
+
+
+def rotated_turn(n_block, m_block, key_blocks, query_blocks):
+    """Key block n_block's turn at query block m_block when every key block visits every query block
+    (a full mask: key blocks [0, N), query blocks [0, M)) and key block k walks them rotated, starting
+    at its own index: query block (k + s) mod M at step s. Key block k reaches query block m at step
+    s_k = (m - k) mod M, so its turn is #{k : s_k < s_n} + #{k < n : s_k = s_n} (equal steps, k = n
+    mod M when N > M, take the lower key block first): every wait is for a visitor that got there at an
+    earlier step of its walk (or the same step, a lower key block), so the waits form no cycle, and in
+    the steady state consecutive visitors of a tile arrive one step apart.
+
+    Closed form, with N = a M + b: the residues r = k mod M of the visitors arriving earlier are the
+    s_n values m, m - 1, ..., m - s_n + 1 (mod M), each r the residue of a (+1 if r < b) key blocks.
+    Unlike `key_block_turn`'s orders a key block here also waits for key blocks launched after it: the
+    caller must make sure all N key blocks of a head can be resident at once."""
+    steps = query_blocks
+    s = ((m_block - n_block) % steps + steps) % steps      # non-negative for Python and device ints
+    whole, rest = key_blocks // steps, key_blocks % steps
+    low = m_block - s + 1                                  # the earlier arrivals' residues: [low, m_block]
+    below_m = integer.minimum(m_block + 1, rest)           # residues < rest among [0, m_block]
+    unwrapped = integer.maximum(below_m - low, 0)
+    wrapped = below_m + integer.maximum(rest - (steps + low), 0)
+    return whole * s + integer.pick(low >= 0, unwrapped, wrapped) + n_block // steps
 
 
 @cute.jit

@@ -144,6 +144,14 @@ class Tuning:
       write-completion latency less per query block: the deterministic rows that trail the default most
       (D = 64 full, 0.73-0.76x on an H100) are where the writer's chain is longest against a block's time.
       A candidate, off until measured (docs/sm90_backward_tuning.md).
+    rotated_turns (deterministic, full masks): key block n walks its query blocks starting at n (mod
+      their count) and each tile takes its adds in arrival order (`ordered_reduction.rotated_turn`),
+      instead of every key block walking from the first query block, where they queue at each tile
+      one add after another (key block n starts ~n add latencies late: the full rows' 0.73-0.76x of
+      the default on an H100). A key block then also waits for key blocks launched after it, so it is
+      taken only where all key blocks of a head fit on the GPU at once (`rotated_turns_reason`) and
+      resolved to False elsewhere (`options`). A candidate, off until measured
+      (docs/sm90_backward_tuning.md, "Deterministic dQ: rotated turns").
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -162,6 +170,7 @@ class Tuning:
     poly_exp2_every: int = 0
     dq_row_split: Optional[bool] = None
     dq_free_on_read: bool = False
+    rotated_turns: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -222,6 +231,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
+        # Resolved by `options` (off where a head's key blocks may not all be resident at once).
+        self.rotated_turns = tuning.rotated_turns and options.deterministic
         self.poly_exp2_every = tuning.poly_exp2_every
         self.head_splits = options.head_splits
         self.tile_n = TILE_N
@@ -435,7 +446,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                v_layout, ds_layout, dq_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
-        if const_expr(self.deterministic):
+        if const_expr(self.deterministic and not self.rotated_turns):
             n_block = cute.arch.grid_dim()[0] - 1 - n_block      # launched in dQ turn order
         if const_expr(self.key_blocks_outer):        # the other launch order, instead
             kv_head, batch, n_block = cute.arch.block_idx()
@@ -597,7 +608,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         ds_barrier = pipeline.NamedBarrier(barrier_id=DS_READY_BARRIER,
                                            num_threads=self.consumer_threads)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.dq_buffers)
-        q_head, m_block = self._first_head(kv_head), m_lo
+        m_start = self._first_query_block(n_block, m_lo, m_count)
+        q_head, m_block = self._first_head(kv_head), m_start
         for it in cutlass.range(iterations, unroll=1):
             row_base = m_block * self.tile_m
             stage = query_state.index
@@ -693,7 +705,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             if const_expr(not self.stage_dq_under_dk):
                 self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
                 dq_state.advance()
-            q_head, m_block = self._next_query_block(q_head, m_block, m_lo, m_count)
+            q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
 
         if const_expr(self.head_splits > 1):
             self._add_dkv_partials(acc_dK, acc_dV, sQ, sK, *dkv_store, thr_dkv, n_block, kv_head, batch,
@@ -742,7 +754,17 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         blocks this key block sees, lowest first. (`n_block` is unused here; the large-head kernel,
         which shares `_produce`, staggers its walk by it.) With head splits the walk covers this
         CTA's share of the group: its split, grid y modulo head_splits, offsets the heads."""
+        if const_expr(self.rotated_turns):
+            return self._first_head(kv_head) + it // m_count, m_lo + (it + n_block) % m_count
         return self._first_head(kv_head) + it // m_count, m_lo + it % m_count
+
+    @cute.jit
+    def _first_query_block(self, n_block, m_lo, m_count):
+        """The query block each head's walk starts at: the first, or with `rotated_turns` the key
+        block's own index modulo the count (1 when a key block sees none: then it walks nothing)."""
+        if const_expr(self.rotated_turns):
+            return m_lo + n_block % cutlass.max(m_count, 1)
+        return m_lo
 
     @cute.jit
     def _first_head(self, kv_head):
@@ -753,13 +775,18 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         return kv_head * self.group
 
     @cute.jit
-    def _next_query_block(self, q_head, m_block, m_lo, m_count):
+    def _next_query_block(self, q_head, m_block, m_start, m_lo, m_count):
         """The step of `_query_block`'s walk after (q_head, m_block): the consumers and the dQ writer
         carry it from one iteration to the next with an add and a compare, where `_query_block`
         divides by the dynamic m_count (a signed division, ~25 SASS instructions per iteration
-        under a causal mask, where m_count depends on the key block)."""
+        under a causal mask, where m_count depends on the key block). With `rotated_turns` the walk
+        wraps to the first query block and moves to the next head when it is back at its start, m_start
+        (`_first_query_block`; m_lo otherwise)."""
         m_block = m_block + 1
         wrapped = m_block == m_lo + m_count
+        if const_expr(self.rotated_turns):
+            m_block = cutlass.select_(wrapped, m_lo, m_block)
+            return q_head + cutlass.select_(m_block == m_start, Int32(1), Int32(0)), m_block
         return (q_head + cutlass.select_(wrapped, Int32(1), Int32(0)),
                 cutlass.select_(wrapped, m_lo, m_block))
 
@@ -783,7 +810,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         their turn counters the scheduler's query slots (`tile_scheduler.packed_key_item`)."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.dq_buffers)
-        q_head, m_block = self._first_head(kv_head), m_lo
+        m_start = self._first_query_block(n_block, m_lo, m_count)
+        q_head, m_block = self._first_head(kv_head), m_start
         for it in cutlass.range(iterations, unroll=1):
             tdQsdQ, tdQgdQ = None, None
             if const_expr(not self.tuning.flat_dq):
@@ -796,9 +824,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
-                turn = ordered_reduction.key_block_turn(
-                    self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n,
-                    kv_len, offset, highest_first=True)
+                if const_expr(self.rotated_turns):
+                    # A full mask: every key block [0, N) visits every query block [m_lo, m_lo + m_count).
+                    turn = ordered_reduction.rotated_turn(n_block, m_block - m_lo,
+                                                          (kv_len + self.tile_n - 1) // self.tile_n, m_count)
+                else:
+                    turn = ordered_reduction.key_block_turn(
+                        self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n,
+                        kv_len, offset, highest_first=True)
                 tile = m_block
                 if const_expr(self.packed):
                     tile = sequence[2] + m_block
@@ -822,7 +855,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 ordered_reduction.finish_bulk_adds(flag, lane)
                 dq_pipe.consumer_release(dq_state)
             dq_state.advance()
-            q_head, m_block = self._next_query_block(q_head, m_block, m_lo, m_count)
+            q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
 
     @cute.jit
     def _add_dkv_partials(self, acc_dK, acc_dV, sQ, sK, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
@@ -924,7 +957,7 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         if reason is not None:
             raise ValueError(reason)
         packed_tuning = dataclasses.replace(tuning, head_splits=None, query_rows=query_rows, flat_dq=False,
-                                            dq_row_split=bool(tuning.dq_row_split))
+                                            dq_row_split=bool(tuning.dq_row_split), rotated_turns=False)
         return dataclasses.replace(BackwardOptions.of(config, problem, packed_tuning), num_sequences=problem.sequences)
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
@@ -950,8 +983,26 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     dq_row_split = tuning.dq_row_split
     if dq_row_split is None:
         dq_row_split = query_rows == WIDE_QUERY_ROWS and tuning.flat_dq
+    rotated_turns = tuning.rotated_turns and rotated_turns_reason(
+        config, host.ceil_div(problem.kv_len, TILE_N), host.sm_count(DEFAULT_SM_COUNT)) is None
     return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows,
-                                                                   dq_row_split=dq_row_split), head_splits)
+                                                                   dq_row_split=dq_row_split,
+                                                                   rotated_turns=rotated_turns), head_splits)
+
+
+def rotated_turns_reason(config: AttentionConfig, key_blocks: int, sm_count: int) -> Optional[str]:
+    """Why `Tuning.rotated_turns` cannot order this call's dQ adds, or None. Its turns are those of a
+    full mask (every key block visits every query block), and a key block may wait for one launched
+    after it, so all key blocks of a head must be resident at once: one CTA per SM, at most half the
+    SMs (the other half for the heads that finish meanwhile, and for whatever else runs on the GPU)."""
+    if not config.deterministic:
+        return "rotated turns order deterministic dQ adds only"
+    if config.causal or config.has_window or config.has_segment_ids or config.has_cu_seqlens or config.has_q_start:
+        return "rotated turns need a full mask (no causal, window, segment ids, packed sequences or q_start)"
+    if key_blocks > sm_count // 2:
+        return (f"rotated turns need a head's {key_blocks} key blocks resident at once: at most half of the "
+                f"{sm_count} SMs")
+    return None
 
 
 def packed_reason(head_splits: int, query_rows: int, flat_dq: bool) -> Optional[str]:
