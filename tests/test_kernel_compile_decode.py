@@ -276,8 +276,11 @@ def _check_access(access, where, buffers, sizes, shared_end, max_blocks, pages, 
     touched[buffer][access.kind].extend(range(offset // unit, (offset + access.size) // unit))
 
 
-@pytest.mark.parametrize("name", sorted(name for name, config in CONFIGS.items()
-                                        if config[4] == "sm_90a" and config[5:] and config[5].get("combine") == "cluster"))
+CLUSTER_CONFIGS = sorted(name for name, config in CONFIGS.items()
+                         if config[4] == "sm_90a" and config[5:] and config[5].get("combine") == "cluster")
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
 def test_cluster_combine_reads_every_split_and_writes_once(compiled, name, rng):
     """Every CTA of one cluster (the splits of the last (batch, head tile)), all threads, through the
     PTX interpreter: accesses aligned and in bounds as above; no partial, counter or atomic in global

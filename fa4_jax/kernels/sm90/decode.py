@@ -478,12 +478,13 @@ class Sm90DecodeKernel:
                     mSemaphore[batch_index, head_tile] = Int32(0)
                 split_o_global = mPartialO[batch_index, head_tile, None, None, None]
                 split_lse_global = mPartialLSE[batch_index, head_tile, None, None]
+                global_lse = lambda q, r: split_lse_global[q, r]
+                global_chunk = lambda q, r, c: cute.local_tile(split_o_global[q, r, None], (CHUNK,), (c,)).load()
                 for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
                     row = p * rows_per_pass + tidx // chunks
                     if row < rows_here:
-                        lse = self.merge(lambda q, r: split_lse_global[q, r],
-                                         lambda q, r, c: cute.local_tile(split_o_global[q, r, None], (CHUNK,), (c,)).load(),
-                                         splits, row, chunk, self.sink(mSinks, head_kv, packed_start + row), values)
+                        lse = self.merge(global_lse, global_chunk, splits, row, chunk,
+                                         self.sink(mSinks, head_kv, packed_start + row), values)
                         self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
 
         if cutlass.const_expr(combine == "cluster" and splits > 1):
