@@ -191,6 +191,13 @@ def _variants():
             large_heads, large_heads.Tuning(three_warpgroups=False), deterministic,
             (large_heads.THREE_WARPGROUPS_HEAD_DIM,), ("test_sm90_backward_large_heads.py", f"{prefix}two_warpgroups"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
+        # D = 192 in two warp groups that split the 96 keys (`Tuning.two_groups_by_keys`, a candidate:
+        # docs/sm90_backward_tuning.md, "D = 192: two groups split by keys").
+        **{f"{prefix}two_groups_by_keys": Variant(
+            large_heads, large_heads.Tuning(two_groups_by_keys=True), deterministic,
+            (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
+            ("test_sm90_backward_large_heads.py", f"{prefix}two_groups_by_keys"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
         "deterministic_head_splits_1": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=1), True,
             small_heads.SUPPORTED_HEAD_DIMS),

@@ -104,7 +104,8 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
         # D = 192's former two-warp-group layout, for comparison.
-        three = ["two_warpgroups", "deterministic_two_warpgroups"] if head_dim == 192 else []
+        three = ["two_warpgroups", "deterministic_two_warpgroups", "two_groups_by_keys",
+                 "deterministic_two_groups_by_keys"] if head_dim == 192 else []
         assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(

@@ -104,6 +104,21 @@ CASES = {
             dict(deterministic=True, window_left=70, window_right=20, has_q_start=True, q_total=900,
                  has_kv_seq_lengths=True), [2, 300, 333, 4, 2, 192], dict(diagonal_first=True), dict()),
        ]},
+    # The candidate `Tuning.two_groups_by_keys` (96 keys a CTA, two consumer warp groups of 240 registers
+    # splitting the keys: S / dP and dK^T / dV^T of 48 keys each, dQ by halves of D): the same features.
+    **{f"d192-two-groups-by-keys{suffix}": dict(config=dict(scale=192 ** -0.5, **config), shape=shape,
+                                                tuning=dict(two_groups_by_keys=True), **extra)
+       for suffix, config, shape, extra in [
+           ("-deterministic", dict(deterministic=True), [1, 333, 300, 4, 4, 192], dict()),
+           ("-deterministic-causal-gqa", dict(causal=True, deterministic=True), [2, 333, 300, 8, 2, 192], dict()),
+           ("-softcap-window-fp16", dict(softcap=5.0, window_left=64, window_right=32), [1, 200, 333, 4, 4, 192],
+            dict(dtype="float16")),
+           ("-segments-lengths", dict(has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
+            [2, 197, 333, 4, 4, 192], dict()),
+           ("-deterministic-window-q-start-kv-lengths",
+            dict(deterministic=True, window_left=70, window_right=20, has_q_start=True, q_total=900,
+                 has_kv_seq_lengths=True), [2, 300, 333, 4, 2, 192], dict()),
+       ]},
 }
 
 
@@ -147,7 +162,10 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     kernel = _resolved(CASES[name])
     keys = kernel.tile_n
     assert ".target sm_90a" in ptx
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * head_dim // 16 + 8 + keys // 16
+    # S, dP: D / 16 k-steps each; dV, dK: 4 each per 64-row M atom a warp group holds (all of D's three
+    # with two_groups_by_keys); dQ: keys / 16.
+    dkv_atoms = head_dim // 64 if kernel.dkv_by_keys else 1
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * head_dim // 16 + 8 * dkv_atoms + keys // 16
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
     assert re.search(r"cp\.reduce\.async\.bulk[^;]*\.add", ptx), "no bulk reduce-add for dQ"
@@ -197,6 +215,25 @@ def test_default_layout_by_head_dim(head_dim, segments, expected):
     assert large_heads.resolved_tuning(large_heads.Tuning(diagonal_first=False), 192).diagonal_first is False
     spec = dict(config=dict(scale=0.1, has_segment_ids=segments), shape=[1, 128, 128, 2, 2, head_dim])
     assert _resolved(spec).consumer_groups == (3 if expected else 2)
+
+
+@pytest.mark.parametrize("head_dim,tuning", [(256, dict(two_groups_by_keys=True)),
+                                             (192, dict(two_groups_by_keys=True, three_warpgroups=True))])
+def test_two_groups_by_keys_refuses_what_it_is_not(head_dim, tuning):
+    """`Tuning.two_groups_by_keys` is a D = 192 layout of its own: not at D = 256, not with three warp groups
+    asked for as well; at D = 192 it takes the place of the default three groups (segment ids too)."""
+    from fa4_jax.config import AttentionConfig
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
+
+    shape = (1, 256, 4, head_dim)
+    options = large_heads.options(AttentionConfig(scale=1.0), host.Problem(shape, shape, shape, "bfloat16"),
+                                  large_heads.Tuning(**tuning))
+    with pytest.raises(ValueError, match="two_groups_by_keys"):
+        large_heads.Sm90LargeHeadBackwardKernel(options)
+    for segments in (False, True):
+        resolved = large_heads.resolved_tuning(large_heads.Tuning(two_groups_by_keys=True), 192, segments)
+        assert resolved.three_warpgroups is False and resolved.two_groups_by_keys
 
 
 def test_three_warpgroups_refuses_other_head_dims():
@@ -257,31 +294,37 @@ print("PLACEMENT " + json.dumps({"groups": kernel.consumer_groups, "keys": kerne
 """
 
 
-@pytest.mark.parametrize("head_dim,three_warpgroups", [(192, False), (256, False), (192, True)],
-                         ids=["d192", "d256", "d192-three-warpgroups"])
-def test_placement_through_the_kernels_tiled_mmas(head_dim, three_warpgroups, tmp_path):
+@pytest.mark.parametrize("head_dim,tuning", [(192, dict(three_warpgroups=False)), (256, dict(three_warpgroups=False)),
+                                             (192, dict(three_warpgroups=True)), (192, dict(two_groups_by_keys=True))],
+                         ids=["d192", "d256", "d192-three-warpgroups", "d192-two-groups-by-keys"])
+def test_placement_through_the_kernels_tiled_mmas(head_dim, tuning, tmp_path):
     """Every dQ staging position holds one dQ element and `dq_reader` puts each back at its (row,
     column); every (key, head-dim) element of dK / dV is one thread's, of the warp group owning that
-    column slice (what `_store_dkv_tma` writes over K / V); S / dP split by keys across the groups."""
+    column slice (or, with two_groups_by_keys, that key slice: what `_store_dkv_tma` writes over K / V);
+    S / dP split by keys across the groups."""
     import numpy as np
 
     from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
     from test_kernel_compile_sm90_backward import _trace
 
-    tuning = dict(three_warpgroups=three_warpgroups)
     found = _trace(_PLACEMENT_TRACE, {"head_dim": head_dim, "tuning": tuning}, tmp_path, "PLACEMENT")
     groups, keys, rows = found["groups"], found["keys"], 64
-    assert (groups, keys) == ((3, 96) if three_warpgroups else (2, 64))
+    three, by_keys = tuning.get("three_warpgroups"), tuning.get("two_groups_by_keys")
+    assert (groups, keys) == ((3, 96) if three else (2, 96) if by_keys else (2, 64))
     positions = sorted(position for position, _ in found["dq"])
     assert positions == list(range(rows * head_dim)), "a dQ position staged twice or never"
     flat = np.zeros(rows * head_dim, np.float32)
     for position, (row, column) in found["dq"]:
         flat[position] = row * head_dim + column
-    read = np.asarray(large_heads.dq_reader(large_heads.Tuning(**tuning))(flat.reshape(1, 1, 1, -1), rows))
+    resolved = large_heads.resolved_tuning(large_heads.Tuning(**tuning), head_dim)
+    read = np.asarray(large_heads.dq_reader(resolved)(flat.reshape(1, 1, 1, -1), rows))
     np.testing.assert_array_equal(read[0, :, 0], np.arange(rows * head_dim).reshape(rows, head_dim))
     dkv = sorted(tuple(element) for _, element in found["dkv"])
     assert dkv == [(key, dim) for key in range(keys) for dim in range(head_dim)]
-    assert all(dim // (head_dim // groups) == group for group, (_, dim) in found["dkv"])
+    if by_keys:
+        assert all(key // (keys // groups) == group for group, (key, _) in found["dkv"])
+    else:
+        assert all(dim // (head_dim // groups) == group for group, (_, dim) in found["dkv"])
     scores = sorted(tuple(element) for _, element in found["scores"])
     assert scores == [(row, key) for row in range(rows) for key in range(keys)]
     assert all(key // (keys // groups) == group for group, (_, key) in found["scores"])

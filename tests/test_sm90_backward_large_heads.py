@@ -75,6 +75,9 @@ THREE_WARPGROUPS_VARIANTS = {   # name -> (Tuning, deterministic)
     # (benchmarks/attention_backward.py times it for comparison: `-k two_warpgroups`).
     "two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), False),
     "deterministic_two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), True),
+    # The candidate with two warp groups splitting the 96 keys (`-k two_groups_by_keys`).
+    "two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), False),
+    "deterministic_two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), True),
 }
 THREE_WARPGROUPS_CASES = [case for case in CASES if case.head_dim == 192] + [
     Case("aligned-d192", head_dim=192, q_len=384, kv_len=384),

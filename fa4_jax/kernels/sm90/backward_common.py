@@ -107,6 +107,8 @@ class Sm90BackwardBase:
 
     # Whether the dK / dV accumulators hold dK^T / dV^T ([D, keys]; `_store_dkv_tma` transposes them).
     dkv_transposed = False
+    # Whether the warp groups split dK / dV by keys (each all of D) rather than by head-dim columns.
+    dkv_by_keys = False
     # Every how many of a thread's scores one exp2 of P runs on the FMA pipe (`numerics`; 0: none).
     poly_exp2_every = 0
 

@@ -111,10 +111,18 @@ class Tuning:
       causal, 1.31 / 1.34 -> 1.35 / 1.39 full; deterministic 0.43 / 0.46 -> 0.64 / 0.70 causal,
       0.74 / 0.88 -> 1.04 / 1.35 full (docs/sm90_backward_tuning.md, "D = 192: three consumer warp
       groups"). False keeps the two-group layout at D = 192, for comparison.
+    two_groups_by_keys (D = 192; takes the place of three_warpgroups): 96 keys per CTA and two consumer
+      warp groups of 240 registers that split the keys, not the head dim: group g computes S and dP for
+      keys [48 g, 48 g + 48) (m64n48k16) and accumulates dK^T and dV^T of those keys over all 192
+      columns (M = 192 as three 64-row atoms, N = 48: 2 x 72 fp32 registers a thread); dQ = dS K is
+      split by halves of D (m64n96k16). Every GEMM then reads at most 149 B of shared memory a tensor
+      clock (the three groups' S / dP read 192); FA4's D = 192 configuration has this shape. A
+      candidate, off until measured (docs/sm90_backward_tuning.md, "D = 192: two groups split by keys").
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
+    two_groups_by_keys: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -136,7 +144,7 @@ def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False
     segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block),
     two otherwise."""
     if tuning.three_warpgroups is None:
-        three = head_dim == THREE_WARPGROUPS_HEAD_DIM and not has_segment_ids
+        three = head_dim == THREE_WARPGROUPS_HEAD_DIM and not has_segment_ids and not tuning.two_groups_by_keys
         tuning = dataclasses.replace(tuning, three_warpgroups=three)
     return tuning
 
@@ -147,6 +155,9 @@ def tuning_reason(tuning: Tuning, head_dim: int) -> Optional[str]:
         return (f"Tuning(three_warpgroups=True) is the D = {THREE_WARPGROUPS_HEAD_DIM} layout (three warp "
                 f"groups of 64 head-dim columns, 96 keys a CTA); at D = {head_dim} it fits neither the "
                 f"registers nor the shared memory: use the default Tuning")
+    if tuning.two_groups_by_keys and (head_dim != THREE_WARPGROUPS_HEAD_DIM or tuning.three_warpgroups):
+        return (f"Tuning(two_groups_by_keys=True) is a D = {THREE_WARPGROUPS_HEAD_DIM} layout of its own (two warp "
+                f"groups splitting 96 keys): not at D = {head_dim}, and not with three_warpgroups=True")
     return None
 
 
@@ -167,17 +178,20 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             raise ValueError(reason)
         tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids)
         three_warpgroups = tuning.three_warpgroups
-        # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dK, dV and
-        # dQ, and keys [g tile_n / groups, ...) of S and dP.
+        by_keys = tuning.two_groups_by_keys
+        # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dQ (and of dK,
+        # dV unless `dkv_by_keys`), and keys [g tile_n / groups, ...) of S and dP.
         self.consumer_groups = 3 if three_warpgroups else 2
         self.group_dim = self.head_dim // self.consumer_groups
-        # Transposed (dK^T = Q^T dS, dV^T = dO^T P): M = the group's head-dim columns, N = the keys.
-        self.dkv_transposed = three_warpgroups
+        # Transposed (dK^T = Q^T dS, dV^T = dO^T P): M = the group's head-dim columns, N = the keys; or
+        # with `dkv_by_keys` M = the whole head dim, N = the group's keys (two_groups_by_keys).
+        self.dkv_transposed = three_warpgroups or by_keys
+        self.dkv_by_keys = by_keys
         # Deterministic mode needs the plain walk (with a stagger the turns would wait).
         self.stagger = tuning.stagger and not self.deterministic
         self.diagonal_first = self.deterministic and tuning.diagonal_first
-        self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups else TILE_N
-        self.stages = query_stages(self.head_dim, three_warpgroups)
+        self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups or by_keys else TILE_N
+        self.stages = query_stages(self.head_dim, three_warpgroups or by_keys)
         self.check_shared_memory()
         self.num_threads = WARP_GROUP * (1 + self.consumer_groups)
         self.consumer_threads = WARP_GROUP * self.consumer_groups
@@ -208,7 +222,13 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         mma_sdp = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, groups, 1),
             (self.tile_m, self.tile_n // groups))
-        if self.dkv_transposed:
+        if self.dkv_by_keys:
+            # dV^T += dO^T P, dK^T += Q^T dS as below, each warp group N = its keys and M = all of D: the
+            # [D, keys] accumulator tiles the (64, keys) MMA three times along M, all in each group.
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, groups, 1),
+                (64, self.tile_n // groups))
+        elif self.dkv_transposed:
             # dV^T += dO^T P, dK^T += Q^T dS: A = dO^T / Q^T read as [D, rows] (D contiguous), B = P
             # / dS read as [keys, rows] (keys contiguous); each warp group M = its columns of D.
             mma_dkv = sm90_helpers.make_trivial_tiled_mma(
@@ -241,8 +261,10 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         v_layout = k_major_layout(self.dtype, self.tile_n, d, None, group_atom)
         # P and dS as [rows, keys], keys contiguous: what the S accumulator writes pairwise, the
         # K-major A of dQ and (transposed) the MN-major A of dV / dK.
+        # With `dkv_by_keys` the atom must tile a group's 48 keys (16 columns, where 96 keys take 32).
+        pds_columns = self.tile_n // self.consumer_groups if self.dkv_by_keys else self.tile_n
         pds_layout = k_major_layout(self.dtype, self.tile_m, self.tile_n, PDS_BUFFERS,
-                                    swizzle_columns(self.tile_n, 64))
+                                    swizzle_columns(pds_columns, 64))
         return q_layout, k_layout, v_layout, pds_layout
 
     @cute.jit
