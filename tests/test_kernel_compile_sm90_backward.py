@@ -114,16 +114,16 @@ CASES = {
                                                    shape=[2, 300, 333, 8, 2, 128], head_splits=2,
                                                    tuning=dict(flat_dq=False)),
     # The deterministic dQ writer freeing its staging buffer on read (`Tuning.dq_free_on_read`): D 64 at
-    # 128 rows, and GQA D 128 with head splits.
-    "d64-deterministic-dq-free-on-read": dict(config=dict(scale=0.125, deterministic=True),
-                                              shape=[2, 300, 333, 4, 4, 64], tuning=dict(dq_free_on_read=True)),
+    # 128 rows with rotated turns as well (`Tuning.rotated_turns`, a full mask), and GQA D 128 with head
+    # splits (causal: rotated turns would resolve off).
+    "d64-deterministic-dq-free-on-read-rotated-turns": dict(
+        config=dict(scale=0.125, deterministic=True), shape=[2, 300, 333, 4, 4, 64],
+        tuning=dict(dq_free_on_read=True, rotated_turns=True)),
     "d128-causal-gqa-deterministic-dq-free-on-read": dict(
         config=dict(scale=128 ** -0.5, causal=True, deterministic=True), shape=[2, 256, 512, 8, 2, 128],
         tuning=dict(dq_free_on_read=True)),
-    # Rotated turns for deterministic full-mask rows (`Tuning.rotated_turns`): D 64 at 128 rows, GQA D 128
-    # with head splits and key lengths.
-    "d64-deterministic-rotated-turns": dict(config=dict(scale=0.125, deterministic=True),
-                                            shape=[2, 300, 333, 4, 4, 64], tuning=dict(rotated_turns=True)),
+    # Rotated turns for deterministic full-mask rows (`Tuning.rotated_turns`): GQA D 128 with head splits
+    # and key lengths (D 64 at 128 rows: with dq_free_on_read above).
     "d128-gqa-lengths-deterministic-rotated-turns": dict(
         config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
         shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(rotated_turns=True)),

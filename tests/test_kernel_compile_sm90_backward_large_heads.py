@@ -109,15 +109,12 @@ CASES = {
     **{f"d192-two-groups-by-keys{suffix}": dict(config=dict(scale=192 ** -0.5, **config), shape=shape,
                                                 tuning=dict(two_groups_by_keys=True), **extra)
        for suffix, config, shape, extra in [
-           ("-deterministic", dict(deterministic=True), [1, 333, 300, 4, 4, 192], dict()),
            ("-deterministic-causal-gqa", dict(causal=True, deterministic=True), [2, 333, 300, 8, 2, 192], dict()),
-           ("-softcap-window-fp16", dict(softcap=5.0, window_left=64, window_right=32), [1, 200, 333, 4, 4, 192],
-            dict(dtype="float16")),
+           ("-softcap-window-q-start-kv-lengths-fp16",
+            dict(softcap=5.0, window_left=64, window_right=32, has_q_start=True, q_total=900,
+                 has_kv_seq_lengths=True), [1, 200, 333, 4, 4, 192], dict(dtype="float16")),
            ("-segments-lengths", dict(has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
             [2, 197, 333, 4, 4, 192], dict()),
-           ("-deterministic-window-q-start-kv-lengths",
-            dict(deterministic=True, window_left=70, window_right=20, has_q_start=True, q_total=900,
-                 has_kv_seq_lengths=True), [2, 300, 333, 4, 2, 192], dict()),
        ]},
 }
 
