@@ -133,10 +133,11 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
     return backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
 
 
-def query_stages(head_dim: int, three_warpgroups: bool = False) -> int:
+def query_stages(head_dim: int, tile_n: int = TILE_N) -> int:
     """Depth of the Q / dO ring: what is left of shared memory after K, V, P, dS and the dQ staging
-    (two stages at D = 192, one at D = 256, one with `Tuning.three_warpgroups`' 96-key K and V)."""
-    return 2 if head_dim <= 192 and not three_warpgroups else 1
+    (two stages at D = 192, one at D = 256, one with the 96-key K and V of `Tuning.three_warpgroups`
+    and `Tuning.two_groups_by_keys`)."""
+    return 2 if head_dim <= 192 and tile_n == TILE_N else 1
 
 
 def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False) -> Tuning:
@@ -191,7 +192,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         self.stagger = tuning.stagger and not self.deterministic
         self.diagonal_first = self.deterministic and tuning.diagonal_first
         self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups or by_keys else TILE_N
-        self.stages = query_stages(self.head_dim, three_warpgroups or by_keys)
+        self.stages = query_stages(self.head_dim, self.tile_n)
         self.check_shared_memory()
         self.num_threads = WARP_GROUP * (1 + self.consumer_groups)
         self.consumer_threads = WARP_GROUP * self.consumer_groups
