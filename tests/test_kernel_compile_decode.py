@@ -194,13 +194,7 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
     options = _compiled_options(name)
     fields, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
     buffers = [b for b in _BUFFERS if b != "sinks" or fields.get("has_sinks")]
-    with open(compiled[name]["ptx"]) as handle:
-        program = ptx_addresses.parse(handle.read())
-    assert [size for _, size in program.params] == [8] * len(buffers), f"expected {len(buffers)} tensor pointers"
-    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
-    shapes = _shapes(options, name)
-    sizes = {b: int(np.prod(shapes[b])) * _element_bytes(b) for b in buffers}
-    memory, pages = _paged_cache(options, B, max_blocks, rng)
+    program, params, shapes, sizes, memory, pages = _interpreter_inputs(compiled, name, options, buffers, rng)
     head_tiles = Hkv * options.row_tiles
     splits = options.num_splits
     shared_end = 1024 + options.shared_memory_bytes()
@@ -240,6 +234,21 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
             assert sorted(touched[buffer]["st.global"]) == expected, f"{name} CTA {block}: {buffer} elements"
         arrivals = touched["semaphore"]["atom.global"]
         assert arrivals == ([batch * head_tiles + head_tile] if splits > 1 else []), f"{name} CTA {block}: counter"
+
+
+def _interpreter_inputs(compiled, name, options, buffers, rng):
+    """What the PTX interpreter runs case `name` on: its parsed program (one 8-byte pointer parameter per
+    buffer, checked), the parameters' bytes (each buffer at its `_BASES` address), the buffers' shapes
+    and byte sizes, and the paged cache's lengths and tables (`_paged_cache`) with pages per sequence."""
+    _, (batch, *_, max_blocks), *_ = CONFIGS[name]
+    with open(compiled[name]["ptx"]) as handle:
+        program = ptx_addresses.parse(handle.read())
+    assert [size for _, size in program.params] == [8] * len(buffers), f"expected {len(buffers)} tensor pointers"
+    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
+    shapes = _shapes(options, name)
+    sizes = {b: int(np.prod(shapes[b])) * _element_bytes(b) for b in buffers}
+    memory, pages = _paged_cache(options, batch, max_blocks, rng)
+    return program, params, shapes, sizes, memory, pages
 
 
 def _paged_cache(options, batch, max_blocks, rng):
@@ -293,13 +302,7 @@ def test_cluster_combine_reads_every_split_and_writes_once(compiled, name, rng):
     fields, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
     buffers = [b for b in ("q", "k", "v", "tables", "lengths", "sinks", "out", "lse")
                if b != "sinks" or fields.get("has_sinks")]
-    with open(compiled[name]["ptx"]) as handle:
-        program = ptx_addresses.parse(handle.read())
-    assert [size for _, size in program.params] == [8] * len(buffers), f"expected {len(buffers)} tensor pointers"
-    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
-    shapes = _shapes(options, name)
-    sizes = {b: int(np.prod(shapes[b])) * _element_bytes(b) for b in buffers}
-    memory, pages = _paged_cache(options, B, max_blocks, rng)
+    program, params, shapes, sizes, memory, pages = _interpreter_inputs(compiled, name, options, buffers, rng)
     splits, head_tiles = options.num_splits, Hkv * options.row_tiles
     assert splits > 1
     batch, head_tile = B - 1, head_tiles - 1
