@@ -496,7 +496,7 @@ def plot(json_path, png_path):
         axis.legend()
     figure.suptitle(f"{report['device']}  {report['date'][:10]}  rev {report['git_revision'][:10]}")
     figure.tight_layout()
-    figure.savefig(png_path, dpi=110)
+    attention.save_png(figure, png_path, dpi=110)
 
 
 def main(argv=None):

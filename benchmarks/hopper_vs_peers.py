@@ -552,7 +552,7 @@ def plot(json_path, png_path):
     figure.suptitle(f"fa4_jax vs cuDNN vs FA4, {report['device']}, {report['date'][:10]}, "
                     f"rev {report['git_revision'][:10]} (ratio: fa4_jax / the faster of the other two)")
     figure.tight_layout(rect=(0, 0.4 / inches, 1, 1 - 0.3 / inches))   # room for the legend and the title
-    figure.savefig(png_path, dpi=110)
+    attention.save_png(figure, png_path, dpi=110)
     plt.close(figure)
 
 

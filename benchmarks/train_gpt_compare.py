@@ -27,6 +27,9 @@ import sys
 import time
 from typing import Optional
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import attention  # noqa: E402  (save_png)
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 
 
@@ -207,7 +210,7 @@ def plot_command(args):
                     f"d_model {config['d_model']}, {config['heads']} heads, seq {config['seq_len']}, "
                     f"batch {config['batch']}, {config['dtype']}")
     figure.tight_layout()
-    figure.savefig(args.png, dpi=120)
+    attention.save_png(figure, args.png, dpi=120)
     print(f"wrote {args.png}")
 
 
