@@ -77,8 +77,10 @@ class Variant:
         group = shape["heads"] // _kv_heads(shape)
         if head_splits is not None and group % head_splits:
             return f"head_splits={head_splits} does not divide the group of {group} query heads"
-        if getattr(self.tuning, "rotated_turns", False):
-            # `options` turns it off where it cannot run safely: such a row would time the plain order.
+        shipped_turns = getattr(self.kernel.DEFAULT_TUNING, "rotated_turns", None)
+        if getattr(self.tuning, "rotated_turns", None) not in (None, shipped_turns):
+            # `options` turns rotated turns off where they cannot run safely, and there a variant that
+            # differs from the shipped kernel in that choice alone would time the shipped kernel.
             from fa4_jax.kernels import host
             from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT
             reason = self.kernel.rotated_turns_reason(_config(shape, self.deterministic),
@@ -163,11 +165,12 @@ def _variants():
         "deterministic_dq_free_on_read": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_free_on_read=True), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "dq_free_on_read")),
-        # Deterministic full-mask walks rotated to start at the key block's index, the dQ turns in arrival
-        # order (`Tuning.rotated_turns`; resolved off past half the SMs' worth of key blocks: 8k at D <= 128).
-        "deterministic_rotated_turns": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, rotated_turns=True), True,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "rotated_turns"), masks=("full",)),
+        # Deterministic full-mask walks from the first query block, the dQ turns highest key block first
+        # (the shipped kernel rotates them, `Tuning.rotated_turns`, where a head's key blocks fit on half the
+        # SMs: up to 8k at D <= 128; rows past that skip this variant).
+        "deterministic_plain_turns": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, rotated_turns=False), True,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "plain_turns"), masks=("full",)),
         # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
         **{f"{prefix}query_rows_64": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),

@@ -98,7 +98,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         rows_80 = ["query_rows_80", "deterministic_query_rows_80"] if head_dim == 128 else []
         # Every 4th exp2 on the FMA pipe spills at D = 64's 128 rows: every 6th only there.
         poly = ["poly_exp2_6"] if head_dim == 64 else ["poly_exp2_4", "poly_exp2_6"]
-        rotated = ["deterministic_rotated_turns"]   # a full mask, 8 key blocks
+        rotated = ["deterministic_plain_turns"]   # a full mask, 8 key blocks
         assert runs == [*SHIPPED, *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
                         "deterministic_ds_plain_store", "deterministic_dq_free_on_read", *rotated, *wide, *rows_80,
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
@@ -186,10 +186,10 @@ FAILED tests/test_sm90_backward.py::test_head_splits_match_oracle[split8-mqa8-d6
     assert "head_splits_8" not in kept and "head_splits_16" not in kept
 
 
-def test_rotated_turns_skip_the_rows_where_they_resolve_off(benchmark):
-    """A row where `options` would turn `rotated_turns` off (a causal mask; more key blocks than half the
-    SMs) is skipped with the reason, not timed as the plain deterministic order under the variant's name."""
-    variant = benchmark._variants()["deterministic_rotated_turns"]
+def test_plain_turns_skip_the_rows_where_rotated_turns_resolve_off(benchmark):
+    """A row where `options` turns the shipped `rotated_turns` off (a causal mask; more key blocks than half
+    the SMs) is skipped with the reason, not timed as the shipped kernel under the plain-turns name."""
+    variant = benchmark._variants()["deterministic_plain_turns"]
     shape = dict(batch=1, seq_len=4096, heads=8, head_dim=128, causal=False)
     assert variant.skip_reason(shape) is None
     assert "full rows only" in variant.skip_reason(dict(shape, causal=True))

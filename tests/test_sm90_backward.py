@@ -57,9 +57,10 @@ CASES = [
 # walks first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
 # accumulator's register order); dS^T staged with plain 32-bit stores (the default uses stmatrix,
 # docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe; the
-# deterministic dQ writer freeing its staging buffer on read; deterministic full-mask walks rotated to start at
-# the key block's index, with the dQ turns in arrival order. Select their tests with `-k key_blocks_outer`,
-# `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2`, `-k dq_free_on_read` or `-k rotated_turns`.
+# deterministic dQ writer freeing its staging buffer on read; deterministic full-mask walks from the first
+# query block with the turns highest key block first (the default rotates them, `Tuning.rotated_turns`).
+# Select their tests with `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2`,
+# `-k dq_free_on_read`, `-k plain_turns` or `-k rotated_turns` (the default's own rotated-walk cases).
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
@@ -68,7 +69,7 @@ TUNINGS = {
     "poly_exp2_4": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=4),
     "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
     "dq_free_on_read": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_free_on_read=True),
-    "rotated_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=True),
+    "plain_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=False),
 }
 # Rotated turns beyond the shared cases: more key blocks than query blocks (several key blocks reach a
 # tile at the same step of their walks), query and key lengths, each also with head splits of 2.
@@ -216,7 +217,7 @@ def test_deterministic_head_splits_match_oracle(case: Case, head_splits, tuning,
 @pytest.mark.parametrize("head_splits", [1, 2])
 @pytest.mark.parametrize("case", ROTATED_TURN_CASES, ids=lambda case: case.name)
 def test_rotated_turns_match_oracle(case: Case, head_splits, inputs):
-    tuning = dataclasses.replace(TUNINGS["rotated_turns"], head_splits=head_splits)
+    tuning = dataclasses.replace(TUNINGS["default"], head_splits=head_splits)
     query, key, value, *_, config = _make_problem(case, inputs)
     options = sm90_backward.options(config.replace(deterministic=True), host.Problem.of(query, key, value), tuning)
     assert options.tuning.rotated_turns, "resolved off: the case would not test the rotated walk"

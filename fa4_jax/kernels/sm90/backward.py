@@ -143,15 +143,18 @@ class Tuning:
       instead of freeing the buffer only after passing the turn. The consumers then wait for a buffer one
       write-completion latency less per query block: the deterministic rows that trail the default most
       (D = 64 full, 0.73-0.76x on an H100) are where the writer's chain is longest against a block's time.
-      A candidate, off until measured (docs/sm90_backward_tuning.md).
+      Off: measured slower on an H100 (rev 17f1841, cuDNN ms / ours, deterministic 1k / 4k: D = 64 full
+      0.84 / 0.84 -> 0.84 / 0.80, D = 128 full 0.79 / 0.79 -> 0.75 / 0.72; docs/sm90_backward_tuning.md).
     rotated_turns (deterministic, full masks): key block n walks its query blocks starting at n (mod
       their count) and each tile takes its adds in arrival order (`ordered_reduction.rotated_turn`),
       instead of every key block walking from the first query block, where they queue at each tile
       one add after another (key block n starts ~n add latencies late: the full rows' 0.73-0.76x of
       the default on an H100). A key block then also waits for key blocks launched after it, so it is
       taken only where all key blocks of a head fit on the GPU at once (`rotated_turns_reason`) and
-      resolved to False elsewhere (`options`). A candidate, off until measured
-      (docs/sm90_backward_tuning.md, "Deterministic dQ: rotated turns").
+      resolved to False elsewhere (`options`). On: measured on an H100 (rev 17f1841, cuDNN ms / ours,
+      deterministic full masks at 1k / 4k): D = 64 0.84 / 0.84 -> 0.97 / 0.97, D = 128 0.79 / 0.79 ->
+      0.83 / 0.82 (docs/sm90_backward_tuning.md, "Deterministic dQ: rotated turns"). False: every key
+      block walks from the first query block, the turns highest key block first.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -170,7 +173,7 @@ class Tuning:
     poly_exp2_every: int = 0
     dq_row_split: Optional[bool] = None
     dq_free_on_read: bool = False
-    rotated_turns: bool = False
+    rotated_turns: bool = True
 
 
 DEFAULT_TUNING = Tuning()
