@@ -49,6 +49,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import lzma
 import os
 import re
 import shutil
@@ -381,11 +382,16 @@ def recompiler(attempts: int):
     return cubin_variants
 
 
+def read_manifest(path: str) -> dict:
+    """A manifest, plain or xz-compressed (the committed ones are kept as .json.xz: the repository travels
+    with every device call next to the CuTe DSL bundle, under 64 MiB)."""
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt") as handle:
+        return json.load(handle)
+
+
 def compare(before_path: str, after_path: str, out: str, normalized: bool, recompile: int) -> int:
-    with open(before_path) as handle:
-        before = json.load(handle)
-    with open(after_path) as handle:
-        after = json.load(handle)
+    before, after = read_manifest(before_path), read_manifest(after_path)
     result = compare_manifests(before, after, normalized, recompiler(recompile) if recompile else None)
     _write_json(out, result)
     for key, verdict in result["verdicts"].items():
