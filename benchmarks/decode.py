@@ -7,7 +7,9 @@ XLA pass that merges its splits; `num_splits` records how many; with --combines 
 the splits merged another way (DecodeOptions.combine): `fa4_jax_last_cta_combine_ms` (the same splits,
 merged by the kernel's last CTA; `fa4_jax_fused_combine_ms` in reports before 2026-12-06) and
 `fa4_jax_cluster_combine_ms` (at most 16 splits, `cluster_num_splits`, merged through distributed
-shared memory)), Pallas `decode_attention.gqa` on the same cache
+shared memory); with --page-lookahead `fa4_jax_page_lookahead_ms`, the candidate that loads each key
+block's page numbers a block ahead, beside `fa4_jax_run_ms`, the default options through the same
+decode.run), Pallas `decode_attention.gqa` on the same cache
 viewed contiguously (its API takes [B, L, Hkv, D] and transposes K and V to [B, Hkv, L, D] inside the call, which its time includes) and
 Pallas `paged_attention` (its own [Hkv, pages, page, D] layout, copied untimed; its default
 block_h = 16, the smallest it takes) where they run (Sq = 1 only: both take one query token), and the
@@ -170,7 +172,7 @@ def _pallas_functions(row, arguments):
     return functions
 
 
-def measure(row, key, iterations, sm_count: int = None, combines=()) -> dict:
+def measure(row, key, iterations, sm_count: int = None, combines=(), page_lookahead=False) -> dict:
     import jax
     import fa4_jax
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode
@@ -195,6 +197,14 @@ def measure(row, key, iterations, sm_count: int = None, combines=()) -> dict:
                 jax.jit(lambda *a: decode.run(options, *a)), arguments, iterations)
         except Exception as error:
             record[f"fa4_jax_{combine}_combine_error"] = attention_error(error)
+    if page_lookahead:   # DecodeOptions.page_lookahead, beside decode.run of the default options
+        for name, overrides in (("run", {}), ("page_lookahead", {"page_lookahead": True})):
+            options = _options(row, sm_count, **overrides)
+            try:
+                _, record[f"fa4_jax_{name}_ms"] = attention._median_ms(
+                    jax.jit(lambda *a: decode.run(options, *a)), arguments, iterations)
+            except Exception as error:
+                record[f"fa4_jax_{name}_error"] = attention_error(error)
     pallas_times = {}
     for name, (function, pallas_arguments) in _pallas_functions(row, arguments).items():
         try:
@@ -229,7 +239,8 @@ def _format(record) -> str:
     return (f"B={record['batch']:3d} ctx={record['context']:6d} q={record['q_len']} page={record['page_size']:2d}  "
             f"ours {number('fa4_jax_ms')} ms {number('fa4_jax_tbps', '{:5.2f}')} TB/s "
             f"({record.get('num_splits')} splits; last CTA {number('fa4_jax_last_cta_combine_ms')} ms; "
-            f"cluster of {record.get('cluster_num_splits', '-')} {number('fa4_jax_cluster_combine_ms')} ms)  "
+            f"cluster of {record.get('cluster_num_splits', '-')} {number('fa4_jax_cluster_combine_ms')} ms; "
+            f"run {number('fa4_jax_run_ms')} / page lookahead {number('fa4_jax_page_lookahead_ms')} ms)  "
             f"pallas best {number('pallas_best_ms')} ms  ref {number('reference_ms')} ms"
             + "".join(f"  [{name}: {record[name][:80]}]" for name in record if name.endswith("_error")))
 
@@ -249,14 +260,15 @@ def run(args):
                   timing="CUPTI kernel time per call (all kernels), median", rows=[])
     sm_count = host.sm_count(DEFAULT_SM_COUNT)
     combines = tuple(args.combines.split(",")) if args.combines else ()
-    variants = ({},) + tuple({"combine": combine} for combine in combines)
+    variants = ({},) + tuple({"combine": combine} for combine in combines) \
+        + (({"page_lookahead": True},) if args.page_lookahead else ())
     if args.compile_workers > 0:
         report["precompile"] = precompile(row_list, args.compile_workers, sm_count, variants)
     report["copy_tbps"] = copy_bandwidth(args.iterations)
     print(f"device-to-device copy: {report['copy_tbps']:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     for row in row_list:
-        record = measure(row, key, args.iterations, sm_count, combines)
+        record = measure(row, key, args.iterations, sm_count, combines, args.page_lookahead)
         record["copy_tbps"] = report["copy_tbps"]
         if "fa4_jax_tbps" in record:
             record["fraction_of_copy"] = record["fa4_jax_tbps"] / report["copy_tbps"]
@@ -326,6 +338,9 @@ def main(argv=None):
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--combines", help="comma-separated kernel merges to time besides the default XLA pass: "
                                            "last_cta, cluster (fa4_jax_<combine>_combine_ms)")
+    parser.add_argument("--page-lookahead", action="store_true",
+                        help="also time DecodeOptions(page_lookahead=True) and, beside it, decode.run of the "
+                             "default options (fa4_jax_page_lookahead_ms, fa4_jax_run_ms)")
     parser.add_argument("--compile-workers", type=int, default=12)
     parser.add_argument("--plot", help="a report to plot (no GPU needed)")
     parser.add_argument("--png")

@@ -54,6 +54,9 @@ CONFIGS = {
     "d128-q4-cluster-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 3], "bfloat16", 64, "sm_90a",
                               {"combine": "cluster"}),
     "d256-cluster-2": ({}, [8, 2, 16, 2, 256, 2], "bfloat16", 64, "sm_90a", {"combine": "cluster", "num_splits": 2}),
+    # Page numbers loaded a block ahead (`page_lookahead`): the benchmark's 8k row (32 splits of 4 blocks).
+    "d128-page-lookahead": ({}, [1, 1, 32, 8, 128, 512], "bfloat16", 16, "sm_90a",
+                            {"combine": "xla", "page_lookahead": True}),
     "sm100-d128-cluster": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a", {"combine": "cluster"}),
     "sm100-d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a"),
     "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),

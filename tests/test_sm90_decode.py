@@ -76,14 +76,19 @@ def test_paged_decode_matches_oracle(case, rng):
     _check_paged_case(case, rng)
 
 
+# Options that are not the default, on every paged case through the public API (the kernel's options
+# patched): the cluster combine (the splits merge through distributed shared memory) and the page numbers
+# loaded a block ahead of their cp.async. Select with `-k cluster` or `-k page_lookahead`.
+EVERY_CASE_OPTIONS = {"cluster_combine": {"combine": "cluster"}, "page_lookahead": {"page_lookahead": True}}
+
+
 @gpu
+@pytest.mark.parametrize("variant", sorted(EVERY_CASE_OPTIONS))
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-def test_cluster_combine_matches_oracle(case, rng, monkeypatch):
-    """The cluster combine (DecodeOptions.combine="cluster": the splits merge through distributed shared
-    memory) on every paged case, through the public API with the kernel's options patched."""
+def test_option_matches_oracle_on_every_case(case, variant, rng, monkeypatch):
     default_options = decode.options
-    monkeypatch.setattr(decode, "options",
-                        lambda *args, **overrides: default_options(*args, **{"combine": "cluster", **overrides}))
+    monkeypatch.setattr(decode, "options", lambda *args, **overrides: default_options(
+        *args, **{**EVERY_CASE_OPTIONS[variant], **overrides}))
     _check_paged_case(case, rng)
 
 
@@ -106,7 +111,11 @@ FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits"
           # The cluster combine: its own split choice (at most 16), one split, 2, and 16 (15 key blocks:
           # one split is empty and merges as -inf).
           {"combine": "cluster"}, {"combine": "cluster", "num_splits": 1}, {"combine": "cluster", "num_splits": 2},
-          {"combine": "cluster", "num_splits": 16}]
+          {"combine": "cluster", "num_splits": 16},
+          # Page numbers a block ahead: one split (15 blocks through the loop), 7, two and four stages.
+          {"page_lookahead": True, "num_splits": 1}, {"page_lookahead": True, "num_splits": 7},
+          {"page_lookahead": True, "tile_n": 128, "num_stages": 2}, {"page_lookahead": True, "num_stages": 4,
+                                                                     "num_splits": 2}]
 
 
 @gpu

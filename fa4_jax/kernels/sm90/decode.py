@@ -114,6 +114,11 @@ class DecodeOptions:
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
     combine: str = "xla"      # where the splits merge: "xla", "last_cta" or "cluster" (module docstring)
     rescale_threshold: float = 8.0
+    # Load each key block's page numbers one block before its cp.async (a candidate, off until measured;
+    # docs/kernels.md, "Decode: page numbers one block ahead"). A cp.async address needs its row's
+    # block-table entry, so without it every block's issue waits for a table load (a DRAM or L2 round
+    # trip) in the middle of the loop, and the prologue's stages wait for theirs one after another.
+    page_lookahead: bool = False
 
     @property
     def rows(self) -> int:
@@ -328,11 +333,29 @@ class Sm90DecodeKernel:
                                           t_q_smem[None, m, k].layout)
                 cute.copy(load_atom, source, t_q_smem[None, m, k])
 
-        for stage in cutlass.range_constexpr(self.num_stages - 1):
-            if stage < split_blocks:
-                self.load_block(mK, mV, sK, sV, mBlockTables, thread_load, load_atom, batch_index, head_kv,
-                                split_first + stage, stage, kv_len)
-            cute.arch.cp_async_commit_group()
+        rows_per_thread = cute.size(thread_load.partition_D(sK[None, None, 0]), mode=[1])
+        pages_ahead = cute.make_rmem_tensor(rows_per_thread, Int32)
+        if cutlass.const_expr(self.options.page_lookahead):
+            # Every prologue stage's page numbers and the next block's in one round trip, then the issues.
+            pages = cute.make_rmem_tensor((rows_per_thread, self.num_stages - 1), Int32)
+            for stage in cutlass.range_constexpr(self.num_stages - 1):
+                if stage < split_blocks:
+                    self.load_pages(mBlockTables, thread_load, sK, batch_index, split_first + stage, kv_len,
+                                    pages[None, stage])
+            if self.num_stages - 1 < split_blocks:
+                self.load_pages(mBlockTables, thread_load, sK, batch_index, split_first + self.num_stages - 1,
+                                kv_len, pages_ahead)
+            for stage in cutlass.range_constexpr(self.num_stages - 1):
+                if stage < split_blocks:
+                    self.issue_block(mK, mV, sK, sV, thread_load, load_atom, head_kv, split_first + stage, stage,
+                                     kv_len, pages[None, stage])
+                cute.arch.cp_async_commit_group()
+        else:
+            for stage in cutlass.range_constexpr(self.num_stages - 1):
+                if stage < split_blocks:
+                    self.load_block(mK, mV, sK, sV, mBlockTables, thread_load, load_atom, batch_index, head_kv,
+                                    split_first + stage, stage, kv_len)
+                cute.arch.cp_async_commit_group()
 
         # Per-warp MMA state: this warp's keys of each block are [warp * keys_per_warp, ...).
         thread_mma = tiled_mma.get_slice(lane)
@@ -372,8 +395,16 @@ class Sm90DecodeKernel:
             cute.arch.sync_threads()
             ahead = i + self.num_stages - 1
             if ahead < split_blocks:
-                self.load_block(mK, mV, sK, sV, mBlockTables, thread_load, load_atom, batch_index, head_kv,
-                                split_first + ahead, ahead % self.num_stages, kv_len)
+                if cutlass.const_expr(self.options.page_lookahead):
+                    # Its page numbers came during the previous block; the next block's come during this one.
+                    self.issue_block(mK, mV, sK, sV, thread_load, load_atom, head_kv, split_first + ahead,
+                                     ahead % self.num_stages, kv_len, pages_ahead)
+                    if ahead + 1 < split_blocks:
+                        self.load_pages(mBlockTables, thread_load, sK, batch_index, split_first + ahead + 1, kv_len,
+                                        pages_ahead)
+                else:
+                    self.load_block(mK, mV, sK, sV, mBlockTables, thread_load, load_atom, batch_index, head_kv,
+                                    split_first + ahead, ahead % self.num_stages, kv_len)
             cute.arch.cp_async_commit_group()
 
             stage = i % self.num_stages
@@ -590,6 +621,38 @@ class Sm90DecodeKernel:
                 column = t_coords[0, m, k][1]
                 for cache, t_smem in ((mK, t_k_smem), (mV, t_v_smem)):
                     address = _element_address(cache, (page, slot, head_kv, column))
+                    source = cute.make_tensor(
+                        cute.make_ptr(self.dtype, address, cute.AddressSpace.gmem, assumed_align=16),
+                        t_smem[None, m, k].layout)
+                    cute.copy(load_atom, source, t_smem[None, m, k])
+
+
+    @cute.jit
+    def load_pages(self, mBlockTables: cute.Tensor, thread_load: cute.TiledCopy, sK: cute.Tensor, batch_index: Int32,
+                   n_block: Int32, kv_len: Int32, pages: cute.Tensor):
+        """pages[m] = the cache block of this thread's row m of key block n_block (`page_lookahead`): the
+        table loads of `load_block`, with the cp.async that needs them left to `issue_block`."""
+        t_coords = thread_load.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        for m in cutlass.range_constexpr(cute.size(pages)):
+            token = cutlass.min(n_block * self.tile_n + t_coords[0, m, 0][0], kv_len - 1)
+            pages[m] = mBlockTables[batch_index, token // self.options.page_size]
+
+    @cute.jit
+    def issue_block(self, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                    thread_load: cute.TiledCopy, load_atom: cute.CopyAtom, head_kv: Int32, n_block: Int32,
+                    stage: Int32, kv_len: Int32, pages: cute.Tensor):
+        """cp.async of key block n_block's K and V rows into `stage`, from the page numbers `load_pages` gave
+        (rows past the length from the last token, as in `load_block`)."""
+        t_k_smem = thread_load.partition_D(sK[None, None, stage])
+        t_v_smem = thread_load.partition_D(sV[None, None, stage])
+        t_coords = thread_load.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        for m in cutlass.range_constexpr(cute.size(t_k_smem, mode=[1])):
+            token = cutlass.min(n_block * self.tile_n + t_coords[0, m, 0][0], kv_len - 1)
+            slot = token % self.options.page_size
+            for k in cutlass.range_constexpr(cute.size(t_k_smem, mode=[2])):
+                column = t_coords[0, m, k][1]
+                for cache, t_smem in ((mK, t_k_smem), (mV, t_v_smem)):
+                    address = _element_address(cache, (pages[m], slot, head_kv, column))
                     source = cute.make_tensor(
                         cute.make_ptr(self.dtype, address, cute.AddressSpace.gmem, assumed_align=16),
                         t_smem[None, m, k].layout)
