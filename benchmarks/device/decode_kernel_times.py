@@ -1,0 +1,64 @@
+"""CUPTI time of each kernel of one decode call (benchmarks/decode.py's inputs), median over iterations: where
+a B = 1 step's time goes between the split kernel and the XLA pass that merges its splits
+(`combine_partials`, which XLA may emit as several kernels), and what the kernel's own merges and
+`page_lookahead` change in the split kernel itself.
+
+Usage: python benchmarks/device/decode_kernel_times.py --out times.json [--iterations 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+ROWS = [dict(batch=1, context=1024, q_len=1, page_size=16), dict(batch=1, context=8192, q_len=1, page_size=16),
+        dict(batch=1, context=1024, q_len=4, page_size=16), dict(batch=8, context=1024, q_len=1, page_size=16)]
+VARIANTS = {"api": None, "last_cta": {"combine": "last_cta"}, "page_lookahead": {"page_lookahead": True}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--iterations", type=int, default=20)
+    args = parser.parse_args()
+
+    import jax
+    from jax.experimental.mosaic.gpu import profiler
+
+    import fa4_jax
+    from benchmarks import attention, decode
+    from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode as decode_kernel
+
+    report = dict(device=jax.devices()[0].device_kind, versions=attention._versions(),
+                  git_revision=attention.git_revision(), timing="CUPTI per kernel, median over iterations (us)",
+                  rows=[])
+    for row in ROWS:
+        arguments = jax.block_until_ready(decode._inputs(row, jax.random.key(0)))
+        for name, overrides in VARIANTS.items():
+            if overrides is None:
+                call = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute"))
+            else:
+                options = decode._options(row, DEFAULT_SM_COUNT, **overrides)
+                call = jax.jit(lambda *a, options=options: decode_kernel.run(options, *a))
+            _, runs = profiler.measure(call, aggregate=False, iterations=args.iterations)(*arguments)
+            per_kernel = collections.defaultdict(list)
+            for run in runs:
+                for index, (kernel, ms) in enumerate(run):
+                    per_kernel[f"{index}:{kernel[:48]}"].append(ms * 1e3)
+            kernels = {kernel: round(statistics.median(us), 3) for kernel, us in per_kernel.items()}
+            record = dict(row, variant=name, kernels_us=kernels, total_us=round(sum(kernels.values()), 3))
+            report["rows"].append(record)
+            print(f"B={row['batch']} ctx={row['context']} q={row['q_len']} {name:15s} total {record['total_us']:7.2f} us  "
+                  + "  ".join(f"{k} {v:.2f}" for k, v in kernels.items()), flush=True)
+    with open(args.out, "w") as handle:
+        json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
