@@ -47,6 +47,8 @@ def main():
                 options = decode._options(row, DEFAULT_SM_COUNT, **overrides)
                 call = jax.jit(lambda *a, options=options: decode_kernel.run(options, *a))
             _, runs = profiler.measure(call, aggregate=False, iterations=args.iterations)(*arguments)
+            if runs and isinstance(runs[0], tuple):   # one iteration: one list, not a list of them
+                runs = [runs]
             per_kernel = collections.defaultdict(list)
             for run in runs:
                 for index, (kernel, ms) in enumerate(run):
