@@ -31,7 +31,7 @@ class Case:
     kv_lengths: bool = False
     d_lse: bool = False      # backward: also differentiate through the LSE output
     scale: Optional[float] = None
-    v_head_dim: Optional[int] = None   # forward (test_sm90_forward's MLA cases): None is head_dim
+    v_head_dim: Optional[int] = None   # MLA cases (sm90 forward, large-head backward): None is head_dim
 
 
 def poison_device_memory(nbytes: int):

@@ -165,6 +165,34 @@ def test_sm90_forward_names_the_value_head_dims_it_takes():
         "value head dim) in ((192, 128),))")
 
 
+@needs_cutlass
+@pytest.mark.parametrize("features", [
+    dict(), dict(causal=True, deterministic=True), dict(has_segment_ids=True, has_kv_seq_lengths=True),
+    dict(softcap=5.0, has_sinks=True, window_left=64, window_right=0), dict(has_q_start=True, q_total=64),
+    dict(has_q_seq_lengths=True, has_kv_seq_lengths=True, causal=True)],
+    ids=lambda features: "-".join(features) or "plain")
+def test_mla_backward_runs_the_large_head_kernel_unpadded(monkeypatch, features):
+    """On Hopper a 192/128 backward (GQA, Sq != Sk) picks the large-head kernel at its own dims, no
+    padding, with every feature the padded 192/192 path took; the module refuses other value head dims,
+    naming the pair it takes."""
+    from fa4_jax.kernels.sm90 import backward_large_heads
+
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    config = AttentionConfig(scale=192 ** -0.5, implementation="cute", **features)
+    problem = host.Problem((2, 40, 8, 192), (2, 56, 2, 192), (2, 56, 2, 128), "bfloat16")
+    module, padding = cuda.choose_kernel("backward", config, problem)
+    assert module is backward_large_heads and padding.is_identity
+    kernel = backward_large_heads.Sm90LargeHeadBackwardKernel(backward_large_heads.options(config, problem))
+    assert (kernel.head_dim, kernel.v_head_dim) == (192, 128)
+    # Three warp groups of which two hold dV, or with segment ids two that both do.
+    assert (kernel.consumer_groups, kernel.dv_groups) == ((2, 2) if config.has_segment_ids else (3, 2))
+    for dims in ((192, 64), (256, 128)):
+        head_dim, v_head_dim = dims
+        wrong = host.Problem((2, 40, 8, head_dim), (2, 56, 2, head_dim), (2, 56, 2, v_head_dim), "bfloat16")
+        reason = backward_large_heads.unsupported_reason(config, wrong)
+        assert reason.endswith("(or (head dim, value head dim) in ((192, 128),))"), reason
+
+
 def test_gpu_without_kernel_names_its_capability(fake_gpu, monkeypatch):
     monkeypatch.setattr(cuda, "compute_capability", lambda: (8, 0))
     with pytest.raises(NotImplementedError, match=r"compute capability 8\.0 \(forward kernels exist for "

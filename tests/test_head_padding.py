@@ -31,8 +31,8 @@ from test_attention import AttentionTestBase, Case, with_cases
 
 KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)   # every forward kernel's, and the sm90 backward's
 SM100_BACKWARD_HEAD_DIMS = (64, 96, 128)
-MLA = (192, 128)   # DeepSeek MLA's (D, Dv): the sm90 forward takes it besides D = Dv
-SM90_FORWARD_PAIRS = tuple((d, d) for d in KERNEL_HEAD_DIMS) + (MLA,)
+MLA = (192, 128)   # DeepSeek MLA's (D, Dv): the sm90 forward and large-head backward take it besides D = Dv
+SM90_PAIRS = tuple((d, d) for d in KERNEL_HEAD_DIMS) + (MLA,)   # the sm90 forward's, and backward's together
 
 
 def _problem(head_dim, v_head_dim=None):
@@ -102,8 +102,7 @@ def test_sm90_tangent_pads_up_to_128_and_names_larger_head_dims():
     assert _route("tangent", (10, 0), 80)[2].startswith("there is no CuTe tangent kernel for compute capability 10.0")
 
 
-# (head dim, value head dim) -> the kernels' (D', Dv') on the sm90 backward and the sm100 forward
-# (kernels of D = Dv only).
+# (head dim, value head dim) -> the kernels' (D', Dv') on the sm100 forward (kernels of D = Dv only).
 VALUE_HEAD_DIMS = {
     (192, 128): (192, 192),   # DeepSeek MLA
     (160, 128): (192, 192),
@@ -116,14 +115,14 @@ VALUE_HEAD_DIMS = {
     (40, 72): (96, 96),
     (80, 80): (96, 96),
 }
-# The sm90 forward also takes MLA's 192/128 itself, and it is the cheaper kernel for every call of
-# 128 < D <= 192 and Dv <= 128 (160/128: 320 / 288 = 1.11x the FLOPs, not 192/192's 1.33x).
-SM90_FORWARD_VALUE_HEAD_DIMS = {**VALUE_HEAD_DIMS, (192, 128): MLA, (160, 128): MLA, (192, 64): MLA}
+# The sm90 forward and backward also take MLA's 192/128 themselves, and it is the cheaper kernel for
+# every call of 128 < D <= 192 and Dv <= 128 (160/128: 320 / 288 = 1.11x the FLOPs, not 192/192's 1.33x).
+SM90_VALUE_HEAD_DIMS = {**VALUE_HEAD_DIMS, (192, 128): MLA, (160, 128): MLA, (192, 64): MLA}
 
 
 @pytest.mark.parametrize("dims", list(VALUE_HEAD_DIMS), ids=[f"{d}-{v}" for d, v in VALUE_HEAD_DIMS])
 @pytest.mark.parametrize("capability, pass_, kernel_dims", [
-    ((9, 0), "forward", SM90_FORWARD_VALUE_HEAD_DIMS), ((9, 0), "backward", VALUE_HEAD_DIMS),
+    ((9, 0), "forward", SM90_VALUE_HEAD_DIMS), ((9, 0), "backward", SM90_VALUE_HEAD_DIMS),
     ((10, 0), "forward", VALUE_HEAD_DIMS)], ids=["sm90-forward", "sm90-backward", "sm100-forward"])
 def test_value_head_dims_pad_to_the_cheapest_kernel_that_holds_them(dims, capability, pass_, kernel_dims):
     _, padding, reason = _route(pass_, capability, *dims)
@@ -132,32 +131,34 @@ def test_value_head_dims_pad_to_the_cheapest_kernel_that_holds_them(dims, capabi
     assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == kernel_dims[dims]
 
 
-def test_sm90_forward_takes_every_call_the_mla_pair_holds_and_pads_the_rest_as_before():
-    """Every (D, Dv) up to 256: the sm90 forward runs the 192/128 kernel exactly where it holds the call
-    and no D = Dv kernel of less work does (128 < D <= 192, Dv <= 128), unpadded only for 192/128
-    itself; everywhere else it picks what the D = Dv kernels alone would."""
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+def test_sm90_takes_every_call_the_mla_pair_holds_and_pads_the_rest_as_before(pass_):
+    """Every (D, Dv) up to 256: the sm90 forward and backward run the 192/128 kernel exactly where it
+    holds the call and no D = Dv kernel of less work does (128 < D <= 192, Dv <= 128), unpadded only for
+    192/128 itself; everywhere else they pick what the D = Dv kernels alone would."""
     for head_dim in range(1, 257):
         for v_head_dim in range(1, 257):
-            route, padding, reason = _route("forward", (9, 0), head_dim, v_head_dim)
-            assert reason is None and route.module == "fa4_jax.kernels.sm90.forward"
+            route, padding, reason = _route(pass_, (9, 0), head_dim, v_head_dim)
             kernel_dims = (padding.kernel_head_dim, padding.kernel_v_head_dim)
+            module = ("forward" if pass_ == "forward" else
+                      "backward_large_heads" if kernel_dims[0] in (192, 256) else "backward")
+            assert reason is None and route.module == "fa4_jax.kernels.sm90." + module
             if 128 < head_dim <= 192 and v_head_dim <= 128:
                 assert kernel_dims == MLA, (head_dim, v_head_dim, kernel_dims)
             else:
                 d = _next_kernel_head_dim(max(head_dim, v_head_dim), KERNEL_HEAD_DIMS)
                 assert kernel_dims == (d, d), (head_dim, v_head_dim, kernel_dims)
-            assert padding.is_identity == ((head_dim, v_head_dim) in SM90_FORWARD_PAIRS)
+            assert padding.is_identity == ((head_dim, v_head_dim) in SM90_PAIRS)
 
 
-def test_mla_runs_the_sm90_forward_unpadded_and_pads_the_other_passes():
+def test_mla_runs_the_sm90_forward_and_backward_unpadded():
     """Each pass is planned on its own routes: MLA's forward runs the sm90 forward at its own dims, its
-    backward the large-head kernel at 192/192; the tangent has nothing to pad it to, and Blackwell's
-    forward (no MLA pair) pads it to 192/192."""
+    backward the large-head kernel at its own dims too; the tangent has nothing to pad it to, and
+    Blackwell's forward (no MLA pair) pads it to 192/192."""
     route, padding, reason = _route("forward", (9, 0), *MLA)
     assert reason is None and route.module == "fa4_jax.kernels.sm90.forward" and padding.is_identity
     route, padding, reason = _route("backward", (9, 0), *MLA)
-    assert reason is None and route.module == "fa4_jax.kernels.sm90.backward_large_heads"
-    assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == (192, 192)
+    assert reason is None and route.module == "fa4_jax.kernels.sm90.backward_large_heads" and padding.is_identity
     assert _route("tangent", (9, 0), *MLA)[2].endswith("not 192 with value head dim 128")
     route, padding, _ = _route("forward", (10, 0), *MLA)
     assert route.module == "fa4_jax.kernels.sm100.forward"
@@ -194,9 +195,9 @@ def test_flop_ratios_in_the_docstring():
     for (head_dim, v_head_dim), ratio in ratios.items():
         padding = head_padding.plan(head_dim, v_head_dim, [(d, d) for d in KERNEL_HEAD_DIMS])
         assert padding.flop_ratio == pytest.approx(ratio)
-    # On the sm90 forward, with its MLA pair.
+    # On the sm90 forward and backward, with their MLA pair.
     for (head_dim, v_head_dim), ratio in {(160, 128): 10 / 9, MLA: 1.0}.items():
-        assert head_padding.plan(head_dim, v_head_dim, SM90_FORWARD_PAIRS).flop_ratio == pytest.approx(ratio)
+        assert head_padding.plan(head_dim, v_head_dim, SM90_PAIRS).flop_ratio == pytest.approx(ratio)
 
 
 # ---------------------------------------------------------------------------- the padding is exact
@@ -391,14 +392,13 @@ def cuda_rules_on_cpu(monkeypatch):
 
 
 def _padded(case: Case) -> bool:
-    """Whether `case` is padded on the sm90 backward (and so on the forward too, but for MLA's 192/128,
-    whose forward runs unpadded)."""
-    padding = head_padding.plan(case.head_dim, case.v_dim, [(d, d) for d in KERNEL_HEAD_DIMS])
-    return not padding.is_identity
+    """Whether `case` is padded on sm_90 (forward and backward plan on the same pairs)."""
+    return not head_padding.plan(case.head_dim, case.v_dim, SM90_PAIRS).is_identity
 
 
-# return_lse=False and deterministic=True on padded head dims (the shared grid runs those on D 64).
-PADDED_OPTION_CASES = [Case(head_dim=80, causal=True, sinks=True), Case(head_dim=192, value_dim=128, kv_heads=1)]
+# return_lse=False and deterministic=True on padded head dims (the shared grid runs those on D 64); 160/128
+# pads Q and K to MLA's 192/128.
+PADDED_OPTION_CASES = [Case(head_dim=80, causal=True, sinks=True), Case(head_dim=160, value_dim=128, kv_heads=1)]
 
 
 @pytest.mark.skipif(has_gpu(), reason="drives the CUDA rules on the CPU; on a GPU test_attention_cute.py runs them")
@@ -416,7 +416,8 @@ class TestPaddedThroughCudaRules(AttentionTestBase):
         # Every case reached the stand-ins at head dims their kernel takes.
         assert self.calls.calls, "no kernel module was called"
         for name, kernel_head_dim, kernel_v_head_dim, _ in self.calls.calls:
-            pairs = SM90_FORWARD_PAIRS if name.endswith(".forward") else [(d, d) for d in KERNEL_HEAD_DIMS]
+            mla = name.endswith((".forward", ".backward_large_heads"))
+            pairs = SM90_PAIRS if mla else [(d, d) for d in KERNEL_HEAD_DIMS]
             assert (kernel_head_dim, kernel_v_head_dim) in pairs
 
     def supports(self, case: Case) -> bool:
@@ -449,11 +450,11 @@ def test_the_kernels_get_the_callers_scale(cuda_rules_on_cpu, inputs):
 
 
 @pytest.mark.parametrize("dims", [MLA, (160, 128)], ids=["d192-v128", "d160-v128"])
-def test_mla_forward_unpadded_and_backward_padded_through_the_api(cuda_rules_on_cpu, inputs, dims):
+def test_mla_forward_and_backward_at_192_128_through_the_api(cuda_rules_on_cpu, inputs, dims):
     """`fa4_jax.attention` and its gradient at MLA-like head dims, causal with Sq != Sk and GQA: the
-    forward module is handed 192/128 (192/128 itself unpadded, 160/128 with Q and K padded), the
-    backward module 192/192, fed the forward's O at the call's Dv = 128 and padding it itself; out,
-    LSE and every gradient equal the reference's at the call's dims."""
+    forward and the backward module are each handed 192/128 (192/128 itself unpadded, 160/128 with Q
+    and K padded), the backward fed the forward's O at the call's Dv = 128; out, LSE and every gradient
+    equal the reference's at the call's dims."""
     import fa4_jax
 
     head_dim, v_head_dim = dims
@@ -467,7 +468,7 @@ def test_mla_forward_unpadded_and_backward_padded_through_the_api(cuda_rules_on_
         return jax.jit(jax.value_and_grad(function, argnums=(0, 1, 2), has_aux=True))(query, key, value)
     (_, (out, lse)), grads = loss("cute")
     assert [call[:3] for call in cuda_rules_on_cpu.calls] == [
-        ("fa4_jax.kernels.sm90.forward", 192, 128), ("fa4_jax.kernels.sm90.backward_large_heads", 192, 192)]
+        ("fa4_jax.kernels.sm90.forward", 192, 128), ("fa4_jax.kernels.sm90.backward_large_heads", 192, 128)]
     (_, (expected_out, expected_lse)), expected_grads = loss("reference")
     assert out.shape == expected_out.shape == (2, 37, 4, v_head_dim)
     oracle.assert_close(out, expected_out, 1e-5, "out")
@@ -550,22 +551,23 @@ print("LOWERED " + json.dumps([[line.split(" : ")[-1] for line in text.splitline
 
 
 # One case per architecture (each compiles a forward and a backward kernel, ~1 min on a CI core):
-# 192/128 runs the sm90 forward unpadded and pads only the backward's value side, 80 pads both passes
-# to 96 on sm100. (head dim, value head dim, forward kernel's (D', Dv'), backward kernel's D'' = Dv'').
+# 192/128 runs the sm90 forward and backward unpadded, 80 pads both passes to 96 on sm100. (head dim,
+# value head dim, forward kernel's (D', Dv'), backward kernel's (D'', Dv'')).
 LOWERED_CASES = {
-    "sm90-d192-v128": (192, 128, MLA, 192, (9, 0), "sm_90a"),
-    "sm100-d80": (80, 80, (96, 96), 96, (10, 0), "sm_100a"),
+    "sm90-d192-v128": (192, 128, MLA, MLA, (9, 0), "sm_90a"),
+    "sm100-d80": (80, 80, (96, 96), (96, 96), (10, 0), "sm_100a"),
 }
 
 
-@pytest.mark.parametrize("head_dim, v_head_dim, forward_dims, backward_dim, capability, arch",
+@pytest.mark.parametrize("head_dim, v_head_dim, forward_dims, backward_dims, capability, arch",
                          LOWERED_CASES.values(), ids=LOWERED_CASES.keys())
 def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim, v_head_dim, forward_dims,
-                                                            backward_dim, capability, arch):
+                                                            backward_dims, capability, arch):
     """`fa4_jax.attention` and its gradient, lowered for CUDA on a pretended compute capability (the DSL
     compiles the real kernels for sm_90a / sm_100a on this CPU): one forward kernel call taking Q / K
     at the forward kernel's head dim and V at its value head dim, and in the gradient that call again
-    and one backward call after it, taking Q / K / V at the backward kernel's head dim."""
+    and one backward call after it, taking Q / K at the backward kernel's head dim and V at its value
+    head dim."""
     import json
     import os
     import subprocess
@@ -584,8 +586,8 @@ def test_padded_call_lowers_to_the_kernel_at_the_padded_dims(tmp_path, head_dim,
     forward = (f"(tensor<1x200x4x{d}xbf16>, tensor<1x300x2x{d}xbf16>, tensor<1x300x2x{dv}xbf16>) -> "
                f"(tensor<1x200x4x{dv}xbf16>, tensor<1x4x200xf32>)")
     assert forward_calls == [forward], forward_calls
-    d = backward_dim
-    backward = f"(tensor<1x200x4x{d}xbf16>, tensor<1x300x2x{d}xbf16>, tensor<1x300x2x{d}xbf16>"
+    d, dv = backward_dims
+    backward = f"(tensor<1x200x4x{d}xbf16>, tensor<1x300x2x{d}xbf16>, tensor<1x300x2x{dv}xbf16>"
     assert len(gradient_calls) == 2 and gradient_calls[0] == forward, gradient_calls
     assert gradient_calls[1].startswith(backward), gradient_calls
 

@@ -1,7 +1,9 @@
-"""CPU-only: compile the Hopper large-head backward kernel (D = 192, 256) for sm_90a with fake tensors.
+"""CPU-only: compile the Hopper large-head backward kernel (D = 192, 256; D / Dv = 192 / 128) for sm_90a
+with fake tensors.
 
-The PTX must hold what the design is made of: `wgmma.mma_async` (S, dP: D / 16 k-steps each; dV, dK:
-4 each; dQ: keys / 16, 4 or 6 with `Tuning.three_warpgroups`' 96 keys), TMA loads, the producer / consumer register split, the TMA bulk reduce-add of dQ and the
+The PTX must hold what the design is made of: `wgmma.mma_async` (S: D / 16 k-steps, dP: Dv / 16; dV,
+dK: 4 each; dQ: keys / 16, 4 or 6 with `Tuning.three_warpgroups`' 96 keys; the loop twice where a
+warp group holds no dV), TMA loads, the producer / consumer register split, the TMA bulk reduce-add of dQ and the
 TMA stores of dK / dV, and no local memory; ptxas (when installed) must report no spills. The
 `Tuning` choices compile the same way; where one does not apply (the dQ turn order without
 deterministic mode, stagger in deterministic mode) the PTX is the default's, byte for byte.
@@ -34,9 +36,9 @@ from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
 
 spec = json.loads(sys.argv[1])
 config = AttentionConfig(**spec["config"])
-batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
+batch, q_len, kv_len, q_heads, kv_heads, head_dim, *v_head_dim = spec["shape"]
 problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
-                       (batch, kv_len, kv_heads, head_dim), spec["dtype"])
+                       (batch, kv_len, kv_heads, (v_head_dim or [head_dim])[0]), spec["dtype"])
 tuning = large_heads.Tuning(**spec.get("tuning", {}))
 kernel = large_heads.Sm90LargeHeadBackwardKernel(large_heads.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
@@ -104,6 +106,14 @@ CASES = {
             dict(deterministic=True, window_left=70, window_right=20, has_q_start=True, q_total=900,
                  has_kv_seq_lengths=True), [2, 300, 333, 4, 2, 192], dict(diagonal_first=True), dict()),
        ]},
+    # DeepSeek MLA, D / Dv = 192 / 128 (EXTRA_HEAD_DIM_PAIRS; shape's 7th entry is Dv): the default three
+    # warp groups (group 2 without dV: the loop twice) with GQA, lengths off the blocks and the
+    # deterministic turns, and the two groups that segment ids resolve to.
+    "d192-v128-gqa": dict(config=dict(scale=192 ** -0.5), shape=[2, 333, 300, 8, 2, 192, 128]),
+    "d192-v128-deterministic-causal-gqa-fp16": dict(config=dict(scale=192 ** -0.5, causal=True, deterministic=True),
+                                                    shape=[2, 300, 333, 8, 2, 192, 128], dtype="float16"),
+    "d192-v128-segments-lengths": dict(config=dict(scale=192 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True,
+                                                   has_kv_seq_lengths=True), shape=[2, 197, 333, 4, 4, 192, 128]),
     # The candidate `Tuning.two_groups_by_keys` (96 keys a CTA, two consumer warp groups of 240 registers
     # splitting the keys: S / dP and dK^T / dV^T of 48 keys each, dQ by halves of D): the same features.
     **{f"d192-two-groups-by-keys{suffix}": dict(config=dict(scale=192 ** -0.5, **config), shape=shape,
@@ -125,9 +135,9 @@ def _resolved(spec):
     from fa4_jax.kernels import host
     from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
 
-    batch, q_len, kv_len, q_heads, kv_heads, head_dim = spec["shape"]
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim, *v_head_dim = spec["shape"]
     problem = host.Problem((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
-                           (batch, kv_len, kv_heads, head_dim), spec.get("dtype", "bfloat16"))
+                           (batch, kv_len, kv_heads, (v_head_dim or [head_dim])[0]), spec.get("dtype", "bfloat16"))
     return large_heads.Sm90LargeHeadBackwardKernel(large_heads.options(
         AttentionConfig(**spec["config"]), problem, large_heads.Tuning(**spec.get("tuning", {}))))
 
@@ -155,14 +165,17 @@ KNOWN_SPILLS = {"d192-three-warpgroups-segments-lengths": "8 bytes: a dS stmatri
                                   if name in KNOWN_SPILLS else name for name in sorted(CASES)])
 def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     path, ptx = compiled[name]
-    head_dim = CASES[name]["shape"][-1]
     kernel = _resolved(CASES[name])
-    keys = kernel.tile_n
+    head_dim, v_head_dim, keys = kernel.head_dim, kernel.v_head_dim, kernel.tile_n
     assert ".target sm_90a" in ptx
-    # S, dP: D / 16 k-steps each; dV, dK: 4 each per 64-row M atom a warp group holds (all of D's three
-    # with two_groups_by_keys); dQ: keys / 16.
-    dkv_atoms = head_dim // 64 if kernel.dkv_by_keys else 1
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * head_dim // 16 + 8 * dkv_atoms + keys // 16
+    # S: D / 16 k-steps, dP: Dv / 16; dK, dV: 4 each per 64-row M atom a warp group holds (all of D's
+    # three, Dv's two with two_groups_by_keys); dQ: keys / 16. Where a warp group holds no dV its loop is
+    # a second copy, without the dV GEMM.
+    by_keys = kernel.dkv_by_keys
+    without_dv = head_dim // 16 + v_head_dim // 16 + 4 * (head_dim // 64 if by_keys else 1) + keys // 16
+    dv = 4 * (v_head_dim // 64 if by_keys else 1)
+    copies = 1 if kernel.dv_groups == kernel.consumer_groups else 2
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == copies * without_dv + dv
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
     assert re.search(r"cp\.reduce\.async\.bulk[^;]*\.add", ptx), "no bulk reduce-add for dQ"
@@ -248,9 +261,9 @@ def test_three_warpgroups_refuses_other_head_dims():
 
 # Through the kernel's own tiled MMAs (host-side DSL only): where each consumer thread's dQ values are
 # staged (register value v of thread t at ((g K + v // 4) 128 + t % 128) 4 + v % 4, K = values / 4, g = t //
-# 128), which (key, head-dim) element each of its dK / dV accumulator values is (partition_C of a
-# [keys, D] identity tensor, through its [D, keys] view when dK / dV are computed transposed), and which
-# (row, key) of S / dP.
+# 128), which (key, head-dim) element each of its dK and dV accumulator values is (partition_C of a
+# [keys, D] / [keys, Dv] identity tensor, through its [D, keys] view when dK / dV are computed
+# transposed; dV only in the `dv_groups` warp groups that hold it), and which (row, key) of S / dP.
 _PLACEMENT_TRACE = r"""
 import json, sys
 import cutlass, cutlass.cute as cute
@@ -259,19 +272,23 @@ from fa4_jax.kernels import host
 from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
 from fa4_jax.kernels.sm90.wgmma import transpose_view
 spec = json.loads(sys.argv[1])
-head_dim = spec["head_dim"]
+head_dim, v_head_dim = spec["head_dim"], spec["v_head_dim"]
 query = (1, 256, 4, head_dim)
 kernel = large_heads.Sm90LargeHeadBackwardKernel(large_heads.options(
-    AttentionConfig(scale=1.0), host.Problem(query, query, query, "bfloat16"), large_heads.Tuning(**spec["tuning"])))
-dq, dkv, scores = [], [], []
+    AttentionConfig(scale=1.0), host.Problem(query, query, query[:3] + (v_head_dim,), "bfloat16"),
+    large_heads.Tuning(**spec["tuning"])))
+dq, dkv, dv, scores = [], [], [], []
 
 @cute.jit
 def trace():
     mma_sdp, mma_dkv, mma_dq = kernel._tiled_mmas()
+    mma_dv = kernel._dv_tiled_mma(mma_dkv)
     dq_coordinates = cute.make_identity_tensor((kernel.tile_m, head_dim))
     dkv_coordinates = cute.make_identity_tensor((kernel.tile_n, head_dim))
+    dv_coordinates = cute.make_identity_tensor((kernel.tile_n, v_head_dim))
     if cutlass.const_expr(kernel.dkv_transposed):
         dkv_coordinates = transpose_view(dkv_coordinates)
+        dv_coordinates = transpose_view(dv_coordinates)
     score_coordinates = cute.make_identity_tensor((kernel.tile_m, kernel.tile_n))
     for t in cutlass.range_constexpr(kernel.consumer_threads):
         values = mma_dq.get_slice(t).partition_C(dq_coordinates)
@@ -281,30 +298,39 @@ def trace():
         values = mma_dkv.get_slice(t).partition_C(dkv_coordinates)
         for v in cutlass.range_constexpr(cute.size(values)):
             dkv.append((t // 128, tuple(values[v])))
+        if cutlass.const_expr(t < 128 * kernel.dv_groups):
+            values = mma_dv.get_slice(t).partition_C(dv_coordinates)
+            for v in cutlass.range_constexpr(cute.size(values)):
+                dv.append((t // 128, tuple(values[v])))
         values = mma_sdp.get_slice(t).partition_C(score_coordinates)
         for v in cutlass.range_constexpr(cute.size(values)):
             scores.append((t // 128, tuple(values[v])))
 
 trace()
-print("PLACEMENT " + json.dumps({"groups": kernel.consumer_groups, "keys": kernel.tile_n, "dq": dq, "dkv": dkv,
-                                 "scores": scores}))
+print("PLACEMENT " + json.dumps({"groups": kernel.consumer_groups, "dv_groups": kernel.dv_groups, "keys": kernel.tile_n,
+                                 "dq": dq, "dkv": dkv, "dv": dv, "scores": scores}))
 """
 
 
-@pytest.mark.parametrize("head_dim,tuning", [(192, dict(three_warpgroups=False)), (256, dict(three_warpgroups=False)),
-                                             (192, dict(three_warpgroups=True)), (192, dict(two_groups_by_keys=True))],
-                         ids=["d192", "d256", "d192-three-warpgroups", "d192-two-groups-by-keys"])
-def test_placement_through_the_kernels_tiled_mmas(head_dim, tuning, tmp_path):
+@pytest.mark.parametrize("head_dim,v_head_dim,tuning", [
+    (192, 192, dict(three_warpgroups=False)), (256, 256, dict(three_warpgroups=False)),
+    (192, 192, dict(three_warpgroups=True)), (192, 192, dict(two_groups_by_keys=True)),
+    (192, 128, dict(three_warpgroups=True)), (192, 128, dict(three_warpgroups=False)),
+    (192, 128, dict(two_groups_by_keys=True))],
+    ids=["d192", "d256", "d192-three-warpgroups", "d192-two-groups-by-keys", "d192-v128-three-warpgroups",
+         "d192-v128-two-warpgroups", "d192-v128-two-groups-by-keys"])
+def test_placement_through_the_kernels_tiled_mmas(head_dim, v_head_dim, tuning, tmp_path):
     """Every dQ staging position holds one dQ element and `dq_reader` puts each back at its (row,
-    column); every (key, head-dim) element of dK / dV is one thread's, of the warp group owning that
+    column); every (key, head-dim) element of dK and of dV is one thread's, of the warp group owning that
     column slice (or, with two_groups_by_keys, that key slice: what `_store_dkv_tma` writes over K / V);
-    S / dP split by keys across the groups."""
+    at Dv = 128 with three groups dV only in groups 0 and 1; S / dP split by keys across the groups."""
     import numpy as np
 
     from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
     from test_kernel_compile_sm90_backward import _trace
 
-    found = _trace(_PLACEMENT_TRACE, {"head_dim": head_dim, "tuning": tuning}, tmp_path, "PLACEMENT")
+    found = _trace(_PLACEMENT_TRACE, {"head_dim": head_dim, "v_head_dim": v_head_dim, "tuning": tuning}, tmp_path,
+                   "PLACEMENT")
     groups, keys, rows = found["groups"], found["keys"], 64
     three, by_keys = tuning.get("three_warpgroups"), tuning.get("two_groups_by_keys")
     assert (groups, keys) == ((3, 96) if three else (2, 96) if by_keys else (2, 64))
@@ -318,10 +344,15 @@ def test_placement_through_the_kernels_tiled_mmas(head_dim, tuning, tmp_path):
     np.testing.assert_array_equal(read[0, :, 0], np.arange(rows * head_dim).reshape(rows, head_dim))
     dkv = sorted(tuple(element) for _, element in found["dkv"])
     assert dkv == [(key, dim) for key in range(keys) for dim in range(head_dim)]
+    dv = sorted(tuple(element) for _, element in found["dv"])
+    assert dv == [(key, dim) for key in range(keys) for dim in range(v_head_dim)]
+    dv_groups = found["dv_groups"]
+    assert dv_groups == (2 if three and v_head_dim == 128 else groups)
     if by_keys:
-        assert all(key // (keys // groups) == group for group, (key, _) in found["dkv"])
+        assert all(key // (keys // groups) == group for group, (key, _) in found["dkv"] + found["dv"])
     else:
         assert all(dim // (head_dim // groups) == group for group, (_, dim) in found["dkv"])
+        assert all(dim // (v_head_dim // dv_groups) == group for group, (_, dim) in found["dv"])
     scores = sorted(tuple(element) for _, element in found["scores"])
     assert scores == [(row, key) for row in range(rows) for key in range(keys)]
     assert all(key // (keys // groups) == group for group, (_, key) in found["scores"])

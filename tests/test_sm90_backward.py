@@ -144,11 +144,12 @@ DETERMINISTIC_CASES = ["plain-d64", "causal-d128", "causal-cross", "causal-more-
 
 
 def _make_problem(case: Case, inputs):
+    v_head_dim = case.v_head_dim or case.head_dim
     shape_q = (case.batch, case.q_len, case.q_heads, case.head_dim)
     shape_k = (case.batch, case.kv_len, case.kv_heads, case.head_dim)
     query, key, value = (inputs.normal(shape_q, case.dtype), inputs.normal(shape_k, case.dtype),
-                         inputs.normal(shape_k, case.dtype))
-    d_out = inputs.normal(shape_q, case.dtype)
+                         inputs.normal(shape_k[:3] + (v_head_dim,), case.dtype))
+    d_out = inputs.normal(shape_q[:3] + (v_head_dim,), case.dtype)
     options, optional = dict(scale=case.scale, causal=case.causal, window=case.window,
                              softcap=case.softcap), {}
     if case.sinks:

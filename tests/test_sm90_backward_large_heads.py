@@ -1,5 +1,6 @@
-"""The Hopper large-head backward kernel (D = 192, 256) against the float64 NumPy oracle, on an H200
-(skipped without a GPU); and, on the CPU, the mapping of its dQ accumulator back to rows and columns.
+"""The Hopper large-head backward kernel (D = 192, 256, and MLA's D / Dv = 192 / 128) against the float64
+NumPy oracle, on an H200 (skipped without a GPU); and, on the CPU, the mapping of its dQ accumulator back
+to rows and columns.
 
 Same harness as tests/test_sm90_backward.py (its Case, problem builder, oracle and NaN poisoning):
 the kernel gets the oracle's out and LSE rounded to the kernel's types, so the forward kernel is not
@@ -102,6 +103,50 @@ def test_three_warpgroups_matches_oracle(case: Case, variant, inputs):
     _check_against_oracle(case, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
+# DeepSeek MLA's D / Dv = 192 / 128 (EXTRA_HEAD_DIM_PAIRS), which `fa4_jax.attention` runs on this kernel
+# unpadded: V, dO and dV 128 wide; with three warp groups (the default) group 2 holds no dV. Full and
+# causal with Sq < Sk and Sq > Sk, GQA and MQA, lengths off the 64-row and 96-key blocks and on them
+# (384), fewer keys than one block, fp16, windows, softcap, sinks with d_lse, segment ids (two warp
+# groups by default), sequence lengths; unordered and deterministic (both turn orders), the two-group
+# layout and the two_groups_by_keys candidate. Select with `-k mla`.
+MLA_VARIANTS = {   # name -> (Tuning, deterministic)
+    "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
+    "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
+    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False), True),
+    "no_stagger": (sm90_backward_large_heads.Tuning(stagger=False), False),
+    "two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), False),
+    "deterministic_two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), True),
+    "two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), False),
+}
+MLA_CASES = [
+    Case("mla", head_dim=192, v_head_dim=128),
+    Case("mla-aligned", head_dim=192, v_head_dim=128, q_len=384, kv_len=384),
+    Case("mla-causal-gqa-odd", head_dim=192, v_head_dim=128, q_heads=8, kv_heads=2, causal=True, q_len=333,
+         kv_len=300),
+    Case("mla-causal-cross", head_dim=192, v_head_dim=128, causal=True, q_len=100, kv_len=357),
+    Case("mla-causal-more-queries", head_dim=192, v_head_dim=128, causal=True, q_len=300, kv_len=150),
+    Case("mla-mqa-causal-fp16", head_dim=192, v_head_dim=128, q_heads=4, kv_heads=1, causal=True, q_len=400,
+         kv_len=400, dtype=jnp.float16),
+    Case("mla-window-causal-left", head_dim=192, v_head_dim=128, window=(70, None), causal=True, q_len=400,
+         kv_len=400),
+    Case("mla-window", head_dim=192, v_head_dim=128, window=(32, 16), q_len=300, kv_len=300),
+    Case("mla-softcap", head_dim=192, v_head_dim=128, softcap=5.0, scale=1.0),
+    Case("mla-sinks-dlse", head_dim=192, v_head_dim=128, sinks=True, d_lse=True),
+    Case("mla-segments", head_dim=192, v_head_dim=128, segments=True, q_len=300, kv_len=300),
+    Case("mla-lengths-causal", head_dim=192, v_head_dim=128, q_lengths=True, kv_lengths=True, causal=True),
+    Case("mla-single-row", head_dim=192, v_head_dim=128, q_len=1, kv_len=77),
+    Case("mla-gqa-long", head_dim=192, v_head_dim=128, q_heads=8, kv_heads=2, q_len=700, kv_len=900),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(MLA_VARIANTS))
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda case: case.name)
+def test_mla_matches_oracle(case: Case, variant, inputs):
+    tuning, deterministic = MLA_VARIANTS[variant]
+    _check_against_oracle(case, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
+
+
 # Sequence-sharded queries (q_start), as context parallelism calls the kernel: each shard's rows at their
 # global offset against the whole keys, checked as in tests/test_sm90_backward.py (`_check_query_shards`:
 # the unsharded oracle's gradients with d_out and d_lse zeroed outside the shard's rows). Causal shard 0
@@ -119,6 +164,8 @@ Q_START_CASES = [
           window=(100, 100)), 4),
     (Case("q-start-causal-window-cross-mqa-d192", head_dim=192, batch=1, q_heads=2, kv_heads=1, q_len=300,
           kv_len=512, causal=True, window=(150, None)), 2),
+    (Case("q-start-causal-gqa-mla", head_dim=192, v_head_dim=128, batch=1, q_heads=4, kv_heads=2, q_len=512,
+          kv_len=512, causal=True), 2),
 ]
 Q_START_VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
@@ -150,10 +197,12 @@ DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIA
 DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.Tuning(diagonal_first=False)
 DETERMINISTIC_TUNINGS["three_warpgroups"] = sm90_backward_large_heads.Tuning(three_warpgroups=True)
 
-REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D)
+REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),
     # 4 x 4 KV heads x 32 key blocks = 512 CTAs, about four waves on an H200 (one CTA per SM).
     (4, 2048, 8, 4, 256),
+    # MLA: 4 x 4 KV heads x 22 key blocks of 96 = 352 CTAs, warp group 2 of each without dV.
+    (4, 2048, 8, 4, 192, 128),
 ]
 # D = 192 only; 4 x 4 KV heads x 22 key blocks of 96 = 352 CTAs, between two and three waves.
 THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES = [(1, 1024, 4, 4, 192), (4, 2048, 8, 4, 192)]
@@ -173,9 +222,10 @@ def _reproducibility_parameters():
 def test_deterministic_is_bitwise_reproducible(causal, shape, tuning, inputs):
     """deterministic=True: five runs give identical bits (11 to 32 key blocks add into each dQ
     tile), close to the unordered sums. Out and LSE from the reference forward (on the GPU)."""
-    batch, length, heads, kv_heads, head_dim = shape
-    query, d_out = (inputs.normal((batch, length, heads, head_dim), jnp.bfloat16) for _ in range(2))
-    key, value = (inputs.normal((batch, length, kv_heads, head_dim), jnp.bfloat16) for _ in range(2))
+    batch, length, heads, kv_heads, head_dim, *v_head_dim = shape
+    v_head_dim = (v_head_dim or [head_dim])[0]
+    query, d_out = (inputs.normal((batch, length, heads, dim), jnp.bfloat16) for dim in (head_dim, v_head_dim))
+    key, value = (inputs.normal((batch, length, kv_heads, dim), jnp.bfloat16) for dim in (head_dim, v_head_dim))
     config = AttentionConfig(scale=head_dim ** -0.5, causal=causal, deterministic=True)
     out, lse = jax.jit(lambda *a: reference.reference_forward(*a, {}, config))(query, key, value)
 

@@ -228,9 +228,9 @@ def test_mla_runs_unpadded_and_matches_oracle(case: Case, inputs):
 @pytest.mark.parametrize("case", [case for case in MLA_CASES if case.name in (
     "mla-causal-more-queries-gqa", "mla-causal-cross", "mla-lengths-causal-gqa-fp16")], ids=lambda case: case.name)
 def test_mla_gradient_through_public_api(case: Case, inputs):
-    """jax.grad of an MLA call through `fa4_jax.attention`: the sm90 forward unpadded at 192/128, the
-    large-head backward at 192/192 (the lowering pads V, and the forward's O and dO, to 192), and the
-    gradients against the float64 oracle (4 roundings of the input type, as the backward's own tests)."""
+    """jax.grad of an MLA call through `fa4_jax.attention`: the sm90 forward and the large-head backward
+    both unpadded at 192/128 (V, O and dO reach the backward 128 wide), and the gradients against the
+    float64 oracle (4 roundings of the input type, as the backward's own tests)."""
     query, key, value, options = _make_inputs(case, inputs)
     d_out = inputs.normal(query.shape[:3] + (case.v_head_dim,), case.dtype)
 
@@ -240,11 +240,11 @@ def test_mla_gradient_through_public_api(case: Case, inputs):
     gradient = jax.grad(loss, argnums=(0, 1, 2))
     calls = _kernel_calls(gradient, query, key, value)
     operands = ", ".join(_tensor_type(x.shape, case.dtype) for x in (query, key, value))
-    padded_value = _tensor_type(value.shape[:3] + (case.head_dim,), case.dtype)
+    d_out_type = _tensor_type(query.shape[:3] + (case.v_head_dim,), case.dtype)
     assert sorted(calls) == ["sm90_backward_large_heads", "sm90_forward"], calls
     assert [call.startswith(f"({operands}") for call in calls["sm90_forward"]] == [True], calls
-    backward_operands = f"({_tensor_type(query.shape, case.dtype)}, {_tensor_type(key.shape, case.dtype)}, {padded_value}"
-    assert [call.startswith(backward_operands) for call in calls["sm90_backward_large_heads"]] == [True], calls
+    # (query, key, value, dO, ...): the call's own dims.
+    assert [call.startswith(f"({operands}, {d_out_type}") for call in calls["sm90_backward_large_heads"]] == [True], calls
 
     grads = jax.jit(gradient)(query, key, value)
     expected = numpy_reference.attention_backward(

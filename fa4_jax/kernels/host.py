@@ -398,12 +398,14 @@ def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_
     `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
     q_heads, head_dim)`, the semaphores, then dK, dV in the input type, or with `fp32_dkv` the one fp32
     accumulator [2, B, Sk, Hkv, D] and None, as `launch_backward` passes them), for compiling without a
-    GPU. shape = (B, Sq, Sk, Hq, Hkv, D); with packed sequences B = 1 and `num_sequences` N sizes the
+    GPU. shape = (B, Sq, Sk, Hq, Hkv, D) or (B, Sq, Sk, Hq, Hkv, D, Dv) (Dv: value, dO and dV head dim, D
+    when not given); with packed sequences B = 1 and `num_sequences` N sizes the
     offsets and the turn counters (`backward_query_tiles`)."""
     import cutlass
     from cutlass import Float32
 
-    batch, q_len, kv_len, q_heads, kv_heads, head_dim = shape
+    batch, q_len, kv_len, q_heads, kv_heads, head_dim, *rest = shape
+    v_head_dim = rest[0] if rest else head_dim
     element = cutlass_dtype(dtype_name)
     padded = backward_padded_rows(q_len, tile_m)
     present = {"q_segment_ids": config.has_segment_ids, "kv_segment_ids": config.has_segment_ids,
@@ -411,16 +413,18 @@ def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_
                "q_start": config.has_q_start, "cu_seqlens_q": config.has_cu_seqlens,
                "cu_seqlens_k": config.has_cu_seqlens}
     query_shape, key_shape = (batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    value_shape, d_out_shape = (batch, kv_len, kv_heads, v_head_dim), (batch, q_len, q_heads, v_head_dim)
     fake = fake_tensor
     return [
-        fake(element, query_shape), fake(element, key_shape), fake(element, key_shape),
-        fake(element, query_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
+        fake(element, query_shape), fake(element, key_shape), fake(element, value_shape),
+        fake(element, d_out_shape), fake(Float32, (batch, q_heads, padded)), fake(Float32, (batch, q_heads, padded)),
         *(_fake_optional(name, batch, q_len, kv_len, num_sequences) if present[name] else None
           for name in optional_inputs),
         fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
         (fake(cutlass.Int32, (batch, q_heads, backward_query_tiles(q_len, tile_m, num_sequences)))
          if config.deterministic else None),
-        *((fake(Float32, (2, *key_shape)), None) if fp32_dkv else (fake(element, key_shape),) * 2),
+        *((fake(Float32, (2, *key_shape)), None) if fp32_dkv
+          else (fake(element, key_shape), fake(element, value_shape))),
     ]
 
 

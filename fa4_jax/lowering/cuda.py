@@ -6,8 +6,8 @@ whose (D, Dv) some route's kernel holds once zero-padded (`fa4_jax/lowering/head
 padding is exact, costs (D' + Dv') / (D + Dv) more FLOPs and a padded copy of each operand, and stays
 inside this lowering, so residuals keep the call's dims). Each pass is planned on its own routes: e.g.
 on sm_90, D = 80 runs the D = 96 forward and backward and the D = 128 tangent, 112 the 128 ones, 160
-the 192 ones; MLA's 192/128 runs the forward unpadded (the sm90 forward's extra pair) and the
-backward padded to 192/192. Decode is not padded.
+the 192 ones; MLA's 192/128 runs the forward and the backward unpadded (the sm90 forward's and
+large-head backward's extra pair) and the tangent not at all. Decode is not padded.
 
 `implementation=None` falls back to the reference with a one-time warning that says why;
 `implementation="cute"` raises instead, naming what the kernel cannot take.
@@ -52,10 +52,10 @@ class Route:
 
 # Every kernel there is, and what selects it. A call no row matches runs the reference (with the reason).
 ROUTES = (
-    # DeepSeek MLA's 192/128 unpadded; its backward and tangent have no such pair and pad.
+    # DeepSeek MLA's 192/128 unpadded, forward and backward; the tangent has no such pair.
     Route(9, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm90.forward", extra_pairs=((192, 128),)),
     Route(9, "backward", (64, 96, 128), "fa4_jax.kernels.sm90.backward"),
-    Route(9, "backward", (192, 256), "fa4_jax.kernels.sm90.backward_large_heads"),
+    Route(9, "backward", (192, 256), "fa4_jax.kernels.sm90.backward_large_heads", extra_pairs=((192, 128),)),
     # Forward-mode AD's tangent (jax.jvp / linearize / jacfwd), from the forward's saved O and LSE.
     Route(9, "tangent", (64, 128), "fa4_jax.kernels.sm90.tangent"),
     Route(10, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm100.forward"),

@@ -2,8 +2,8 @@
 kernel's head dims for a call and pads into / slices out of it.
 
 Every kernel takes a few (head dim, value head dim) pairs, today D = Dv in {64, 96, 128, 192, 256}, and
-the sm90 forward also DeepSeek MLA's 192/128 (the routing table in `fa4_jax/lowering/cuda.py` says
-which per GPU and pass). A call of head dims (D, Dv) runs the kernel pair (D', Dv') with D' >= D and
+the sm90 forward and large-head backward also DeepSeek MLA's 192/128 (the routing table in
+`fa4_jax/lowering/cuda.py` says which per GPU and pass). A call of head dims (D, Dv) runs the kernel pair (D', Dv') with D' >= D and
 Dv' >= Dv that does the least work, with query and key zero-padded from D to D' and value from Dv to
 Dv' along the head axis:
 - exact: the zero columns add nothing to Q K^T, so the logits, the softmax, the LSE and the sinks are
@@ -13,14 +13,15 @@ Dv' along the head axis:
 - the backward: dO and O are padded like V (their zero columns add nothing to dP = dO V^T or to
   rowsum(dO * O)); dQ = dS K, dK = dS^T Q and dV = P^T dO come out with zero extra columns, sliced off.
   Each pass is planned on its own kernels' pairs, from the call's dims: O and the LSE reach the backward
-  at the call's dims whether the forward padded or not (the LSE has no head axis), so an MLA call on
-  sm_90 runs its forward at 192/128 and its backward at 192/192, padding O there like dO.
+  at the call's dims whether the forward padded or not (the LSE has no head axis), so e.g. a 160/128
+  call on sm_90 runs both passes at 192/128, padding only Q and K, and on sm_100 its forward at
+  192/192 and its backward on the reference.
 - the tangent (forward mode): t_Q and t_K are padded like Q and K, t_V and O like V; t_S = scale ·
   (t_Q K^T + Q t_K^T) is the call's, and t_out = P t_V + (P o t_S) V - t_lse o O has zero extra
   columns, sliced off; t_lse is the call's.
 - the cost, for a (D, Dv) call on kernel (D', Dv'): FLOPs grow by (D' + Dv') / (D + Dv) (80 -> 96:
-  1.2x; 72 -> 96: 1.33x; 112 -> 128: 1.14x; 160 -> 192: 1.2x; MLA 192/128 -> 192/192 (its backward, and
-  the sm100 forward): 1.2x; 160/128 -> 192/128 on the sm90 forward: 1.1x; 64/128 -> 128/128 and
+  1.2x; 72 -> 96: 1.33x; 112 -> 128: 1.14x; 160 -> 192: 1.2x; MLA 192/128 -> 192/192 (the sm100
+  forward): 1.2x; 160/128 -> 192/128 on the sm90 forward and backward: 1.1x; 64/128 -> 128/128 and
   256/128 -> 256/256: 1.33x; 96/64 -> 96/96: 1.2x), and each padded operand is one more
   copy: the forward reads Q, K, V and writes their padded copies (D'/D, Dv'/Dv as large), then
   slices O; the backward pads Q, K, V, O, dO and slices dQ, dK, dV. Those copies live only inside

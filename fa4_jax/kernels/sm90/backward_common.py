@@ -49,6 +49,7 @@ class BackwardOptions:
 
     dtype_name: str            # "bfloat16" | "float16"
     head_dim: int
+    v_head_dim: int            # of V, O, dO, dV: head_dim, or a kernel's EXTRA_HEAD_DIM_PAIRS partner
     group: int                 # query heads per key/value head
     scale: float
     causal: bool
@@ -76,18 +77,18 @@ class BackwardOptions:
 
     @classmethod
     def of(cls, config: AttentionConfig, problem: host.Problem, tuning, head_splits: int = 1) -> "BackwardOptions":
-        return cls(problem.dtype, problem.head_dim, problem.group, config.scale, config.causal,
+        return cls(problem.dtype, problem.head_dim, problem.v_head_dim, problem.group, config.scale, config.causal,
                    config.window_left, config.window_right, config.softcap, config.has_segment_ids,
                    config.has_q_seq_lengths, config.has_kv_seq_lengths, config.has_q_start, config.q_total,
                    config.deterministic, config.has_sinks, tuning, head_splits)
 
 
 def unsupported_reason(kernel_name: str, config: AttentionConfig, problem: host.Problem,
-                       head_dims, takes_packed: bool = False) -> Optional[str]:
-    """What either sm90 backward kernel (`kernel_name`, its `head_dims`) cannot take, or None: the
-    checks of every kernel, the (key blocks, KV heads, batch) grid's limits, and q_start
-    (`takes_packed`: the kernel schedules packed sequences)."""
-    return (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims, takes_packed)
+                       head_dims, takes_packed: bool = False, extra_pairs=()) -> Optional[str]:
+    """What either sm90 backward kernel (`kernel_name`, its `head_dims` with D = Dv and its
+    `extra_pairs` of (D, Dv)) cannot take, or None: the checks of every kernel, the (key blocks, KV
+    heads, batch) grid's limits, and q_start (`takes_packed`: the kernel schedules packed sequences)."""
+    return (host.kernel_unsupported_reason(kernel_name, config, problem, head_dims, takes_packed, extra_pairs)
             or host.grid_unsupported_reason(kernel_name, problem)
             or host.q_start_unsupported_reason(kernel_name, config))
 
@@ -116,6 +117,7 @@ class Sm90BackwardBase:
         self.options = options
         self.dtype = host.cutlass_dtype(options.dtype_name)
         self.head_dim = options.head_dim
+        self.v_head_dim = options.v_head_dim
         self.group = options.group
         self.scale = options.scale
         self.softcap = options.softcap
@@ -153,9 +155,11 @@ class Sm90BackwardBase:
                  mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
                  iterations, sequence=None):
         tile_q = (self.tile_m, self.head_dim)
+        tile_do = (self.tile_m, self.v_head_dim)
         tile_k = (self.tile_n, self.head_dim)
+        tile_v = (self.tile_n, self.v_head_dim)
         gK = cute.local_tile(self._sequence_rows(mK[None, None, kv_head, batch], sequence, 1), tile_k, (n_block, 0))
-        gV = cute.local_tile(self._sequence_rows(mV[None, None, kv_head, batch], sequence, 1), tile_k, (n_block, 0))
+        gV = cute.local_tile(self._sequence_rows(mV[None, None, kv_head, batch], sequence, 1), tile_v, (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
                                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
@@ -170,7 +174,7 @@ class Sm90BackwardBase:
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             gQ = cute.local_tile(self._sequence_rows(mQ[None, None, q_head, batch], sequence, 0), tile_q, (None, 0))
-            gdO = cute.local_tile(self._sequence_rows(mdO[None, None, q_head, batch], sequence, 0), tile_q, (None, 0))
+            gdO = cute.local_tile(self._sequence_rows(mdO[None, None, q_head, batch], sequence, 0), tile_do, (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
                                                cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
@@ -205,10 +209,12 @@ class Sm90BackwardBase:
 
     @cute.jit
     def _store_dkv_tma(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
-                       kv_head, batch, tidx):
+                       kv_head, batch, tidx, thr_dv=None):
         """dK (scaled) and dV rounded into the K and V tiles' shared memory, then one TMA bulk store
         each; the copy engine clips the rows past the sequence end. With `dkv_transposed` the
-        accumulators are of dK^T / dV^T and land through [D, keys] views of the same tiles."""
+        accumulators are of dK^T / dV^T and land through [D, keys] views of the same tiles. `thr_dv`:
+        the dV MMA's slice where it is not `thr_dkv`'s; `acc_dV` None: this thread holds no dV (a warp
+        group outside the dV MMA, backward_large_heads' three groups at Dv = 128)."""
         consumers = pipeline.NamedBarrier(barrier_id=DKV_STORE_BARRIER,
                                           num_threads=self.consumer_threads)
         consumers.arrive_and_wait()        # every warp group's last GEMMs have read K and V
@@ -218,9 +224,12 @@ class Sm90BackwardBase:
         rounded_dk = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
         rounded_dk.store((acc_dK.load() * self.scale).to(self.dtype))
         cute.autovec_copy(rounded_dk, thr_dkv.partition_C(dk_tile))
-        rounded_dv = cute.make_rmem_tensor(acc_dV.layout, self.dtype)
-        rounded_dv.store(acc_dV.load().to(self.dtype))
-        cute.autovec_copy(rounded_dv, thr_dkv.partition_C(dv_tile))
+        if const_expr(thr_dv is None):
+            thr_dv = thr_dkv
+        if const_expr(acc_dV is not None):
+            rounded_dv = cute.make_rmem_tensor(acc_dV.layout, self.dtype)
+            rounded_dv.store(acc_dV.load().to(self.dtype))
+            cute.autovec_copy(rounded_dv, thr_dv.partition_C(dv_tile))
         cute.arch.fence_proxy("async.shared", space="cta")
         consumers.arrive_and_wait()
         self._copy_dkv_tiles(tma_dk, sK, mdK, tma_dv, sV, mdV, n_block, kv_head, batch, tidx)
@@ -231,9 +240,8 @@ class Sm90BackwardBase:
         block of `mdK`, `mdV` with one TMA bulk copy each (a store or a reduce-add, as the atoms say)
         and waits until the copy engine has read them, so the shared memory outlives the reads."""
         if tidx // 32 == 0:
-            tile = (self.tile_n, self.head_dim)
-            gdK = cute.local_tile(mdK[None, None, kv_head, batch], tile, (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, kv_head, batch], tile, (n_block, 0))
+            gdK = cute.local_tile(mdK[None, None, kv_head, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, kv_head, batch], (self.tile_n, self.v_head_dim), (n_block, 0))
             tdKsdK, tdKgdK = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1),
                                                    cute.group_modes(sdK, 0, 2),
                                                    cute.group_modes(gdK, 0, 2))

@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) attention backward for head dims 192 and 256: dQ, dK, dV in CuTe DSL.
+"""Hopper (sm_90a) attention backward for head dims 192 and 256, and DeepSeek MLA's D / Dv = 192 / 128:
+dQ, dK, dV in CuTe DSL.
 
 backward.py keeps dK and dV of 64 keys per consumer warp group in registers: at D = 256 that is
 256 fp32 registers per thread before a single score, more than a thread has. This kernel uses the
@@ -40,6 +41,19 @@ and 1.4-1.5x in deterministic mode): 96 keys per CTA and three consumer warp gro
 columns each (160 registers), one Q / dO stage, dK / dV computed transposed (dK^T = Q^T dS, M = the
 group's columns), P and dS stored with stmatrix. D = 256 keeps the two groups above.
 
+MLA's Dv = 128 (EXTRA_HEAD_DIM_PAIRS) takes the same layouts with V, dO and dV 128 wide: dP = dO V^T
+has K = 128 (8 k-steps instead of 12). With three warp groups dV^T is two 64-row atoms: groups 0 and 1
+own one each (M = 64, N = 96 keys, as dK^T), group 2 owns none and runs its own copy of the loop
+without the dV GEMM (`dv_groups`; a copy rather than a branch around that wgmma, so that ptxas sees
+the same straight pipeline in both). Per query block and CTA that is (in m64nNk16 instructions x N)
+S 3 x 12 x 32, dP 3 x 8 x 32, dV^T 2 x 4 x 96, dK^T 3 x 4 x 96, dQ 3 x 6 x 64 = 832 / 960 of the
+padded 192 / 192 kernel's work; splitting dV^T by keys instead (each group M = 128, N = 32) would
+balance the groups but reads a third more shared memory per FLOP in those GEMMs (N = 32 reads 3 KiB a
+k-step for 32 K MACs, N = 96 5 KiB for 96 K), which the S / dP GEMMs already saturate. Group 2's lighter
+block lets it start the next block's S and dP while groups 0 and 1 finish dV. With two warp groups
+(segment ids) each takes 64 of dV's 128 columns. The shared memory freed (V and one dO stage 24 and 16
+KiB instead of 36 and 24: 197 KiB with three groups) does not hold a second Q / dO stage (+40 KiB).
+
 In deterministic mode the dQ turns go highest key block first (`Tuning.diagonal_first`, backward.py's
 order: under a causal mask that is the order the key blocks reach a tile). `Tuning.stagger=False` (walk
 without a stagger, as backward.py does) is a candidate, off so that what ships is what was measured;
@@ -72,6 +86,8 @@ from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, accumulat
                                         swizzle_columns, transpose_view)
 
 SUPPORTED_HEAD_DIMS = (192, 256)
+# DeepSeek MLA's (D, Dv), besides D = Dv: V, dO and dV are Dv wide (`Sm90LargeHeadBackwardKernel.dv_groups`).
+EXTRA_HEAD_DIM_PAIRS = ((192, 128),)
 TILE_N = 64                     # keys per CTA
 THREE_WARPGROUPS_TILE_N = 96    # keys per CTA with `Tuning.three_warpgroups`
 THREE_WARPGROUPS_HEAD_DIM = 192
@@ -130,7 +146,8 @@ DEFAULT_TUNING = Tuning()
 
 def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Optional[str]:
     """Why this kernel cannot take the call, or None when it can."""
-    return backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS)
+    return backward_common.unsupported_reason("sm90 large-head backward", config, problem, SUPPORTED_HEAD_DIMS,
+                                              extra_pairs=EXTRA_HEAD_DIM_PAIRS)
 
 
 def query_stages(head_dim: int, tile_n: int = TILE_N) -> int:
@@ -188,6 +205,11 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         # with `dkv_by_keys` M = the whole head dim, N = the group's keys (two_groups_by_keys).
         self.dkv_transposed = three_warpgroups or by_keys
         self.dkv_by_keys = by_keys
+        # The warp groups that hold dV: all of them (each Dv / groups columns, or with `dkv_by_keys` its
+        # keys), except with three groups at Dv = 128: dV^T's two 64-row atoms go to groups 0 and 1, and
+        # group 2 computes S, dP, dK^T and dQ only (`_consume(holds_dv=False)`).
+        assert self.v_head_dim % 64 == 0, "dV in whole 64-column MMA atoms"
+        self.dv_groups = self.v_head_dim // self.group_dim if three_warpgroups else self.consumer_groups
         # Deterministic mode needs the plain walk (with a stagger the turns would wait).
         self.stagger = tuning.stagger and not self.deterministic
         self.diagonal_first = self.deterministic and tuning.diagonal_first
@@ -204,9 +226,11 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         """What `SharedStorage` takes, member by member with its alignment (mbarriers first)."""
         element = self.dtype.width // 8
         q_ring = self.stages * self.tile_m * self.head_dim * element
+        do_ring = self.stages * self.tile_m * self.v_head_dim * element
         key_tile = self.tile_n * self.head_dim * element
+        value_tile = self.tile_n * self.v_head_dim * element
         pds = PDS_BUFFERS * self.tile_m * self.tile_n * element
-        members = [q_ring, q_ring, key_tile, key_tile, pds, pds, self.tile_m * self.head_dim * 4]
+        members = [q_ring, do_ring, key_tile, value_tile, pds, pds, self.tile_m * self.head_dim * 4]
         offset = 8 * (2 * self.stages + 2 + 2)
         for size in members:
             offset = host.ceil_div(offset, 1024) * 1024 + size
@@ -224,8 +248,9 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, groups, 1),
             (self.tile_m, self.tile_n // groups))
         if self.dkv_by_keys:
-            # dV^T += dO^T P, dK^T += Q^T dS as below, each warp group N = its keys and M = all of D: the
-            # [D, keys] accumulator tiles the (64, keys) MMA three times along M, all in each group.
+            # dV^T += dO^T P, dK^T += Q^T dS as below, each warp group N = its keys and M = all of D (Dv):
+            # the [D, keys] accumulator tiles the (64, keys) MMA three times along M (Dv / 64 times for
+            # dV), all in each group.
             mma_dkv = sm90_helpers.make_trivial_tiled_mma(
                 self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, groups, 1),
                 (64, self.tile_n // groups))
@@ -247,26 +272,45 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             (self.tile_m, self.group_dim))
         return mma_sdp, mma_dkv, mma_dq
 
-    def _dkv_tile(self):
-        """The (rows, columns) of the dK / dV accumulators: [keys, D], or [D, keys] transposed."""
-        return (self.head_dim, self.tile_n) if self.dkv_transposed else (self.tile_n, self.head_dim)
+    def _dv_tiled_mma(self, mma_dkv):
+        """The dV (dV^T) MMA: `mma_dkv` where dV has dK's shape (D = Dv) or the groups split the keys
+        (`dkv_by_keys`: Dv / 64 atoms along M instead of three); at Dv < D each warp group's N = Dv /
+        groups columns of dV, or, transposed, the first `dv_groups` groups' M = 64 rows of dV^T each.
+        Built where it is used, not passed to the kernel: a tiled MMA is a kernel parameter of its own,
+        and the D = Dv kernels keep theirs."""
+        if self.v_head_dim == self.head_dim or self.dkv_by_keys:
+            return mma_dkv
+        if self.dkv_transposed:
+            return sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (self.dv_groups, 1, 1),
+                (self.group_dim, self.tile_n))
+        return sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, self.consumer_groups, 1),
+            (self.tile_n, self.v_head_dim // self.consumer_groups))
+
+    def _dkv_tile(self, head_dim):
+        """The (rows, columns) of the dK (`head_dim` D) or dV (Dv) accumulator: [keys, D], or [D, keys]
+        transposed."""
+        return (head_dim, self.tile_n) if self.dkv_transposed else (self.tile_n, head_dim)
 
     def _smem_layouts(self):
         d = self.head_dim
-        # Q, dO and K are also read MN-major with MN = a warp group's columns of D, and dK / dV are
-        # written over K / V by those columns: the swizzle atom must tile them (64 columns at D = 256
-        # and with three warp groups, 32 at D = 192 with two).
+        # Q, dO and K are also read MN-major with MN = a warp group's columns of D (of Dv for dO), and
+        # dK / dV are written over K / V by those columns: the swizzle atom must tile them (64 columns
+        # at D = 256, with three warp groups and at Dv = 128, 32 at D = Dv = 192 with two).
         group_atom = swizzle_columns(self.group_dim, 64)
+        value_atom = swizzle_columns(self.v_head_dim // self.dv_groups, 64)
         q_layout = k_major_layout(self.dtype, self.tile_m, d, self.stages, group_atom)
+        do_layout = k_major_layout(self.dtype, self.tile_m, self.v_head_dim, self.stages, value_atom)
         k_layout = k_major_layout(self.dtype, self.tile_n, d, None, group_atom)
-        v_layout = k_major_layout(self.dtype, self.tile_n, d, None, group_atom)
+        v_layout = k_major_layout(self.dtype, self.tile_n, self.v_head_dim, None, value_atom)
         # P and dS as [rows, keys], keys contiguous: what the S accumulator writes pairwise, the
         # K-major A of dQ and (transposed) the MN-major A of dV / dK.
         # With `dkv_by_keys` the atom must tile a group's 48 keys (16 columns, where 96 keys take 32).
         pds_columns = self.tile_n // self.consumer_groups if self.dkv_by_keys else self.tile_n
         pds_layout = k_major_layout(self.dtype, self.tile_m, self.tile_n, PDS_BUFFERS,
                                     swizzle_columns(pds_columns, 64))
-        return q_layout, k_layout, v_layout, pds_layout
+        return q_layout, do_layout, k_layout, v_layout, pds_layout
 
     @cute.jit
     def __call__(self, stream, mQ, mK, mV, mdO, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
@@ -282,20 +326,24 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                         for t in (mLSE, mdPsum)]
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
-        q_layout, k_layout, v_layout, pds_layout = self._smem_layouts()
+        q_layout, do_layout, k_layout, v_layout, pds_layout = self._smem_layouts()
         q_stage_layout = cute.select(q_layout, mode=[0, 1])
+        do_stage_layout = cute.select(do_layout, mode=[0, 1])
         tile_q = (self.tile_m, self.head_dim)
+        tile_do = (self.tile_m, self.v_head_dim)
         tile_k = (self.tile_n, self.head_dim)
+        tile_v = (self.tile_n, self.v_head_dim)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, q_stage_layout, tile_q)
-        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load, mdO, q_stage_layout, tile_q)
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load, mdO, do_stage_layout, tile_do)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, k_layout, tile_k)
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, v_layout, tile_k)
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, v_layout, tile_v)
         store = cpasync.CopyBulkTensorTileS2GOp()
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, k_layout, tile_k)
-        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, v_layout, tile_k)
-        self.query_block_bytes = 2 * cute.size_in_bytes(self.dtype, q_stage_layout)
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, v_layout, tile_v)
+        self.query_block_bytes = (cute.size_in_bytes(self.dtype, q_stage_layout)
+                                  + cute.size_in_bytes(self.dtype, do_stage_layout))
         self.key_block_bytes = (cute.size_in_bytes(self.dtype, k_layout)
                                 + cute.size_in_bytes(self.dtype, v_layout))
 
@@ -307,7 +355,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             key_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             dq_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(do_layout)], align]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], align]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], align]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(pds_layout)], align]
@@ -323,14 +371,14 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK,
                     tma_v, tma_mV, mdQacc, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mdPsum,
                     mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths, mQStart, mSemaphores, mQ.shape[0],
-                    q_layout, k_layout, v_layout, pds_layout).launch(
+                    q_layout, do_layout, k_layout, v_layout, pds_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mma_sdp, mma_dkv, mma_dq, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV,
                mdQacc, tma_dk, mdK, tma_dv, mdV, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, mQSeqLengths, mKVSeqLengths,
-               mQStart, mSemaphores, q_len_static, q_layout, k_layout, v_layout, pds_layout):
+               mQStart, mSemaphores, q_len_static, q_layout, do_layout, k_layout, v_layout, pds_layout):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
         if const_expr(self.diagonal_first):
@@ -340,7 +388,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
         storage = SmemAllocator().allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sdO = storage.sdO.get_tensor(do_layout.outer, swizzle=do_layout.inner)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sP = storage.sP.get_tensor(pds_layout.outer, swizzle=pds_layout.inner)
@@ -392,10 +440,18 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                                iterations, kv_len, offset, q_start)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
-            self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
-                          key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds,
-                          (tma_dk, mdK, tma_dv, mdV), tidx - WARP_GROUP, n_block, kv_head, batch,
-                          m_lo, m_count, iterations, offset, kv_len, q_len, q_start)
+            consume = (mma_sdp, mma_dkv, self._dv_tiled_mma(mma_dkv), mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ,
+                       query_pipe, key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds,
+                       (tma_dk, mdK, tma_dv, mdV), tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count,
+                       iterations, offset, kv_len, q_len, q_start)
+            if const_expr(self.dv_groups == self.consumer_groups):
+                self._consume(*consume, holds_dv=True)
+            else:
+                # Two copies of the loop, so that no wgmma of either sits under a branch.
+                if warp_group <= self.dv_groups:
+                    self._consume(*consume, holds_dv=True)
+                else:
+                    self._consume(*consume, holds_dv=False)
 
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
@@ -407,11 +463,16 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         return kv_head * self.group + it // m_count, m_lo + step
 
     @cute.jit
-    def _consume(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
+    def _consume(self, mma_sdp, mma_dkv, mma_dv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
                  key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, dkv_store, tidx, n_block, kv_head,
-                 batch, m_lo, m_count, iterations, offset, kv_len, q_len, q_start):
+                 batch, m_lo, m_count, iterations, offset, kv_len, q_len, q_start, holds_dv: cutlass.Constexpr):
+        """The consumer warp groups' loop; `holds_dv` False: a warp group outside the dV MMA
+        (`dv_groups`), which computes and stores no dV."""
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dv = None
+        if const_expr(holds_dv):
+            thr_dv = mma_dv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
 
         # Operand fragments: shared-memory descriptors (the stage / buffer is the last mode).
@@ -421,14 +482,17 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
         # P^T / dS^T [keys, rows] and dO / Q read as [D, rows]: A and B of dV, dK, or B and A of the
         # transposed dV^T, dK^T.
+        tdVrP = tdVrdO = None
         if const_expr(self.dkv_transposed):
-            tdVrP = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sP)))
-            tdVrdO = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sdO)))
+            if const_expr(holds_dv):
+                tdVrP = thr_dv.make_fragment_B(thr_dv.partition_B(transpose_view(sP)))
+                tdVrdO = thr_dv.make_fragment_A(thr_dv.partition_A(transpose_view(sdO)))
             tdKrdS = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdS)))
             tdKrQ = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sQ)))
         else:
-            tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sP)))
-            tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdO)))
+            if const_expr(holds_dv):
+                tdVrP = thr_dv.make_fragment_A(thr_dv.partition_A(transpose_view(sP)))
+                tdVrdO = thr_dv.make_fragment_B(thr_dv.partition_B(transpose_view(sdO)))
             tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sdS)))
             tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sQ)))
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
@@ -449,10 +513,12 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         dq_chunks = self.tile_m * self.group_dim // (4 * WARP_GROUP)   # 4-value chunks a thread
         tdQsdQ = backward_common.register_order_staging(sdQ.iterator, tidx, dq_chunks)
 
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self._dkv_tile()), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self._dkv_tile()), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(self._dkv_tile(self.head_dim)), Float32)
         acc_dK.fill(0.0)
-        acc_dV.fill(0.0)
+        acc_dV = None
+        if const_expr(holds_dv):
+            acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C(self._dkv_tile(self.v_head_dim)), Float32)
+            acc_dV.fill(0.0)
 
         # (row, key) coordinates of this thread's S elements, viewed (rows, keys) for the masks.
         coords = accumulator_mn(thr_sdp.partition_C(
@@ -512,13 +578,15 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             pds_ready.arrive_and_wait()
             warpgroup.fence()
             if const_expr(self.dkv_transposed):
-                gemm(mma_dkv, acc_dV, tdVrdO[None, None, None, stage], tdVrP[None, None, None, buffer],
-                     False)
+                if const_expr(holds_dv):
+                    gemm(mma_dv, acc_dV, tdVrdO[None, None, None, stage], tdVrP[None, None, None, buffer],
+                         False)
                 gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer],
                      False)
             else:
-                gemm(mma_dkv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, stage],
-                     False)
+                if const_expr(holds_dv):
+                    gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, stage],
+                         False)
                 gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage],
                      False)
             warpgroup.commit_group()
@@ -547,7 +615,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             dq_state.advance()
 
         self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
-                            tidx)
+                            tidx, thr_dv)
 
     @cute.jit
     def _round_into(self, accumulator, destination, stmatrix=None):
