@@ -7,9 +7,8 @@ XLA pass that merges its splits; `num_splits` records how many; with --combines 
 the splits merged another way (DecodeOptions.combine): `fa4_jax_last_cta_combine_ms` (the same splits,
 merged by the kernel's last CTA; `fa4_jax_fused_combine_ms` in reports before 2026-12-06) and
 `fa4_jax_cluster_combine_ms` (at most 16 splits, `cluster_num_splits`, merged through distributed
-shared memory); with --page-lookahead `fa4_jax_page_lookahead_ms`, the candidate that loads each key
-block's page numbers a block ahead, beside `fa4_jax_run_ms`, the default options through the same
-decode.run), Pallas `decode_attention.gqa` on the same cache
+shared memory); with --option-variants the DecodeOptions candidates (OPTION_VARIANTS) through
+decode.run, `fa4_jax_<name>_ms`, beside `fa4_jax_run_ms`, the default options through it), Pallas `decode_attention.gqa` on the same cache
 viewed contiguously (its API takes [B, L, Hkv, D] and transposes K and V to [B, Hkv, L, D] inside the call, which its time includes) and
 Pallas `paged_attention` (its own [Hkv, pages, page, D] layout, copied untimed; its default
 block_h = 16, the smallest it takes) where they run (Sq = 1 only: both take one query token), and the
@@ -25,7 +24,7 @@ distinct DecodeOptions), so the timed process loads them.
 
 Usage:
     python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick]
-        [--combines last_cta,cluster]
+        [--combines last_cta,cluster] [--option-variants variadic_merge]
     python benchmarks/decode.py --plot benchmarks/results/decode_h200.json --png decode_h200.png
     python benchmarks/decode.py --merge b1.json b8.json b64.json --out decode_h200.json   (no GPU needed)
 
@@ -172,7 +171,11 @@ def _pallas_functions(row, arguments):
     return functions
 
 
-def measure(row, key, iterations, sm_count: int = None, combines=(), page_lookahead=False) -> dict:
+# DecodeOptions candidates `--option-variants` times through decode.run, beside the defaults through it.
+OPTION_VARIANTS = {"no_page_lookahead": {"page_lookahead": False}, "variadic_merge": {"xla_merge": "variadic"}}
+
+
+def measure(row, key, iterations, sm_count: int = None, combines=(), option_variants=()) -> dict:
     import jax
     import fa4_jax
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode
@@ -197,8 +200,8 @@ def measure(row, key, iterations, sm_count: int = None, combines=(), page_lookah
                 jax.jit(lambda *a: decode.run(options, *a)), arguments, iterations)
         except Exception as error:
             record[f"fa4_jax_{combine}_combine_error"] = attention_error(error)
-    if page_lookahead:   # DecodeOptions.page_lookahead, beside decode.run of the default options
-        for name, overrides in (("run", {}), ("page_lookahead", {"page_lookahead": True})):
+    if option_variants:   # DecodeOptions candidates, beside decode.run of the default options
+        for name, overrides in [("run", {})] + [(name, OPTION_VARIANTS[name]) for name in option_variants]:
             options = _options(row, sm_count, **overrides)
             try:
                 _, record[f"fa4_jax_{name}_ms"] = attention._median_ms(
@@ -240,7 +243,9 @@ def _format(record) -> str:
             f"ours {number('fa4_jax_ms')} ms {number('fa4_jax_tbps', '{:5.2f}')} TB/s "
             f"({record.get('num_splits')} splits; last CTA {number('fa4_jax_last_cta_combine_ms')} ms; "
             f"cluster of {record.get('cluster_num_splits', '-')} {number('fa4_jax_cluster_combine_ms')} ms; "
-            f"run {number('fa4_jax_run_ms')} / page lookahead {number('fa4_jax_page_lookahead_ms')} ms)  "
+            f"run {number('fa4_jax_run_ms')}"
+            + "".join(f" / {name} {number(f'fa4_jax_{name}_ms')}" for name in OPTION_VARIANTS
+                      if f"fa4_jax_{name}_ms" in record) + " ms)  "
             f"pallas best {number('pallas_best_ms')} ms  ref {number('reference_ms')} ms"
             + "".join(f"  [{name}: {record[name][:80]}]" for name in record if name.endswith("_error")))
 
@@ -260,15 +265,16 @@ def run(args):
                   timing="CUPTI kernel time per call (all kernels), median", rows=[])
     sm_count = host.sm_count(DEFAULT_SM_COUNT)
     combines = tuple(args.combines.split(",")) if args.combines else ()
+    option_variants = tuple(args.option_variants.split(",")) if args.option_variants else ()
     variants = ({},) + tuple({"combine": combine} for combine in combines) \
-        + (({"page_lookahead": True},) if args.page_lookahead else ())
+        + tuple(OPTION_VARIANTS[name] for name in option_variants)
     if args.compile_workers > 0:
         report["precompile"] = precompile(row_list, args.compile_workers, sm_count, variants)
     report["copy_tbps"] = copy_bandwidth(args.iterations)
     print(f"device-to-device copy: {report['copy_tbps']:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     for row in row_list:
-        record = measure(row, key, args.iterations, sm_count, combines, args.page_lookahead)
+        record = measure(row, key, args.iterations, sm_count, combines, option_variants)
         record["copy_tbps"] = report["copy_tbps"]
         if "fa4_jax_tbps" in record:
             record["fraction_of_copy"] = record["fa4_jax_tbps"] / report["copy_tbps"]
@@ -338,9 +344,9 @@ def main(argv=None):
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--combines", help="comma-separated kernel merges to time besides the default XLA pass: "
                                            "last_cta, cluster (fa4_jax_<combine>_combine_ms)")
-    parser.add_argument("--page-lookahead", action="store_true",
-                        help="also time DecodeOptions(page_lookahead=True) and, beside it, decode.run of the "
-                             "default options (fa4_jax_page_lookahead_ms, fa4_jax_run_ms)")
+    parser.add_argument("--option-variants", help="comma-separated DecodeOptions candidates to time through "
+                        f"decode.run ({', '.join(OPTION_VARIANTS)}: fa4_jax_<name>_ms) and, beside them, the "
+                        "default options through it (fa4_jax_run_ms)")
     parser.add_argument("--compile-workers", type=int, default=12)
     parser.add_argument("--plot", help="a report to plot (no GPU needed)")
     parser.add_argument("--png")

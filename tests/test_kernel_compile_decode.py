@@ -54,9 +54,11 @@ CONFIGS = {
     "d128-q4-cluster-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 3], "bfloat16", 64, "sm_90a",
                               {"combine": "cluster"}),
     "d256-cluster-2": ({}, [8, 2, 16, 2, 256, 2], "bfloat16", 64, "sm_90a", {"combine": "cluster", "num_splits": 2}),
-    # Page numbers loaded a block ahead (`page_lookahead`): the benchmark's 8k row (32 splits of 4 blocks).
-    "d128-page-lookahead": ({}, [1, 1, 32, 8, 128, 512], "bfloat16", 16, "sm_90a",
-                            {"combine": "xla", "page_lookahead": True}),
+    # The benchmark's 8k row (32 splits of 4 blocks), its page numbers loaded a block ahead (the default)
+    # and right before their cp.async (`page_lookahead=False`).
+    "d128-page-lookahead": ({}, [1, 1, 32, 8, 128, 512], "bfloat16", 16, "sm_90a", {"combine": "xla"}),
+    "d128-no-page-lookahead": ({}, [1, 1, 32, 8, 128, 512], "bfloat16", 16, "sm_90a",
+                               {"combine": "xla", "page_lookahead": False}),
     "sm100-d128-cluster": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a", {"combine": "cluster"}),
     "sm100-d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a"),
     "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),
@@ -432,14 +434,16 @@ def test_unsupported(config, problem, message, monkeypatch):
     assert message in decode.unsupported_reason(config, problem)
 
 
-def test_combine_partials_is_the_softmax_over_all_keys(rng):
+@pytest.mark.parametrize("xla_merge", decode.XLA_MERGES)
+def test_combine_partials_is_the_softmax_over_all_keys(rng, xla_merge):
     """Partials cut from one row's keys at random, each a normalised (O, LSE) (or empty: -inf), merge
-    into the softmax over all keys with the sinks; padded rows of the tile (NaN here) are dropped."""
+    into the softmax over all keys with the sinks; padded rows of the tile (NaN here) are dropped. Both
+    forms of the XLA merge (staged, one variadic reduction)."""
     batch, kv_heads, group, q_len, dim, keys = 2, 3, 2, 3, 64, 40
     problem = host.Problem((batch, q_len, kv_heads * group, dim), (batch, 100, kv_heads, dim),
                            (batch, 100, kv_heads, dim), "bfloat16", page_size=10)
     options = decode.options(AttentionConfig(scale=0.3, causal=True, has_kv_seq_lengths=True), problem,
-                             sm_count=132, num_splits=7)
+                             sm_count=132, num_splits=7, xla_merge=xla_merge)
     parts, rows = options.num_splits, options.rows
     logits = rng.standard_normal((batch, kv_heads, rows, keys)) * 3
     values = rng.standard_normal((batch, kv_heads, keys, dim))
@@ -473,10 +477,11 @@ def test_combine_partials_is_the_softmax_over_all_keys(rng):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_combine_of_rows_that_see_nothing():
+@pytest.mark.parametrize("xla_merge", decode.XLA_MERGES)
+def test_combine_of_rows_that_see_nothing(xla_merge):
     problem = host.Problem((1, 1, 2, 64), (1, 10, 1, 64), (1, 10, 1, 64), "bfloat16", page_size=10)
     options = decode.options(AttentionConfig(scale=0.3, causal=True, has_kv_seq_lengths=True), problem,
-                             sm_count=132)
+                             sm_count=132, xla_merge=xla_merge)
     o_shape, lse_shape = decode.partial_shapes(options, 1, 1)
     out, lse = decode.combine_partials(options, jnp.zeros(o_shape), jnp.full(lse_shape, -jnp.inf), None, 1, 1)
     assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)

@@ -77,9 +77,11 @@ def test_paged_decode_matches_oracle(case, rng):
 
 
 # Options that are not the default, on every paged case through the public API (the kernel's options
-# patched): the cluster combine (the splits merge through distributed shared memory) and the page numbers
-# loaded a block ahead of their cp.async. Select with `-k cluster` or `-k page_lookahead`.
-EVERY_CASE_OPTIONS = {"cluster_combine": {"combine": "cluster"}, "page_lookahead": {"page_lookahead": True}}
+# patched): the cluster combine (the splits merge through distributed shared memory), the page numbers
+# loaded right before their cp.async (the default loads them a block ahead), and the XLA merge as one
+# variadic reduction. Select with `-k cluster`, `-k page_lookahead` or `-k variadic`.
+EVERY_CASE_OPTIONS = {"cluster_combine": {"combine": "cluster"}, "no_page_lookahead": {"page_lookahead": False},
+                      "variadic_merge": {"xla_merge": "variadic"}}
 
 
 @gpu
@@ -112,10 +114,13 @@ FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits"
           # one split is empty and merges as -inf).
           {"combine": "cluster"}, {"combine": "cluster", "num_splits": 1}, {"combine": "cluster", "num_splits": 2},
           {"combine": "cluster", "num_splits": 16},
-          # Page numbers a block ahead: one split (15 blocks through the loop), 7, two and four stages.
-          {"page_lookahead": True, "num_splits": 1}, {"page_lookahead": True, "num_splits": 7},
-          {"page_lookahead": True, "tile_n": 128, "num_stages": 2}, {"page_lookahead": True, "num_stages": 4,
-                                                                     "num_splits": 2}]
+          # Page numbers loaded right before their cp.async (the default: a block ahead): one split (15
+          # blocks through the loop), 7, four stages.
+          {"page_lookahead": False, "num_splits": 1}, {"page_lookahead": False, "num_splits": 7},
+          {"page_lookahead": False, "num_stages": 4, "num_splits": 2},
+          # The XLA merge as one variadic reduction: 2, 40 and 128 splits (113 of them empty).
+          {"xla_merge": "variadic", "num_splits": 2}, {"xla_merge": "variadic", "num_splits": 40},
+          {"xla_merge": "variadic", "num_splits": 128}]
 
 
 @gpu

@@ -2,13 +2,15 @@
 Compute's --profile-from-start off), after a warm-up call that compiles and loads every kernel: the profile
 holds that call's kernels and nothing else (no input generation, no compilation).
 
-Usage: python benchmarks/device/decode_one_call.py BATCH CONTEXT PAGE_SIZE Q_LEN [--combine last_cta|cluster]
-           [--page-lookahead]   (decode.run with those DecodeOptions instead of the public API)
+Usage: python benchmarks/device/decode_one_call.py BATCH CONTEXT PAGE_SIZE Q_LEN
+           [--overrides '{"combine": "last_cta", "page_lookahead": false}']
+       (with --overrides: decode.run with those DecodeOptions fields instead of the public API)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -19,8 +21,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name in ("batch", "context", "page_size", "q_len"):
         parser.add_argument(name, type=int)
-    parser.add_argument("--combine", default=None)
-    parser.add_argument("--page-lookahead", action="store_true")
+    parser.add_argument("--overrides", type=json.loads, default={})
     args = parser.parse_args()
 
     import jax
@@ -32,10 +33,8 @@ def main():
 
     row = dict(batch=args.batch, context=args.context, q_len=args.q_len, page_size=args.page_size)
     arguments = jax.block_until_ready(decode._inputs(row, jax.random.key(0)))
-    overrides = dict(({"combine": args.combine} if args.combine else {}),
-                     **({"page_lookahead": True} if args.page_lookahead else {}))
-    if overrides:
-        options = decode._options(row, DEFAULT_SM_COUNT, **overrides)
+    if args.overrides:
+        options = decode._options(row, DEFAULT_SM_COUNT, **args.overrides)
         call = jax.jit(lambda *a: decode_kernel.run(options, *a))
     else:
         call = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute"))

@@ -5,7 +5,8 @@
 # (benchmarks/device/decode_one_call.py, `--set full`), the details page as text, the per-SASS-instruction
 # stall samples and the raw metrics, compressed.
 # Usage (device machine, repo root, bundle sourced):
-#   bash benchmarks/device/decode_profile.sh "BATCH CONTEXT PAGE_SIZE Q_LEN [--combine last_cta]" ...
+#   bash benchmarks/device/decode_profile.sh "BATCH CONTEXT PAGE_SIZE Q_LEN [--overrides JSON]" ...
+# (each row is one ncu report: keep the rows few, a call returns a limited number of files)
 set -u
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a FA4_JAX_CACHE_DIR=/tmp/fa4_kernels PYTHONUNBUFFERED=1 \

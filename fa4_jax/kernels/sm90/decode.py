@@ -14,15 +14,16 @@ kernel is built to keep that read at the memory-bandwidth limit:
   by then) into the split's one.
 - Where the splits merge (`DecodeOptions.combine`; one split always writes the final O and LSE itself):
   - "xla" (the default): each split writes its normalised partial O (fp32, only the tile's real rows)
-    and LSE, and `combine_partials`, one fused XLA pass, merges them with the sinks.
+    and LSE, and `combine_partials` merges them with the sinks in XLA (`xla_merge`: in stages, which XLA
+    emits as three kernels, or as one variadic reduction, a candidate).
   - "last_cta" (measured ~1 us slower than the XLA pass, below): each split writes its partial, fences
     (device scope), and one thread adds 1 to the (batch, head tile)'s int32 counter with an acq_rel
     atomic; the CTA that sees splits - 1 is the last, zeroes the counter again, and merges every
     split's partial (just written, so read from L2) with the sinks into the final O (output dtype,
     [B, Sq, Hq, Dv]) and LSE [B, Hq, Sq]. The counters come zeroed from XLA (aliased in and out, so the
     kernel owns the buffer).
-  - "cluster" (a candidate, not yet measured): the splits of one (batch, head tile) are one thread-block
-    cluster (so at most MAX_CLUSTER_SPLITS of them). Each keeps its partial in its own shared memory;
+  - "cluster" (measured no faster at B = 1 and 25-45 % slower at B = 8; docs/kernels.md): the splits
+    of one (batch, head tile) are one thread-block cluster (so at most MAX_CLUSTER_SPLITS of them). Each keeps its partial in its own shared memory;
     after a cluster barrier (release / acquire) every CTA merges a share of the (row, 8-column chunk)
     items, reading all the splits' partials through distributed shared memory, and writes them to the
     final O and LSE; a second barrier keeps each CTA's shared memory alive until the others have read
@@ -92,6 +93,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 _TILE_N_AND_STAGES = {64: (128, 3), 128: (64, 3), 256: (64, 2)}
 CHUNK = 8                # elements per 16-byte cp.async
 COMBINES = ("xla", "last_cta", "cluster")
+XLA_MERGES = ("staged", "variadic")
 # The largest thread-block cluster sm_90 / sm_100 launch (16 needs the non-portable size, which the DSL
 # allows on every kernel it builds); with 2 CTAs per SM one cluster of 16 spans 8 SMs of one GPC.
 MAX_CLUSTER_SPLITS = 16
@@ -114,11 +116,18 @@ class DecodeOptions:
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
     combine: str = "xla"      # where the splits merge: "xla", "last_cta" or "cluster" (module docstring)
     rescale_threshold: float = 8.0
-    # Load each key block's page numbers one block before its cp.async (a candidate, off until measured;
-    # docs/kernels.md, "Decode: page numbers one block ahead"). A cp.async address needs its row's
+    # Load each key block's page numbers one block before its cp.async. A cp.async address needs its row's
     # block-table entry, so without it every block's issue waits for a table load (a DRAM or L2 round
     # trip) in the middle of the loop, and the prologue's stages wait for theirs one after another.
-    page_lookahead: bool = False
+    # Measured on an H100 (c2332f0; docs/kernels.md, "Decode: page numbers one block ahead"): equal or
+    # faster on all 24 rows, ~1 us at B = 1 8k and 1-2 us at B = 8 1k. False: the old order.
+    page_lookahead: bool = True
+    # How `combine_partials` merges the splits with combine="xla" (no change to the kernel): "staged", a max,
+    # then sums, then a divide (XLA emits it as three kernels, ~1 us each at B = 1: ncu, H100, 17f1841), or
+    # "variadic", one lax.reduce over the splits of (LSE, O) pairs whose combiner is the two-part softmax
+    # merge (one reduction kernel). A candidate, off until measured (docs/kernels.md, "Decode: the XLA
+    # merge in one reduction").
+    xla_merge: str = "staged"
 
     @property
     def rows(self) -> int:
@@ -144,6 +153,8 @@ class DecodeOptions:
                              f"num_stages >= 2; got {self.tile_n}, {self.num_stages}")
         if self.combine not in COMBINES:
             raise ValueError(f"combine must be one of {COMBINES}; got {self.combine!r}")
+        if self.xla_merge not in XLA_MERGES:
+            raise ValueError(f"xla_merge must be one of {XLA_MERGES}; got {self.xla_merge!r}")
         if self.combine == "cluster" and self.num_splits > MAX_CLUSTER_SPLITS:
             raise ValueError(f"the cluster combine merges at most {MAX_CLUSTER_SPLITS} splits (one thread-block "
                              f"cluster); got {self.num_splits}")
@@ -733,7 +744,7 @@ def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batc
     lse [B, Hq, Sq].
 
     lse = log(sum_p exp(lse_p) + exp(sink)); out = sum_p exp(lse_p - lse) O_p, a row whose every
-    partial is -inf (and sink too) gets out 0, lse -inf. Runs as one fused XLA pass over the partials.
+    partial is -inf (and sink too) gets out 0, lse -inf; in stages or as one reduction (`options.xla_merge`).
     """
     group, q_len, rows = options.group, options.q_len, options.rows
     parts = options.num_splits
@@ -743,10 +754,24 @@ def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batc
         x = jnp.moveaxis(x, 2, 3).reshape((batch, kv_heads, parts, options.row_tiles * TILE_M) + x.shape[5:])
         return x[:, :, :, :rows]
     lse_parts, o_parts = by_row(partial_lse), by_row(partial_o)
-    top = lse_parts.max(axis=2)
     sink_rows = None
     if sinks is not None:
         sink_rows = jnp.tile(sinks.reshape(kv_heads, group), (1, q_len))[None]   # row = position * G + g
+    if options.xla_merge == "variadic":
+        out, lse = _merge_in_one_reduction(lse_parts, o_parts, sink_rows)
+    else:
+        out, lse = _merge_in_stages(lse_parts, o_parts, sink_rows)
+    out = out.reshape(batch, kv_heads, q_len, group, -1).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(batch, q_len, kv_heads * group, -1)
+    lse = lse.reshape(batch, kv_heads, q_len, group).transpose(0, 1, 3, 2).reshape(batch, kv_heads * group, q_len)
+    return out, lse
+
+
+def _merge_in_stages(lse_parts, o_parts, sink_rows):
+    """(out [B, Hkv, rows, D], lse [B, Hkv, rows]) from the parts' [B, Hkv, P, rows(, D)]: the largest LSE,
+    the weights against it, their sum, then the weighted sum of the parts."""
+    top = lse_parts.max(axis=2)
+    if sink_rows is not None:
         top = jnp.maximum(top, sink_rows)
     shift = jnp.where(jnp.isfinite(top), top, 0.0)
     weights = jnp.exp(lse_parts - shift[:, :, None])
@@ -758,10 +783,35 @@ def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batc
     out = jnp.einsum("bhpr,bhprd->bhrd", weights / safe_total[:, :, None], o_parts,
                      precision=jax.lax.Precision.HIGHEST)
     lse = jnp.where(has_mass, shift + jnp.log(safe_total), -jnp.inf)
-    out = out.reshape(batch, kv_heads, q_len, group, -1).transpose(0, 2, 1, 3, 4)
-    out = out.reshape(batch, q_len, kv_heads * group, -1)
-    lse = lse.reshape(batch, kv_heads, q_len, group).transpose(0, 1, 3, 2).reshape(batch, kv_heads * group, q_len)
     return out, lse
+
+
+def _merge_two(first, second):
+    """The softmax merge of two (LSE, O) parts, elementwise: lse = log(e^a + e^b), O = e^(a - lse) O_a +
+    e^(b - lse) O_b; two empty parts (-inf) merge to (-inf, 0). (-inf, 0) is its identity, and it is
+    associative and commutative up to rounding, as a reduction's combiner must be."""
+    (lse_a, o_a), (lse_b, o_b) = first, second
+    top = jnp.maximum(lse_a, lse_b)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    weight_a, weight_b = jnp.exp(lse_a - shift), jnp.exp(lse_b - shift)
+    total = weight_a + weight_b
+    has_mass = total > 0
+    safe_total = jnp.where(has_mass, total, 1.0)
+    return (jnp.where(has_mass, shift + jnp.log(safe_total), -jnp.inf),
+            (weight_a * o_a + weight_b * o_b) / safe_total)
+
+
+def _merge_in_one_reduction(lse_parts, o_parts, sink_rows):
+    """`_merge_in_stages`'s result from one variadic lax.reduce over the parts' axis (one kernel where the
+    staged form is three): each part's LSE broadcast along D next to its O, the sink one more part of O 0."""
+    lse_wide = jnp.broadcast_to(lse_parts[..., None], o_parts.shape)
+    if sink_rows is not None:
+        sink_part = jnp.broadcast_to(sink_rows[:, :, None, :, None],
+                                     (o_parts.shape[0], o_parts.shape[1], 1) + o_parts.shape[3:])
+        lse_wide = jnp.concatenate([lse_wide, sink_part], axis=2)
+        o_parts = jnp.concatenate([o_parts, jnp.zeros_like(sink_part)], axis=2)
+    lse, out = jax.lax.reduce((lse_wide, o_parts), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _merge_two, (2,))
+    return out, lse[..., 0]
 
 
 def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks=None):
