@@ -122,11 +122,12 @@ CASES = {
     "d128-causal-gqa-deterministic-dq-free-on-read": dict(
         config=dict(scale=128 ** -0.5, causal=True, deterministic=True), shape=[2, 256, 512, 8, 2, 128],
         tuning=dict(dq_free_on_read=True)),
-    # Rotated turns for deterministic full-mask rows (`Tuning.rotated_turns`): GQA D 128 with head splits
-    # and key lengths (D 64 at 128 rows: with dq_free_on_read above).
+    # Deterministic full-mask rows walk in rotated turns by default (`Tuning.rotated_turns`): GQA D 128 with
+    # head splits and key lengths (D 64 at 128 rows: with dq_free_on_read above). The plain turns compile in
+    # the causal deterministic cases, where rotated turns resolve off.
     "d128-gqa-lengths-deterministic-rotated-turns": dict(
         config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
-        shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(rotated_turns=True)),
+        shape=[2, 256, 700, 8, 2, 128], head_splits=2),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),
