@@ -103,9 +103,10 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
                         "deterministic_ds_plain_store", "deterministic_dq_free_on_read", *rotated, *wide, *rows_80,
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
-        # D = 192's former two-warp-group layout, for comparison.
-        three = ["two_warpgroups", "deterministic_two_warpgroups", "two_groups_by_keys",
-                 "deterministic_two_groups_by_keys"] if head_dim == 192 else []
+        # D = 192's former two-warp-group layout, for comparison, and its candidates.
+        candidates = ["two_groups_by_keys", "deterministic_two_groups_by_keys", "prefetch_query",
+                      "deterministic_prefetch_query"]
+        three = ["two_warpgroups", "deterministic_two_warpgroups", *candidates] if head_dim == 192 else []
         assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(

@@ -126,6 +126,14 @@ CASES = {
            ("-segments-lengths", dict(has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
             [2, 197, 333, 4, 4, 192], dict()),
        ]},
+    # The candidate `Tuning.prefetch_query` (two Q stages, dO one stage in a pipeline of its own, one P / dS
+    # buffer behind PDS_FREE_BARRIER): MLA deterministic causal GQA (two loop copies: group 2 holds no dV) and
+    # D = Dv = 192 causal GQA.
+    "d192-v128-prefetch-query-deterministic-causal-gqa": dict(
+        config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 333, 8, 2, 192, 128],
+        tuning=dict(prefetch_query=True)),
+    "d192-prefetch-query-causal-gqa": dict(config=dict(scale=192 ** -0.5, causal=True),
+                                           shape=[2, 300, 333, 8, 2, 192], tuning=dict(prefetch_query=True)),
 }
 
 
@@ -192,6 +200,108 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     if ptxas is None:
         pytest.skip("ptxas not installed: the PTX was checked, spills were not")
     assert_no_spills(ptxas, path, name)
+
+
+def _pds_reuse_violations(ptx: str, score_columns: int, free_barrier: int) -> list:
+    """Where a P / dS store may overwrite what a wgmma still reads, in each loop of `ptx` (a label and the
+    branch back to it) that stores P / dS (stmatrix): for each wgmma reading P or dS (every wgmma but S and
+    dP's m64n<score_columns>), going on round the loop (the next iteration's stores come at its top), the
+    first stmatrix must come after a `wgmma.wait_group 0` and, after that wait, a `bar.sync free_barrier`.
+    Returns the PTX line numbers of the wgmmas for which it does not; [] when every reuse waits."""
+    lines = ptx.splitlines()
+    labels = {match.group(1): number for number, line in enumerate(lines)
+              if (match := re.match(r"(\$L__BB\d+_\d+):", line))}
+    violations = []
+    for end, line in enumerate(lines):
+        back = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if back is None or labels.get(back.group(1), end) >= end:
+            continue
+        events = []
+        for number in range(labels[back.group(1)], end + 1):
+            text = lines[number]
+            wgmma = re.search(r"wgmma\.mma_async\S*\.m64n(\d+)k16", text)
+            if wgmma and int(wgmma.group(1)) != score_columns:
+                events.append(("read", number))
+            elif re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", text):
+                events.append(("wait", number))
+            elif re.search(rf"\bbar(?:rier)?\.sync(?:\.aligned)?\s+{free_barrier}\b", text):
+                events.append(("free", number))
+            elif "stmatrix" in text:
+                events.append(("store", number))
+        if not any(kind == "store" for kind, _ in events):
+            continue
+        for index, (kind, number) in enumerate(events):
+            if kind != "read":
+                continue
+            waited = False
+            for step in range(1, len(events) + 1):
+                following, _ = events[(index + step) % len(events)]
+                waited = waited or following == "wait"
+                if following == "free" and waited:
+                    break
+                if following == "store":
+                    violations.append(number)
+                    break
+    return violations
+
+
+PREFETCH_CASES = sorted(name for name in CASES if "prefetch-query" in name)
+
+
+@pytest.mark.parametrize("name", PREFETCH_CASES)
+def test_prefetch_query_reuses_the_pds_buffer_only_after_every_read(compiled, name):
+    """`Tuning.prefetch_query` keeps one P / dS buffer: in every consumer loop (two where warp group 2 holds
+    no dV) the P store of block i + 1 comes after each P / dS-reading wgmma of block i has been waited for
+    (wait_group 0) and, after that, after the all-consumer barrier PDS_FREE_BARRIER, once per loop. Without
+    that barrier the same PTX would reuse the buffer unguarded (the check sees the difference). dO has a
+    ring of its own: its full barrier is waited for between S's wgmmas and dP's."""
+    from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
+
+    _, ptx = compiled[name]
+    kernel = _resolved(CASES[name])
+    assert (kernel.consumer_groups, kernel.stages, kernel.do_stages, kernel.pds_buffers) == (3, 2, 1, 1)
+    score_columns = kernel.tile_n // kernel.consumer_groups
+    barrier = large_heads.PDS_FREE_BARRIER
+    loops = 1 if kernel.dv_groups == kernel.consumer_groups else 2
+    free = re.findall(rf"\bbar(?:rier)?\.sync(?:\.aligned)?\s+{barrier}, (\d+);", ptx)
+    assert free == [str(kernel.consumer_threads)] * loops
+    assert _pds_reuse_violations(ptx, score_columns, barrier) == []
+    unguarded = re.sub(rf"\bbar(?:rier)?\.sync(?:\.aligned)?\s+{barrier}, \d+;", "", ptx)
+    assert len(_pds_reuse_violations(unguarded, score_columns, barrier)) >= loops
+    # S's wgmmas, the dO pipeline's full-barrier wait, then dP's: in each loop.
+    order = "".join("w" if op.startswith("wgmma") else "b" for op in
+                    re.findall(rf"wgmma\.mma_async\S*\.m64n{score_columns}k16|mbarrier\.try_wait", ptx))
+    assert order.count("w" * (kernel.head_dim // 16) + "b" + "w" * (kernel.v_head_dim // 16)) == loops
+
+
+@pytest.mark.parametrize("head_dim,v_head_dim,tuning", [
+    (256, 256, dict(prefetch_query=True)), (192, 192, dict(prefetch_query=True, three_warpgroups=False)),
+    (192, 128, dict(prefetch_query=True, two_groups_by_keys=True))])
+def test_prefetch_query_refuses_other_layouts(head_dim, v_head_dim, tuning):
+    """`Tuning.prefetch_query` changes the three-warp-group layout: not at D = 256, not with two warp groups."""
+    from fa4_jax.config import AttentionConfig
+    from fa4_jax.kernels import host
+    from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
+
+    shape = (1, 256, 4, head_dim)
+    options = large_heads.options(AttentionConfig(scale=1.0),
+                                  host.Problem(shape, shape, shape[:3] + (v_head_dim,), "bfloat16"),
+                                  large_heads.Tuning(**tuning))
+    with pytest.raises(ValueError, match="prefetch_query"):
+        large_heads.Sm90LargeHeadBackwardKernel(options)
+
+
+@pytest.mark.parametrize("v_head_dim", [192, 128])
+@pytest.mark.parametrize("segments", [False, True])
+def test_prefetch_query_takes_the_defaults_shared_memory(v_head_dim, segments):
+    """The second Q stage (+64 x 192 x 2 bytes) is paid for with the second P / dS buffer (-2 x 64 x 96 x 2):
+    the three-warp-group default's shared memory, and three warp groups with segment ids too."""
+    spec = dict(config=dict(scale=0.1, has_segment_ids=segments), shape=[1, 256, 256, 4, 4, 192, v_head_dim])
+    prefetch = _resolved({**spec, "tuning": dict(prefetch_query=True)})
+    default = _resolved({**spec, "tuning": dict(three_warpgroups=True)})
+    assert prefetch.consumer_groups == 3
+    assert prefetch.shared_memory_bytes() == default.shared_memory_bytes() == (222208 if v_head_dim == 192
+                                                                               else 201728)
 
 
 # Per parametrisation: the spec, and the tuning setting that does not apply in its mode (also what

@@ -6,8 +6,9 @@ Same harness as tests/test_sm90_backward.py (its Case, problem builder, oracle a
 the kernel gets the oracle's out and LSE rounded to the kernel's types, so the forward kernel is not
 involved, and the tolerance is the same 4 roundings of the inputs' type relative to max |expected|.
 Every case runs with the default kernel and with each `Tuning` candidate in the mode it applies to
-(VARIANTS; `three_warpgroups`, D = 192 only, on its own cases: THREE_WARPGROUPS_*); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than
-the GPU holds at once (a turn order that waited for a CTA launched later would hang there).
+(VARIANTS; `three_warpgroups` and the D = 192 candidates on their own cases: THREE_WARPGROUPS_*,
+MLA_*); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than the GPU
+holds at once (a turn order that waited for a CTA launched later would hang there).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ THREE_WARPGROUPS_VARIANTS = {   # name -> (Tuning, deterministic)
     # The candidate with two warp groups splitting the 96 keys (`-k two_groups_by_keys`).
     "two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), False),
     "deterministic_two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), True),
+    # The candidate with two Q stages and one P / dS buffer (`-k prefetch_query`; with segment ids too).
+    "prefetch_query": (sm90_backward_large_heads.Tuning(prefetch_query=True), False),
+    "deterministic_prefetch_query": (sm90_backward_large_heads.Tuning(prefetch_query=True), True),
 }
 THREE_WARPGROUPS_CASES = [case for case in CASES if case.head_dim == 192] + [
     Case("aligned-d192", head_dim=192, q_len=384, kv_len=384),
@@ -108,7 +112,7 @@ def test_three_warpgroups_matches_oracle(case: Case, variant, inputs):
 # causal with Sq < Sk and Sq > Sk, GQA and MQA, lengths off the 64-row and 96-key blocks and on them
 # (384), fewer keys than one block, fp16, windows, softcap, sinks with d_lse, segment ids (two warp
 # groups by default), sequence lengths; unordered and deterministic (both turn orders), the two-group
-# layout and the two_groups_by_keys candidate. Select with `-k mla`.
+# layout and the two_groups_by_keys and prefetch_query candidates. Select with `-k mla`.
 MLA_VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
     "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
@@ -117,6 +121,8 @@ MLA_VARIANTS = {   # name -> (Tuning, deterministic)
     "two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), False),
     "deterministic_two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), True),
     "two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), False),
+    "prefetch_query": (sm90_backward_large_heads.Tuning(prefetch_query=True), False),
+    "deterministic_prefetch_query": (sm90_backward_large_heads.Tuning(prefetch_query=True), True),
 }
 MLA_CASES = [
     Case("mla", head_dim=192, v_head_dim=128),
@@ -196,6 +202,7 @@ DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIA
 # Lowest key block first: D = 256's default order, D = 192's before diagonal-first became its default.
 DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.Tuning(diagonal_first=False)
 DETERMINISTIC_TUNINGS["three_warpgroups"] = sm90_backward_large_heads.Tuning(three_warpgroups=True)
+DETERMINISTIC_TUNINGS["prefetch_query"] = sm90_backward_large_heads.Tuning(prefetch_query=True)
 
 REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),
@@ -206,6 +213,8 @@ REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
 ]
 # D = 192 only; 4 x 4 KV heads x 22 key blocks of 96 = 352 CTAs, between two and three waves.
 THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES = [(1, 1024, 4, 4, 192), (4, 2048, 8, 4, 192)]
+# `Tuning.prefetch_query`: D = 192 and MLA (three warp groups at both).
+PREFETCH_QUERY_REPRODUCIBILITY_SHAPES = THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES + [(4, 2048, 8, 4, 192, 128)]
 
 
 def _reproducibility_parameters():
@@ -213,6 +222,7 @@ def _reproducibility_parameters():
     return [pytest.param(shape, name, id=f"{'x'.join(map(str, shape))}-{name}")
             for name, tuning in DETERMINISTIC_TUNINGS.items()
             for shape in (THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES if tuning.three_warpgroups
+                          else PREFETCH_QUERY_REPRODUCIBILITY_SHAPES if tuning.prefetch_query
                           else REPRODUCIBILITY_SHAPES)]
 
 

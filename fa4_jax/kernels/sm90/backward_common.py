@@ -14,7 +14,8 @@ Three stages, one obvious place each:
   dQ scaled and cast.
 
 A subclass of `Sm90BackwardBase` sets, besides what the base's __init__ sets: `tile_n` (keys per CTA),
-`stages` (Q / dO ring depth), `staged_row_stats` (whether the producer copies LSE / dPsum into the
+`stages` (Q / dO ring depth; `do_stages` for dO where it has a ring of its own, `_produce`'s `do_pipe`),
+`staged_row_stats` (whether the producer copies LSE / dPsum into the
 ring), `consumer_threads`, `dkv_transposed` when its dK / dV accumulators are of dK^T / dV^T (class
 default False), `poly_exp2_every` where part of its P takes the FMA-pipe exp2 (class default 0), and
 `_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head, query block) of iteration `it` of a
@@ -153,7 +154,10 @@ class Sm90BackwardBase:
     @cute.jit
     def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, mLSE,
                  mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
-                 iterations, sequence=None):
+                 iterations, sequence=None, do_pipe=None):
+        """TMA loads: K and V once, then per iteration Q and dO into the next stage of `query_pipe`
+        (one barrier for both); with `do_pipe`, dO into a ring of its own (`do_stages` deep, its own
+        barrier), so that Q may run further ahead than dO."""
         tile_q = (self.tile_m, self.head_dim)
         tile_do = (self.tile_m, self.v_head_dim)
         tile_k = (self.tile_n, self.head_dim)
@@ -171,6 +175,9 @@ class Sm90BackwardBase:
 
         query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                    self.stages)
+        do_state = None
+        if const_expr(do_pipe is not None):
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             gQ = cute.local_tile(self._sequence_rows(mQ[None, None, q_head, batch], sequence, 0), tile_q, (None, 0))
@@ -185,8 +192,14 @@ class Sm90BackwardBase:
             barrier = query_pipe.producer_get_barrier(query_state)
             cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, query_state.index],
                       tma_bar_ptr=barrier)
-            cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, query_state.index],
-                      tma_bar_ptr=barrier)
+            if const_expr(do_pipe is None):
+                cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, query_state.index],
+                          tma_bar_ptr=barrier)
+            else:
+                do_pipe.producer_acquire(do_state)
+                cute.copy(tma_do, tOgdO[None, m_block], tOsdO[None, do_state.index],
+                          tma_bar_ptr=do_pipe.producer_get_barrier(do_state))
+                do_state.advance()
             if const_expr(self.staged_row_stats):
                 # Plain bulk copies are not elected by the compiler: one lane issues them.
                 stats_copy = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32,

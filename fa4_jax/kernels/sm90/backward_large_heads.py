@@ -29,7 +29,8 @@ layout FA3 uses for large heads:
 Registers (consumers get 240 with setmaxnreg): dK + dV D/2, dQ D/4 (64 at D = 256) but only after S
 and dP (32) are dead, row statistics 4. Shared memory (227 KiB): K, V 64 x D x 2 bytes each; Q and
 dO `stages` x 64 x D x 2 each; P and dS two 64 x 64 buffers each (the second lets one group write
-block i + 1 while the other still reads block i); the dQ staging 64 x D x 4. At D = 256 that is
+block i + 1 while the other still reads block i; `Tuning.prefetch_query` trades it for a second Q
+stage); the dQ staging 64 x D x 4. At D = 256 that is
 64 + 64 + 32 + 64 KiB with one Q / dO stage, at D = 192 48 + 96 + 32 + 48 KiB with two: 224 KiB
 each. (`Sm90LargeHeadBackwardKernel.shared_memory_bytes` is checked against the struct.)
 
@@ -52,7 +53,8 @@ balance the groups but reads a third more shared memory per FLOP in those GEMMs 
 k-step for 32 K MACs, N = 96 5 KiB for 96 K), which the S / dP GEMMs already saturate. Group 2's lighter
 block lets it start the next block's S and dP while groups 0 and 1 finish dV. With two warp groups
 (segment ids) each takes 64 of dV's 128 columns. The shared memory freed (V and one dO stage 24 and 16
-KiB instead of 36 and 24: 197 KiB with three groups) does not hold a second Q / dO stage (+40 KiB).
+KiB instead of 36 and 24: 197 KiB with three groups) does not hold a second Q / dO stage (+40 KiB);
+`Tuning.prefetch_query` takes a second Q stage for the second P / dS buffer (as at Dv = 192).
 
 In deterministic mode the dQ turns go highest key block first (`Tuning.diagonal_first`, backward.py's
 order: under a causal mask that is the order the key blocks reach a tile). `Tuning.stagger=False` (walk
@@ -92,6 +94,7 @@ TILE_N = 64                     # keys per CTA
 THREE_WARPGROUPS_TILE_N = 96    # keys per CTA with `Tuning.three_warpgroups`
 THREE_WARPGROUPS_HEAD_DIM = 192
 PDS_READY_BARRIER = 1           # both groups' halves of P and dS are in shared memory
+PDS_FREE_BARRIER = 3            # one P / dS buffer (`Tuning.prefetch_query`): all groups have read the last block
 PDS_BUFFERS = 2
 
 
@@ -134,11 +137,25 @@ class Tuning:
       split by halves of D (m64n96k16). Every GEMM then reads at most 149 B of shared memory a tensor
       clock (the three groups' S / dP read 192); FA4's D = 192 configuration has this shape. A
       candidate, off until measured (docs/sm90_backward_tuning.md, "D = 192: two groups split by keys").
+    prefetch_query (D = 192 and MLA's 192 / 128, the three-warp-group layout, which it takes with segment
+      ids too): a second Q stage, paid for with one P / dS buffer instead of two (the same shared memory:
+      222,208 bytes at Dv = 192, 201,728 at Dv = 128). With one Q / dO stage the next block's load starts
+      only once dK^T / dV^T have read the stage and has the dQ GEMM alone to hide under (an ncu stall
+      profile puts ~10 % of the consumers' time at the query pipeline's full-barrier wait); the second
+      stage's Q load is issued a whole block earlier. dO keeps one stage, in a ring and pipeline of its
+      own (`do_pipe`, released with Q): S starts on Q while dO may still be arriving. (At Dv = 128 a second
+      dO stage fits too, but its descriptors spill at 160 registers: 4 bytes stored, 12 loaded.) The
+      single P / dS buffer is overwritten by block i + 1 only after every group's wgmmas reading block i
+      have completed: a named barrier (PDS_FREE_BARRIER) before the P store, which each thread reaches
+      after its wait_group(0) of block i. FA4's D = 192 configuration spends its shared memory this way
+      (Q two stages, dO one, P / dS one buffer). A candidate, off until measured
+      (docs/sm90_backward_tuning.md, "D = 192: a second Q stage").
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
     two_groups_by_keys: bool = False
+    prefetch_query: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -159,10 +176,11 @@ def query_stages(head_dim: int, tile_n: int = TILE_N) -> int:
 
 def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False) -> Tuning:
     """`tuning` with the measured choices in place of None: three warp groups at D = 192 except with
-    segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block),
-    two otherwise."""
+    segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block) unless
+    `prefetch_query` asks for them, two otherwise."""
     if tuning.three_warpgroups is None:
-        three = head_dim == THREE_WARPGROUPS_HEAD_DIM and not has_segment_ids and not tuning.two_groups_by_keys
+        three = (head_dim == THREE_WARPGROUPS_HEAD_DIM and (tuning.prefetch_query or not has_segment_ids)
+                 and not tuning.two_groups_by_keys)
         tuning = dataclasses.replace(tuning, three_warpgroups=three)
     return tuning
 
@@ -176,6 +194,11 @@ def tuning_reason(tuning: Tuning, head_dim: int) -> Optional[str]:
     if tuning.two_groups_by_keys and (head_dim != THREE_WARPGROUPS_HEAD_DIM or tuning.three_warpgroups):
         return (f"Tuning(two_groups_by_keys=True) is a D = {THREE_WARPGROUPS_HEAD_DIM} layout of its own (two warp "
                 f"groups splitting 96 keys): not at D = {head_dim}, and not with three_warpgroups=True")
+    if tuning.prefetch_query and (head_dim != THREE_WARPGROUPS_HEAD_DIM or tuning.three_warpgroups is False
+                                  or tuning.two_groups_by_keys):
+        return (f"Tuning(prefetch_query=True) changes the D = {THREE_WARPGROUPS_HEAD_DIM} three-warp-group layout "
+                f"(a second Q stage for one P / dS buffer): not at D = {head_dim}, not with "
+                f"three_warpgroups=False or two_groups_by_keys=True")
     return None
 
 
@@ -214,7 +237,12 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         self.stagger = tuning.stagger and not self.deterministic
         self.diagonal_first = self.deterministic and tuning.diagonal_first
         self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups or by_keys else TILE_N
-        self.stages = query_stages(self.head_dim, self.tile_n)
+        # `Tuning.prefetch_query`: two Q stages, dO one in a ring of its own (`separate_do_ring`), one P / dS
+        # buffer.
+        prefetch = tuning.prefetch_query
+        self.stages = 2 if prefetch else query_stages(self.head_dim, self.tile_n)
+        self.do_stages = 1 if prefetch else self.stages
+        self.pds_buffers = 1 if prefetch else PDS_BUFFERS
         self.check_shared_memory()
         self.num_threads = WARP_GROUP * (1 + self.consumer_groups)
         self.consumer_threads = WARP_GROUP * self.consumer_groups
@@ -226,15 +254,24 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         """What `SharedStorage` takes, member by member with its alignment (mbarriers first)."""
         element = self.dtype.width // 8
         q_ring = self.stages * self.tile_m * self.head_dim * element
-        do_ring = self.stages * self.tile_m * self.v_head_dim * element
+        do_ring = self.do_stages * self.tile_m * self.v_head_dim * element
         key_tile = self.tile_n * self.head_dim * element
         value_tile = self.tile_n * self.v_head_dim * element
-        pds = PDS_BUFFERS * self.tile_m * self.tile_n * element
+        pds = self.pds_buffers * self.tile_m * self.tile_n * element
         members = [q_ring, do_ring, key_tile, value_tile, pds, pds, self.tile_m * self.head_dim * 4]
-        offset = 8 * (2 * self.stages + 2 + 2)
+        offset = 8 * (self._query_barrier_count() + 2 + 2)
         for size in members:
             offset = host.ceil_div(offset, 1024) * 1024 + size
         return host.ceil_div(offset, 1024) * 1024
+
+    @property
+    def separate_do_ring(self) -> bool:
+        """Whether dO has a ring (and pipeline, `do_pipe`) of its own: fewer stages than Q."""
+        return self.do_stages != self.stages
+
+    def _query_barrier_count(self) -> int:
+        """The query pipeline's mbarriers (full and empty a stage), then the dO pipeline's where it has one."""
+        return 2 * self.stages + (2 * self.do_stages if self.separate_do_ring else 0)
 
     # The producer (backward_common) runs without the row statistics' staging: this kernel reads LSE
     # and dPsum from global memory.
@@ -301,14 +338,14 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         group_atom = swizzle_columns(self.group_dim, 64)
         value_atom = swizzle_columns(self.v_head_dim // self.dv_groups, 64)
         q_layout = k_major_layout(self.dtype, self.tile_m, d, self.stages, group_atom)
-        do_layout = k_major_layout(self.dtype, self.tile_m, self.v_head_dim, self.stages, value_atom)
+        do_layout = k_major_layout(self.dtype, self.tile_m, self.v_head_dim, self.do_stages, value_atom)
         k_layout = k_major_layout(self.dtype, self.tile_n, d, None, group_atom)
         v_layout = k_major_layout(self.dtype, self.tile_n, self.v_head_dim, None, value_atom)
         # P and dS as [rows, keys], keys contiguous: what the S accumulator writes pairwise, the
         # K-major A of dQ and (transposed) the MN-major A of dV / dK.
         # With `dkv_by_keys` the atom must tile a group's 48 keys (16 columns, where 96 keys take 32).
         pds_columns = self.tile_n // self.consumer_groups if self.dkv_by_keys else self.tile_n
-        pds_layout = k_major_layout(self.dtype, self.tile_m, self.tile_n, PDS_BUFFERS,
+        pds_layout = k_major_layout(self.dtype, self.tile_m, self.tile_n, self.pds_buffers,
                                     swizzle_columns(pds_columns, 64))
         return q_layout, do_layout, k_layout, v_layout, pds_layout
 
@@ -342,8 +379,10 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         store = cpasync.CopyBulkTensorTileS2GOp()
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, k_layout, tile_k)
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, v_layout, tile_v)
-        self.query_block_bytes = (cute.size_in_bytes(self.dtype, q_stage_layout)
-                                  + cute.size_in_bytes(self.dtype, do_stage_layout))
+        self.query_block_bytes = cute.size_in_bytes(self.dtype, q_stage_layout)
+        self.do_block_bytes = cute.size_in_bytes(self.dtype, do_stage_layout)
+        if const_expr(not self.separate_do_ring):
+            self.query_block_bytes += self.do_block_bytes
         self.key_block_bytes = (cute.size_in_bytes(self.dtype, k_layout)
                                 + cute.size_in_bytes(self.dtype, v_layout))
 
@@ -351,7 +390,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
         @cute.struct
         class SharedStorage:
-            query_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            query_barriers: cute.struct.MemRange[cutlass.Int64, self._query_barrier_count()]
             key_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             dq_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], align]
@@ -405,6 +444,11 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             barrier_storage=storage.key_barriers.data_ptr(), num_stages=1,
             producer_group=producer, consumer_group=consumers,
             tx_count=self.key_block_bytes, defer_sync=True)
+        do_pipe = None
+        if const_expr(self.separate_do_ring):
+            do_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.query_barriers.data_ptr() + 2 * self.stages, num_stages=self.do_stages,
+                producer_group=producer, consumer_group=consumers, tx_count=self.do_block_bytes, defer_sync=True)
         # One dQ staging buffer (no room for two): the consumers fill it, the writer warp empties it.
         dq_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.dq_barriers.data_ptr(), num_stages=1,
@@ -434,14 +478,14 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             if warp_idx == 0:
                 self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
                               None, None, None, None, query_pipe, key_pipe, n_block, kv_head, batch,
-                              m_lo, m_count, iterations)
+                              m_lo, m_count, iterations, do_pipe=do_pipe)
             if warp_idx == 1:
                 self._write_dq(dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
                                iterations, kv_len, offset, q_start)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             consume = (mma_sdp, mma_dkv, self._dv_tiled_mma(mma_dkv), mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ,
-                       query_pipe, key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds,
+                       query_pipe, do_pipe, key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds,
                        (tma_dk, mdK, tma_dv, mdV), tidx - WARP_GROUP, n_block, kv_head, batch, m_lo, m_count,
                        iterations, offset, kv_len, q_len, q_start)
             if const_expr(self.dv_groups == self.consumer_groups):
@@ -464,10 +508,12 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def _consume(self, mma_sdp, mma_dkv, mma_dv, mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ, query_pipe,
-                 key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, dkv_store, tidx, n_block, kv_head,
-                 batch, m_lo, m_count, iterations, offset, kv_len, q_len, q_start, holds_dv: cutlass.Constexpr):
+                 do_pipe, key_pipe, dq_pipe, mLSE, mdPsum, mQSegmentIds, mKVSegmentIds, dkv_store, tidx, n_block,
+                 kv_head, batch, m_lo, m_count, iterations, offset, kv_len, q_len, q_start,
+                 holds_dv: cutlass.Constexpr):
         """The consumer warp groups' loop; `holds_dv` False: a warp group outside the dV MMA
-        (`dv_groups`), which computes and stores no dV."""
+        (`dv_groups`), which computes and stores no dV. `do_pipe`: dO's own pipeline
+        (`separate_do_ring`), else None (dO arrives with Q)."""
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
         thr_dv = None
@@ -537,14 +583,23 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         key_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         key_pipe.consumer_wait(key_state)
         query_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        do_state = None
+        if const_expr(do_pipe is not None):
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pds_ready = pipeline.NamedBarrier(barrier_id=PDS_READY_BARRIER,
                                           num_threads=self.consumer_threads)
+        pds_free = None
+        if const_expr(self.pds_buffers == 1):
+            pds_free = pipeline.NamedBarrier(barrier_id=PDS_FREE_BARRIER, num_threads=self.consumer_threads)
         for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             row_base = m_block * self.tile_m
             stage = query_state.index
-            buffer = it % PDS_BUFFERS
+            do_stage = stage
+            buffer = 0
+            if const_expr(self.pds_buffers > 1):
+                buffer = it % self.pds_buffers
             query_pipe.consumer_wait(query_state)
 
             shape_s = thr_sdp.partition_shape_C((self.tile_m, self.tile_n))
@@ -553,7 +608,11 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             warpgroup.fence()
             gemm(mma_sdp, acc_s, tSrQ[None, None, None, stage], tSrK, True)
             warpgroup.commit_group()
-            gemm(mma_sdp, acc_dp, tdPrdO[None, None, None, stage], tdPrV, True)
+            if const_expr(do_pipe is not None):
+                do_pipe.consumer_wait(do_state)     # S runs on Q meanwhile
+                do_stage = do_state.index
+                warpgroup.fence()
+            gemm(mma_sdp, acc_dp, tdPrdO[None, None, None, do_stage], tdPrV, True)
             warpgroup.commit_group()
 
             # This thread's two rows' statistics, loaded while the GEMMs run.
@@ -567,6 +626,10 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             scores = accumulator_mn(acc_s)
             self.numerics.probabilities(acc_s, scores, coords, lse, n_block, q_start + row_base, row_base, key_base,
                                         kv_len, q_len, offset, mQSegmentIds, mKVSegmentIds, batch, key_segments)
+            if const_expr(pds_free is not None):
+                # One P / dS buffer: each thread comes here after its wait_group(0) of the last block, so
+                # past this barrier no wgmma still reads that block's P or dS.
+                pds_free.arrive_and_wait()
             self._round_into(acc_s, tPsP[None, None, None, buffer], pds_store)
 
             warpgroup.wait_group(0)
@@ -579,13 +642,13 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             warpgroup.fence()
             if const_expr(self.dkv_transposed):
                 if const_expr(holds_dv):
-                    gemm(mma_dv, acc_dV, tdVrdO[None, None, None, stage], tdVrP[None, None, None, buffer],
+                    gemm(mma_dv, acc_dV, tdVrdO[None, None, None, do_stage], tdVrP[None, None, None, buffer],
                          False)
                 gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer],
                      False)
             else:
                 if const_expr(holds_dv):
-                    gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, stage],
+                    gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, do_stage],
                          False)
                 gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage],
                      False)
@@ -596,10 +659,13 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             gemm(mma_dq, acc_dq, tdQrdS[None, None, None, buffer], tdQrK, True)
             warpgroup.commit_group()
             if const_expr(self.dkv_transposed):
-                # One Q / dO stage: free it once dK and dV have read it, so the next block's load
-                # runs under the dQ GEMM (which reads only dS and K).
+                # Free the Q / dO stage once dK and dV have read it, so that a load into it (with one
+                # stage, the next block's) runs under the dQ GEMM (which reads only dS and K).
                 warpgroup.wait_group(1)
                 query_pipe.consumer_release(query_state)
+                if const_expr(do_pipe is not None):
+                    do_pipe.consumer_release(do_state)
+                    do_state.advance()
                 warpgroup.wait_group(0)
             else:
                 warpgroup.wait_group(0)
