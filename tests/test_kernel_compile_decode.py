@@ -54,9 +54,8 @@ CONFIGS = {
     "d128-q4-cluster-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 3], "bfloat16", 64, "sm_90a",
                               {"combine": "cluster"}),
     "d256-cluster-2": ({}, [8, 2, 16, 2, 256, 2], "bfloat16", 64, "sm_90a", {"combine": "cluster", "num_splits": 2}),
-    # The benchmark's 8k row (32 splits of 4 blocks), its page numbers loaded a block ahead (the default)
-    # and right before their cp.async (`page_lookahead=False`).
-    "d128-page-lookahead": ({}, [1, 1, 32, 8, 128, 512], "bfloat16", 16, "sm_90a", {"combine": "xla"}),
+    # The benchmark's 8k row (32 splits of 4 blocks) with its page numbers loaded right before their cp.async
+    # (`page_lookahead=False`; every other case loads them a block ahead, the default).
     "d128-no-page-lookahead": ({}, [1, 1, 32, 8, 128, 512], "bfloat16", 16, "sm_90a",
                                {"combine": "xla", "page_lookahead": False}),
     "sm100-d128-cluster": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a", {"combine": "cluster"}),
