@@ -8,14 +8,18 @@ the splits merged another way (DecodeOptions.combine): `fa4_jax_last_cta_combine
 merged by the kernel's last CTA; `fa4_jax_fused_combine_ms` in reports before 2026-12-06) and
 `fa4_jax_cluster_combine_ms` (at most 16 splits, `cluster_num_splits`, merged through distributed
 shared memory); with --option-variants the DecodeOptions candidates (OPTION_VARIANTS) through
-decode.run, `fa4_jax_<name>_ms`, beside `fa4_jax_run_ms`, the default options through it), Pallas `decode_attention.gqa` on the same cache
-viewed contiguously (its API takes [B, L, Hkv, D] and transposes K and V to [B, Hkv, L, D] inside the call, which its time includes) and
-Pallas `paged_attention` (its own [Hkv, pages, page, D] layout, copied untimed; its default
-block_h = 16, the smallest it takes) where they run (Sq = 1 only: both take one query token), and the
-reference where its gathered float32 copy stays small (K/V <= 1 GiB). Pallas' outputs are not compared (their
-scales differ); ours is compared with the reference's (max_abs_diff_vs_reference).
+decode.run, `fa4_jax_<name>_ms`, beside `fa4_jax_run_ms`, the default options through it), Pallas
+`decode_attention.gqa` on the same cache viewed contiguously (its API takes [B, L, Hkv, D] and transposes K
+and V to [B, Hkv, L, D] inside the call, which its time includes) and Pallas `paged_attention` (its own
+[Hkv, pages, page, D] layout, copied untimed; its default block_h = 16, the smallest it takes) where they
+run (Sq = 1 only: both take one query token), and the reference where its gathered float32 copy stays small
+(K/V <= 1 GiB). Pallas' outputs are not compared (their scales differ); ours is compared with the
+reference's (max_abs_diff_vs_reference).
 Times are CUPTI kernel times of one call (all its kernels summed), median over iterations
-(jax.experimental.mosaic.gpu.profiler.measure). Bandwidth = bytes of K and V read (B · context ·
+(jax.experimental.mosaic.gpu.profiler.measure): repeated calls on the same cache, so K / V up to ~40 MB
+stays in the 50 MB L2 from one call to the next. With --cold-l2 also ours and Pallas with the L2 emptied
+before each call (`*_cold_ms`, `fa4_jax_cold_tbps`, `pallas_best_cold_ms`): what a decode step sees
+after the other layers' work. Bandwidth = bytes of K and V read (B · context ·
 Hkv · D · 2 bytes · 2) / time; `copy_tbps` is a device-to-device copy (x + 1 over 4 GiB: read + write
 bytes / time) measured in the same run, the bar's yardstick (>= 75 % of it at contexts >= 8k).
 
@@ -24,7 +28,7 @@ distinct DecodeOptions), so the timed process loads them.
 
 Usage:
     python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick]
-        [--combines last_cta,cluster] [--option-variants variadic_merge]
+        [--combines last_cta,cluster] [--option-variants variadic_merge] [--cold-l2]
     python benchmarks/decode.py --plot benchmarks/results/decode_h200.json --png decode_h200.png
     python benchmarks/decode.py --merge b1.json b8.json b64.json --out decode_h200.json   (no GPU needed)
 
@@ -40,6 +44,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 
@@ -54,6 +59,7 @@ Q_LENS = (1, 4)
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 REFERENCE_MAX_BYTES = 2 ** 30   # K/V bytes up to which the reference runs (it gathers a float32 copy)
 COPY_BYTES = 4 * 2 ** 30
+L2_FLUSH_BYTES = 512 * 2 ** 20   # --cold-l2: written between timed calls (the H100's / H200's L2: 50 MB)
 
 
 def rows(batches=BATCHES, contexts=CONTEXTS, quick=False, page_sizes=PAGE_SIZES):
@@ -125,6 +131,33 @@ def precompile(row_list, workers: int, sm_count: int, variants=({},)):
     return summary
 
 
+def l2_flush():
+    """A function that evicts the L2 (a read and write of L2_FLUSH_BYTES, several times any Hopper L2) and
+    returns its result, for --cold-l2; the buffer stays allocated for the run."""
+    import jax
+    import jax.numpy as jnp
+
+    buffer = jnp.zeros((L2_FLUSH_BYTES // 4,), jnp.float32)
+    touch = jax.jit(lambda b: b + 1.0)
+    return lambda: touch(buffer)
+
+
+def _cold_median_ms(function, arguments, iterations, flush) -> float:
+    """Median CUPTI kernel time of one call of `function` right after `flush` has emptied the L2 of its
+    inputs: one timed call per flush, the flush itself outside the timed region."""
+    import jax
+    from jax.experimental.mosaic.gpu import profiler
+
+    times = []
+    for _ in range(iterations):
+        jax.block_until_ready(flush())
+        _, ms = profiler.measure(function)(*arguments)
+        if ms is None:
+            raise RuntimeError("CUPTI returned no kernel timings")
+        times.append(ms[0] if isinstance(ms, list) else ms)
+    return statistics.median(times)
+
+
 def copy_bandwidth(iterations: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -175,7 +208,7 @@ def _pallas_functions(row, arguments):
 OPTION_VARIANTS = {"no_page_lookahead": {"page_lookahead": False}, "variadic_merge": {"xla_merge": "variadic"}}
 
 
-def measure(row, key, iterations, sm_count: int = None, combines=(), option_variants=()) -> dict:
+def measure(row, key, iterations, sm_count: int = None, combines=(), option_variants=(), cold_flush=None) -> dict:
     import jax
     import fa4_jax
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode
@@ -217,6 +250,17 @@ def measure(row, key, iterations, sm_count: int = None, combines=(), option_vari
             record[f"{name}_error"] = attention_error(error)
     record.update({f"{name}_ms": ms for name, ms in pallas_times.items()})
     record["pallas_best_ms"] = min(pallas_times.values()) if pallas_times else None
+    if cold_flush is not None:   # --cold-l2: each call after the L2 was emptied (no K / V left from the last)
+        cold = {"fa4_jax": (ours, arguments), **_pallas_functions(row, arguments)}
+        for name, (function, function_arguments) in cold.items():
+            try:
+                record[f"{name}_cold_ms"] = _cold_median_ms(function, function_arguments, iterations, cold_flush)
+            except Exception as error:
+                record[f"{name}_cold_error"] = attention_error(error)
+        if "fa4_jax_cold_ms" in record:
+            record["fa4_jax_cold_tbps"] = kv_bytes(row) / (record["fa4_jax_cold_ms"] * 1e-3) / 1e12
+        pallas_cold = [record[f"{name}_cold_ms"] for name in pallas_times if f"{name}_cold_ms" in record]
+        record["pallas_best_cold_ms"] = min(pallas_cold) if pallas_cold else None
     if record["pallas_best_ms"] is not None and "fa4_jax_ms" in record:
         record["speedup_vs_pallas_best"] = record["pallas_best_ms"] / record["fa4_jax_ms"]
     if kv_bytes(row) <= REFERENCE_MAX_BYTES:
@@ -247,6 +291,8 @@ def _format(record) -> str:
             + "".join(f" / {name} {number(f'fa4_jax_{name}_ms')}" for name in OPTION_VARIANTS
                       if f"fa4_jax_{name}_ms" in record) + " ms)  "
             f"pallas best {number('pallas_best_ms')} ms  ref {number('reference_ms')} ms"
+            + (f"  cold L2: ours {number('fa4_jax_cold_ms')} ms {number('fa4_jax_cold_tbps', '{:5.2f}')} TB/s, "
+               f"pallas best {number('pallas_best_cold_ms')} ms" if "fa4_jax_cold_ms" in record else "")
             + "".join(f"  [{name}: {record[name][:80]}]" for name in record if name.endswith("_error")))
 
 
@@ -270,11 +316,13 @@ def run(args):
         + tuple(OPTION_VARIANTS[name] for name in option_variants)
     if args.compile_workers > 0:
         report["precompile"] = precompile(row_list, args.compile_workers, sm_count, variants)
+    flush = l2_flush() if args.cold_l2 else None
+    report["cold_l2"] = bool(args.cold_l2)
     report["copy_tbps"] = copy_bandwidth(args.iterations)
     print(f"device-to-device copy: {report['copy_tbps']:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     for row in row_list:
-        record = measure(row, key, args.iterations, sm_count, combines, option_variants)
+        record = measure(row, key, args.iterations, sm_count, combines, option_variants, flush)
         record["copy_tbps"] = report["copy_tbps"]
         if "fa4_jax_tbps" in record:
             record["fraction_of_copy"] = record["fa4_jax_tbps"] / report["copy_tbps"]
@@ -347,6 +395,10 @@ def main(argv=None):
     parser.add_argument("--option-variants", help="comma-separated DecodeOptions candidates to time through "
                         f"decode.run ({', '.join(OPTION_VARIANTS)}: fa4_jax_<name>_ms) and, beside them, the "
                         "default options through it (fa4_jax_run_ms)")
+    parser.add_argument("--cold-l2", action="store_true",
+                        help="also time ours and Pallas with the L2 emptied before each call (fa4_jax_cold_ms, "
+                             "fa4_jax_cold_tbps, <pallas>_cold_ms, pallas_best_cold_ms): repeated calls otherwise "
+                             "find up to ~40 MB of K / V still in the L2, which a step after other layers does not")
     parser.add_argument("--compile-workers", type=int, default=12)
     parser.add_argument("--plot", help="a report to plot (no GPU needed)")
     parser.add_argument("--png")

@@ -45,6 +45,26 @@ def test_row_fields(monkeypatch, q_len):
     json.dumps(record)
 
 
+def test_cold_l2_fields(monkeypatch):
+    """--cold-l2 adds each timed kernel's time after an L2 flush, ours and Pallas', with our bandwidth."""
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.setattr(decode, "_inputs", lambda row, key: (
+        jnp.zeros((1, 1, 32, 128), jnp.bfloat16), jnp.zeros((64, 16, 8, 128), jnp.bfloat16),
+        jnp.zeros((64, 16, 8, 128), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32), jnp.full((1,), 1024, jnp.int32)))
+    monkeypatch.setattr(decode.attention, "_median_ms", lambda function, arguments, iterations: (None, 0.25))
+    flushes = []
+    monkeypatch.setattr(decode, "_cold_median_ms",
+                        lambda function, arguments, iterations, flush: flushes.append(flush) or 0.5)
+    record = decode.measure(dict(batch=1, context=1024, q_len=1, page_size=16), jax.random.key(0), 3,
+                            sm_count=132, cold_flush="flush")
+    assert record["fa4_jax_cold_ms"] == 0.5 and record["pallas_best_cold_ms"] == 0.5
+    assert record["fa4_jax_cold_tbps"] == pytest.approx(1 * 1024 * 8 * 128 * 4 / 0.5e-3 / 1e12)
+    assert set(flushes) == {"flush"} and len(flushes) >= 2   # ours and each Pallas kernel
+    assert "cold L2" in decode._format(record)
+
+
 def test_plot(tmp_path):
     rows = [dict(batch=b, context=c, q_len=q, page_size=p, kv_bytes=decode.kv_bytes(dict(batch=b, context=c)),
                  fa4_jax_ms=1.0, fa4_jax_tbps=3.0, pallas_best_ms=2.0 if q == 1 else None)
