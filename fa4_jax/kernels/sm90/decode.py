@@ -351,10 +351,10 @@ class Sm90DecodeKernel:
             pages = cute.make_rmem_tensor((rows_per_thread, self.num_stages - 1), Int32)
             for stage in cutlass.range_constexpr(self.num_stages - 1):
                 if stage < split_blocks:
-                    self.load_pages(mBlockTables, thread_load, sK, batch_index, split_first + stage, kv_len,
+                    self.load_pages(mBlockTables, thread_load, batch_index, split_first + stage, kv_len,
                                     pages[None, stage])
             if self.num_stages - 1 < split_blocks:
-                self.load_pages(mBlockTables, thread_load, sK, batch_index, split_first + self.num_stages - 1,
+                self.load_pages(mBlockTables, thread_load, batch_index, split_first + self.num_stages - 1,
                                 kv_len, pages_ahead)
             for stage in cutlass.range_constexpr(self.num_stages - 1):
                 if stage < split_blocks:
@@ -411,7 +411,7 @@ class Sm90DecodeKernel:
                     self.issue_block(mK, mV, sK, sV, thread_load, load_atom, head_kv, split_first + ahead,
                                      ahead % self.num_stages, kv_len, pages_ahead)
                     if ahead + 1 < split_blocks:
-                        self.load_pages(mBlockTables, thread_load, sK, batch_index, split_first + ahead + 1, kv_len,
+                        self.load_pages(mBlockTables, thread_load, batch_index, split_first + ahead + 1, kv_len,
                                         pages_ahead)
                 else:
                     self.load_block(mK, mV, sK, sV, mBlockTables, thread_load, load_atom, batch_index, head_kv,
@@ -616,33 +616,21 @@ class Sm90DecodeKernel:
     def load_block(self, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                    mBlockTables: cute.Tensor, thread_load: cute.TiledCopy, load_atom: cute.CopyAtom,
                    batch_index: Int32, head_kv: Int32, n_block: Int32, stage: Int32, kv_len: Int32):
-        """cp.async of key block n_block's K and V rows into `stage`, each row from its own page.
+        """cp.async of key block n_block's K and V rows into `stage`, each row from its own page, the page
+        numbers loaded right before (`page_lookahead=False`).
 
         A row past the sequence's length is loaded from its last token instead: a valid address whose
         (finite) values the mask gives weight 0, and no block-table entry past the length is read.
         """
-        t_k_smem = thread_load.partition_D(sK[None, None, stage])
-        t_v_smem = thread_load.partition_D(sV[None, None, stage])
-        t_coords = thread_load.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
-        for m in cutlass.range_constexpr(cute.size(t_k_smem, mode=[1])):
-            token = cutlass.min(n_block * self.tile_n + t_coords[0, m, 0][0], kv_len - 1)
-            page = mBlockTables[batch_index, token // self.options.page_size]
-            slot = token % self.options.page_size
-            for k in cutlass.range_constexpr(cute.size(t_k_smem, mode=[2])):
-                column = t_coords[0, m, k][1]
-                for cache, t_smem in ((mK, t_k_smem), (mV, t_v_smem)):
-                    address = _element_address(cache, (page, slot, head_kv, column))
-                    source = cute.make_tensor(
-                        cute.make_ptr(self.dtype, address, cute.AddressSpace.gmem, assumed_align=16),
-                        t_smem[None, m, k].layout)
-                    cute.copy(load_atom, source, t_smem[None, m, k])
-
+        pages = cute.make_rmem_tensor(cute.size(thread_load.partition_D(sK[None, None, stage]), mode=[1]), Int32)
+        self.load_pages(mBlockTables, thread_load, batch_index, n_block, kv_len, pages)
+        self.issue_block(mK, mV, sK, sV, thread_load, load_atom, head_kv, n_block, stage, kv_len, pages)
 
     @cute.jit
-    def load_pages(self, mBlockTables: cute.Tensor, thread_load: cute.TiledCopy, sK: cute.Tensor, batch_index: Int32,
+    def load_pages(self, mBlockTables: cute.Tensor, thread_load: cute.TiledCopy, batch_index: Int32,
                    n_block: Int32, kv_len: Int32, pages: cute.Tensor):
-        """pages[m] = the cache block of this thread's row m of key block n_block (`page_lookahead`): the
-        table loads of `load_block`, with the cp.async that needs them left to `issue_block`."""
+        """pages[m] = the cache block of this thread's row m of key block n_block (rows past the length:
+        of its last token); `issue_block` issues the cp.async that needs them."""
         t_coords = thread_load.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
         for m in cutlass.range_constexpr(cute.size(pages)):
             token = cutlass.min(n_block * self.tile_n + t_coords[0, m, 0][0], kv_len - 1)
@@ -653,7 +641,7 @@ class Sm90DecodeKernel:
                     thread_load: cute.TiledCopy, load_atom: cute.CopyAtom, head_kv: Int32, n_block: Int32,
                     stage: Int32, kv_len: Int32, pages: cute.Tensor):
         """cp.async of key block n_block's K and V rows into `stage`, from the page numbers `load_pages` gave
-        (rows past the length from the last token, as in `load_block`)."""
+        (rows past the length from the last token)."""
         t_k_smem = thread_load.partition_D(sK[None, None, stage])
         t_v_smem = thread_load.partition_D(sV[None, None, stage])
         t_coords = thread_load.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
