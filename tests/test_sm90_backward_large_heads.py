@@ -118,11 +118,9 @@ MLA_VARIANTS = {   # name -> (Tuning, deterministic)
     "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
     "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False), True),
     "no_stagger": (sm90_backward_large_heads.Tuning(stagger=False), False),
-    "two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), False),
-    "deterministic_two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), True),
-    "two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), False),
-    "prefetch_query": (sm90_backward_large_heads.Tuning(prefetch_query=True), False),
-    "deterministic_prefetch_query": (sm90_backward_large_heads.Tuning(prefetch_query=True), True),
+    **{name: THREE_WARPGROUPS_VARIANTS[name] for name in (
+        "two_warpgroups", "deterministic_two_warpgroups", "two_groups_by_keys", "prefetch_query",
+        "deterministic_prefetch_query")},
 }
 MLA_CASES = [
     Case("mla", head_dim=192, v_head_dim=128),
