@@ -18,10 +18,7 @@ for row in "$@"; do
   timeout 150 ncu --set full --import-source no --profile-from-start off -f -o "$name" \
     python3 benchmarks/device/decode_one_call.py $row > "$name.log" 2>&1
   echo "$row: ncu rc=$? after ${SECONDS} s"
-  ncu --import "$name.ncu-rep" --page details > "$name.details.txt" 2>&1
-  ncu --import "$name.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -6 > "$name.sass.csv.xz"
-  ncu --import "$name.ncu-rep" --page raw --csv 2>&1 | xz -6 > "$name.raw.csv.xz"
-  rm -f "$name.ncu-rep"
+  bash "$(dirname "$0")/ncu_pages.sh" "$name"   # details, stall samples, raw metrics
   grep -E "^  [A-Za-z_].*\(|^    Duration|^    Registers Per Thread|^    Grid Size|^    Block Size|^    Dynamic Shared|^    Achieved Occupancy" \
     "$name.details.txt" | head -40
 done

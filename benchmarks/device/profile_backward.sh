@@ -23,12 +23,7 @@ for shape in "$@"; do
       -f -o "$name" python3 benchmarks/profile_backward.py --library "$library" --batch "$batch" \
       --seq "$seq" --heads "$heads" --head-dim "$head_dim" $flag --calls 1 > "$name.log" 2>&1
     echo "$library $tag: ncu rc=$? after ${SECONDS} s"
-    ncu --import "$name.ncu-rep" --page details > "$name.details.txt" 2>&1
-    # Where the warps wait: the per-SASS-instruction stall samples (the source page) and every raw metric
-    # (smsp__pcsamp_warps_issue_stalled_* among them), compressed; the report itself stays on the machine.
-    ncu --import "$name.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -6 > "$name.sass.csv.xz"
-    ncu --import "$name.ncu-rep" --page raw --csv 2>&1 | xz -6 > "$name.raw.csv.xz"
-    rm -f "$name.ncu-rep"
+    bash "$(dirname "$0")/ncu_pages.sh" "$name"   # details, stall samples, raw metrics
     # One line per kernel: name, duration, SM throughput, tensor pipe, registers, stall summary.
     grep -E "^  [A-Za-z_].*\(|^    Duration|^    Compute \(SM\) Throughput|^    Registers Per Thread|^    Achieved Occupancy" \
       "$name.details.txt" | head -40
