@@ -224,23 +224,20 @@ def measure(row, key, iterations, sm_count: int = None, combines=(), option_vari
     except Exception as error:
         our_out = None
         record["fa4_jax_error"] = attention_error(error)
-    for combine in combines:   # the kernel's own merge instead of combine_partials (XLA)
-        options = _options(row, sm_count, combine=combine)
-        if combine == "cluster":
+    # decode.run with other options: the kernel's own merges instead of combine_partials (XLA), and the
+    # DecodeOptions candidates beside the default options through the same decode.run.
+    timed = [(f"{combine}_combine", {"combine": combine}) for combine in combines]
+    if option_variants:
+        timed += [("run", {})] + [(name, OPTION_VARIANTS[name]) for name in option_variants]
+    for name, overrides in timed:
+        options = _options(row, sm_count, **overrides)
+        if overrides.get("combine") == "cluster":
             record["cluster_num_splits"] = options.num_splits
         try:
-            _, record[f"fa4_jax_{combine}_combine_ms"] = attention._median_ms(
+            _, record[f"fa4_jax_{name}_ms"] = attention._median_ms(
                 jax.jit(lambda *a: decode.run(options, *a)), arguments, iterations)
         except Exception as error:
-            record[f"fa4_jax_{combine}_combine_error"] = attention_error(error)
-    if option_variants:   # DecodeOptions candidates, beside decode.run of the default options
-        for name, overrides in [("run", {})] + [(name, OPTION_VARIANTS[name]) for name in option_variants]:
-            options = _options(row, sm_count, **overrides)
-            try:
-                _, record[f"fa4_jax_{name}_ms"] = attention._median_ms(
-                    jax.jit(lambda *a: decode.run(options, *a)), arguments, iterations)
-            except Exception as error:
-                record[f"fa4_jax_{name}_error"] = attention_error(error)
+            record[f"fa4_jax_{name}_error"] = attention_error(error)
     pallas_times = {}
     for name, (function, pallas_arguments) in _pallas_functions(row, arguments).items():
         try:
