@@ -104,8 +104,8 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
         # D = 192's former two-warp-group layout, for comparison, and its candidates.
-        candidates = ["two_groups_by_keys", "deterministic_two_groups_by_keys", "prefetch_query",
-                      "deterministic_prefetch_query"]
+        candidates = ["two_groups_by_keys", "deterministic_two_groups_by_keys", "one_query_stage",
+                      "deterministic_one_query_stage"]
         three = ["two_warpgroups", "deterministic_two_warpgroups", *candidates] if head_dim == 192 else []
         assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", *three]
     dims = (1, 1024, 8, head_dim)

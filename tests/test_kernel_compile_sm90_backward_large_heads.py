@@ -99,8 +99,9 @@ CASES = {
             dict(), dict()),
            ("-lengths-causal", dict(causal=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
             [2, 333, 300, 4, 4, 192], dict(), dict()),
+           # One Q stage and two P / dS buffers, the layout before `prefetch_query` (which does not spill here).
            ("-segments-lengths", dict(has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
-            [2, 197, 333, 4, 4, 192], dict(), dict()),
+            [2, 197, 333, 4, 4, 192], dict(prefetch_query=False), dict()),
            ("-causal-no-stagger", dict(causal=True), [2, 300, 333, 8, 2, 192], dict(stagger=False), dict()),
            ("-deterministic-window-q-start-kv-lengths-diagonal-first",
             dict(deterministic=True, window_left=70, window_right=20, has_q_start=True, q_total=900,
@@ -126,14 +127,12 @@ CASES = {
            ("-segments-lengths", dict(has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
             [2, 197, 333, 4, 4, 192], dict()),
        ]},
-    # The candidate `Tuning.prefetch_query` (two Q stages, dO one stage in a pipeline of its own, one P / dS
-    # buffer behind PDS_FREE_BARRIER): MLA deterministic causal GQA (two loop copies: group 2 holds no dV) and
-    # D = Dv = 192 causal GQA.
+    # `Tuning.prefetch_query` (two Q stages, dO one stage in a pipeline of its own, one P / dS buffer behind
+    # PDS_FREE_BARRIER), asked for at MLA's 192 / 128 with the deterministic turns (two loop copies: group 2
+    # holds no dV); at D = Dv = 192 the default cases above take it.
     "d192-v128-prefetch-query-deterministic-causal-gqa": dict(
         config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 333, 8, 2, 192, 128],
         tuning=dict(prefetch_query=True)),
-    "d192-prefetch-query-causal-gqa": dict(config=dict(scale=192 ** -0.5, causal=True),
-                                           shape=[2, 300, 333, 8, 2, 192], tuning=dict(prefetch_query=True)),
 }
 
 
@@ -245,7 +244,9 @@ def _pds_reuse_violations(ptx: str, score_columns: int, free_barrier: int) -> li
     return violations
 
 
-PREFETCH_CASES = sorted(name for name in CASES if "prefetch-query" in name)
+# The MLA case that asks for it, and two D = Dv = 192 defaults (causal GQA fp16; deterministic causal GQA).
+PREFETCH_CASES = ["d192-causal-gqa-fp16", "d192-three-warpgroups-deterministic-causal-gqa",
+                  "d192-v128-prefetch-query-deterministic-causal-gqa"]
 
 
 @pytest.mark.parametrize("name", PREFETCH_CASES)
@@ -335,6 +336,15 @@ def test_default_layout_by_head_dim(head_dim, segments, expected):
     assert large_heads.resolved_tuning(large_heads.Tuning(diagonal_first=False), 192).diagonal_first is False
     spec = dict(config=dict(scale=0.1, has_segment_ids=segments), shape=[1, 128, 128, 2, 2, head_dim])
     assert _resolved(spec).consumer_groups == (3 if expected else 2)
+    # Two Q stages and one P / dS buffer wherever the three groups run at D = Dv = 192 (measured faster);
+    # not yet at MLA's 192 / 128 (not timed there); an explicit choice is kept.
+    resolved = large_heads.resolved_tuning(large_heads.Tuning(), head_dim, segments)
+    assert resolved.prefetch_query is expected
+    assert (_resolved(spec).stages, _resolved(spec).pds_buffers) == ((2, 1) if expected else
+                                                                     (large_heads.query_stages(head_dim), 2))
+    assert large_heads.resolved_tuning(large_heads.Tuning(), 192, segments, v_head_dim=128).prefetch_query is False
+    assert large_heads.resolved_tuning(large_heads.Tuning(prefetch_query=False), 192).prefetch_query is False
+    assert large_heads.resolved_tuning(large_heads.Tuning(prefetch_query=True), 192, True, 128).prefetch_query
 
 
 @pytest.mark.parametrize("head_dim,tuning", [(256, dict(two_groups_by_keys=True)),

@@ -80,9 +80,14 @@ THREE_WARPGROUPS_VARIANTS = {   # name -> (Tuning, deterministic)
     # The candidate with two warp groups splitting the 96 keys (`-k two_groups_by_keys`).
     "two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), False),
     "deterministic_two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), True),
-    # The candidate with two Q stages and one P / dS buffer (`-k prefetch_query`; with segment ids too).
+    # Two Q stages and one P / dS buffer asked for (`-k prefetch_query`): the default at D = Dv = 192, and
+    # with segment ids and at MLA's 192 / 128 a candidate. Its former one Q stage and two buffers
+    # (`-k one_query_stage`; benchmarks/attention_backward.py times it for comparison).
     "prefetch_query": (sm90_backward_large_heads.Tuning(prefetch_query=True), False),
     "deterministic_prefetch_query": (sm90_backward_large_heads.Tuning(prefetch_query=True), True),
+    "one_query_stage": (sm90_backward_large_heads.Tuning(three_warpgroups=True, prefetch_query=False), False),
+    "deterministic_one_query_stage": (sm90_backward_large_heads.Tuning(three_warpgroups=True, prefetch_query=False),
+                                      True),
 }
 THREE_WARPGROUPS_CASES = [case for case in CASES if case.head_dim == 192] + [
     Case("aligned-d192", head_dim=192, q_len=384, kv_len=384),

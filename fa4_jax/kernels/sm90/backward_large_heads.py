@@ -39,8 +39,10 @@ gradient) are kernels/host.py's, shared with backward.py and the sm100 backward.
 
 D = 192 runs a variant of this layout by default (`Tuning.three_warpgroups`, measured 3-9 % faster,
 and 1.4-1.5x in deterministic mode): 96 keys per CTA and three consumer warp groups of 64 head-dim
-columns each (160 registers), one Q / dO stage, dK / dV computed transposed (dK^T = Q^T dS, M = the
-group's columns), P and dS stored with stmatrix. D = 256 keeps the two groups above.
+columns each (160 registers), dK / dV computed transposed (dK^T = Q^T dS, M = the group's columns), P and
+dS stored with stmatrix; at D = Dv = 192 with two Q stages, one dO stage and one P / dS buffer
+(`Tuning.prefetch_query`, measured 2-16 % faster), else one Q / dO stage and two P / dS buffers. D = 256
+keeps the two groups above.
 
 MLA's Dv = 128 (EXTRA_HEAD_DIM_PAIRS) takes the same layouts with V, dO and dV 128 wide: dP = dO V^T
 has K = 128 (8 k-steps instead of 12). With three warp groups dV^T is two 64-row atoms: groups 0 and 1
@@ -137,25 +139,28 @@ class Tuning:
       split by halves of D (m64n96k16). Every GEMM then reads at most 149 B of shared memory a tensor
       clock (the three groups' S / dP read 192); FA4's D = 192 configuration has this shape. A
       candidate, off until measured (docs/sm90_backward_tuning.md, "D = 192: two groups split by keys").
-    prefetch_query (D = 192 and MLA's 192 / 128, the three-warp-group layout, which it takes with segment
-      ids too): a second Q stage, paid for with one P / dS buffer instead of two (the same shared memory:
-      222,208 bytes at Dv = 192, 201,728 at Dv = 128). With one Q / dO stage the next block's load starts
-      only once dK^T / dV^T have read the stage and has the dQ GEMM alone to hide under (an ncu stall
-      profile puts ~10 % of the consumers' time at the query pipeline's full-barrier wait); the second
-      stage's Q load is issued a whole block earlier. dO keeps one stage, in a ring and pipeline of its
-      own (`do_pipe`, released with Q): S starts on Q while dO may still be arriving. (At Dv = 128 a second
-      dO stage fits too, but its descriptors spill at 160 registers: 4 bytes stored, 12 loaded.) The
-      single P / dS buffer is overwritten by block i + 1 only after every group's wgmmas reading block i
-      have completed: a named barrier (PDS_FREE_BARRIER) before the P store, which each thread reaches
-      after its wait_group(0) of block i. FA4's D = 192 configuration spends its shared memory this way
-      (Q two stages, dO one, P / dS one buffer). A candidate, off until measured
-      (docs/sm90_backward_tuning.md, "D = 192: a second Q stage").
+    prefetch_query: None (the default) takes it at D = Dv = 192 wherever the three-warp-group layout runs
+      (not with segment ids, which keep two groups); True also at MLA's 192 / 128 (not yet timed there) and
+      with segment ids; False keeps one Q stage and two P / dS buffers. The layout: a second Q stage, paid
+      for with one P / dS buffer instead of two (the same shared memory: 222,208 bytes at Dv = 192,
+      201,728 at Dv = 128). With one Q / dO stage the next block's load starts only once dK^T / dV^T have
+      read the stage and has the dQ GEMM alone to hide under (an ncu stall profile puts ~10 % of the
+      consumers' time at the query pipeline's full-barrier wait); the second stage's Q load is issued a
+      whole block earlier. dO keeps one stage, in a ring and pipeline of its own (`do_pipe`, released
+      with Q): S starts on Q while dO may still be arriving. (At Dv = 128 a second dO stage fits too, but
+      its descriptors spill at 160 registers: 4 bytes stored, 12 loaded.) The single P / dS buffer is
+      overwritten by block i + 1 only after every group's wgmmas reading block i have completed: a named
+      barrier (PDS_FREE_BARRIER) before the P store, which each thread reaches after its wait_group(0) of
+      block i. FA4's D = 192 configuration spends its shared memory this way (Q two stages, dO one, P / dS
+      one buffer). Measured on an H100 (rev 6f403c6, cuDNN ms / ours, 2k / 8k): full 1.36 / 1.45 ->
+      1.45 / 1.69, causal 1.27 / 1.37 -> 1.34 / 1.41; deterministic 1.04 / 1.34 -> 1.08 / 1.34 full,
+      1.13 / 1.14 -> 1.13 / 1.15 causal (docs/sm90_backward_tuning.md, "D = 192: a second Q stage").
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
     two_groups_by_keys: bool = False
-    prefetch_query: bool = False
+    prefetch_query: Optional[bool] = None
 
 
 DEFAULT_TUNING = Tuning()
@@ -174,14 +179,20 @@ def query_stages(head_dim: int, tile_n: int = TILE_N) -> int:
     return 2 if head_dim <= 192 and tile_n == TILE_N else 1
 
 
-def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False) -> Tuning:
+def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False,
+                    v_head_dim: Optional[int] = None) -> Tuning:
     """`tuning` with the measured choices in place of None: three warp groups at D = 192 except with
     segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block) unless
-    `prefetch_query` asks for them, two otherwise."""
+    `prefetch_query` asks for them, two otherwise; `prefetch_query` where the three groups run at
+    D = Dv = 192 (v_head_dim None: Dv = D)."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     if tuning.three_warpgroups is None:
         three = (head_dim == THREE_WARPGROUPS_HEAD_DIM and (tuning.prefetch_query or not has_segment_ids)
                  and not tuning.two_groups_by_keys)
         tuning = dataclasses.replace(tuning, three_warpgroups=three)
+    if tuning.prefetch_query is None:
+        tuning = dataclasses.replace(tuning, prefetch_query=bool(
+            tuning.three_warpgroups and head_dim == v_head_dim == THREE_WARPGROUPS_HEAD_DIM))
     return tuning
 
 
@@ -217,7 +228,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         reason = tuning_reason(options.tuning, self.head_dim)
         if reason is not None:
             raise ValueError(reason)
-        tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids)
+        tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids, self.v_head_dim)
         three_warpgroups = tuning.three_warpgroups
         by_keys = tuning.two_groups_by_keys
         # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dQ (and of dK,
@@ -748,7 +759,8 @@ def dq_reader(tuning: Tuning):
 
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
     """The static kernel configuration for one call (`tuning`: this kernel's speed choices)."""
-    return BackwardOptions.of(config, problem, resolved_tuning(tuning, problem.head_dim, config.has_segment_ids))
+    return BackwardOptions.of(config, problem, resolved_tuning(tuning, problem.head_dim, config.has_segment_ids,
+                                                               problem.v_head_dim))
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
