@@ -3,7 +3,8 @@
 One command sweeps every variant over the grid (by default the whole one: D 128, 64, 256 x S 1k-16k x
 causal or not, B*S = 16k tokens; `--shapes gqa`: issue 12's GQA 4, GQA 8 and MQA rows at D 128, causal
 first, where the head-split variants differ; `--shapes d192`: hopper_vs_peers.py's D 192 rows, 16 heads,
-S 2k / 8k, which the grid does not have) and writes one JSON (rewritten after every row, so a run cut short
+S 2k / 8k, which the grid does not have; `--shapes mla`: the same rows at DeepSeek MLA's D / Dv = 192 / 128,
+a shape's `v_head_dim`) and writes one JSON (rewritten after every row, so a run cut short
 by a time limit still leaves its rows). Per shape it times, with CUPTI (all kernels of the call,
 median of iterations):
 - each VARIANT: preprocess + dq/dk/dv kernel + postprocess (`run(options(config, problem, tuning), ...)`
@@ -32,7 +33,7 @@ order that deadlocks or a wrong result is not timed; `variants_passing` says wha
 
 Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
        [--variants default deterministic ...] [--head-dims 128 64 256] [--seq-lens 1024 4096] [--quick]
-       [--shapes grid|gqa|d192]
+       [--shapes grid|gqa|d192|mla]
        [--iterations N] [--precompile-only] [--variants-passing PYTEST_LOG]
 The git revision comes from $FA4_GIT_REVISION when set (the device copy has no .git), else `git`.
 """
@@ -201,9 +202,15 @@ def _variants():
             (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
             ("test_sm90_backward_large_heads.py", f"{prefix}two_groups_by_keys"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
-        # D = 192 with one Q stage and two P / dS buffers, the three-group layout before two Q stages and one
-        # buffer (`Tuning.prefetch_query`) became its default (docs/sm90_backward_tuning.md, "D = 192: a
-        # second Q stage"), for comparison.
+        # Two Q stages and one P / dS buffer (`Tuning.prefetch_query`) asked for: D = Dv = 192's default,
+        # at MLA's 192 / 128 (`--shapes mla`) a candidate; and D = 192 with one Q stage and two P / dS
+        # buffers, the three-group layout before it became the default there (docs/sm90_backward_tuning.md,
+        # "D = 192: a second Q stage"), for comparison.
+        **{f"{prefix}prefetch_query": Variant(
+            large_heads, large_heads.Tuning(prefetch_query=True), deterministic,
+            (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
+            ("test_sm90_backward_large_heads.py", f"{prefix}prefetch_query"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
         **{f"{prefix}one_query_stage": Variant(
             large_heads, large_heads.Tuning(three_warpgroups=True, prefetch_query=False), deterministic,
             (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
@@ -233,7 +240,10 @@ GQA_SHAPES = [dict(batch=batch, seq_len=length, heads=heads, kv_heads=kv_heads, 
 # causal first), where the backward trails FA4's own kernel; the grid's head dims are 64, 128, 256.
 D192_SHAPES = [dict(batch=attention.TOKENS // length, seq_len=length, heads=16, head_dim=192, causal=causal)
                for causal in (True, False) for length in (2048, 8192)]
-SHAPE_SETS = {"gqa": GQA_SHAPES, "d192": D192_SHAPES}
+# --shapes mla: those rows at D / Dv = 192 / 128 (hopper_vs_peers.py's head-dims grid has them too): V, O,
+# dO and dV 128 wide.
+MLA_SHAPES = [dict(shape, v_head_dim=128) for shape in D192_SHAPES]
+SHAPE_SETS = {"gqa": GQA_SHAPES, "d192": D192_SHAPES, "mla": MLA_SHAPES}
 
 
 def variants_passing(test_log: str):
@@ -317,13 +327,25 @@ def _key_dims(shape):
     return shape["batch"], shape["seq_len"], _kv_heads(shape), shape["head_dim"]
 
 
+def _v_head_dim(shape):
+    return shape.get("v_head_dim") or shape["head_dim"]
+
+
+def _value_dims(shape):
+    return shape["batch"], shape["seq_len"], _kv_heads(shape), _v_head_dim(shape)
+
+
+def _out_dims(shape):
+    return shape["batch"], shape["seq_len"], shape["heads"], _v_head_dim(shape)
+
+
 def _fallback_reason(shape):
     """Why the sm90 backward kernel for this head dim does not take this shape (fa4_jax then runs the
     reference), or None."""
     from fa4_jax.kernels import host
 
     module, _ = _variants()["default"].kernel_at(shape["head_dim"])
-    problem = host.Problem(_dims(shape), _key_dims(shape), _key_dims(shape), "bfloat16")
+    problem = host.Problem(_dims(shape), _key_dims(shape), _value_dims(shape), "bfloat16")
     return module.unsupported_reason(_config(shape), problem)
 
 
@@ -336,14 +358,16 @@ def _lower_for_cuda(job):
     batch, length, heads, dim = _dims(shape)
     tensor = jax.ShapeDtypeStruct((batch, length, heads, dim), jnp.bfloat16)
     key = jax.ShapeDtypeStruct(_key_dims(shape), jnp.bfloat16)
+    value = jax.ShapeDtypeStruct(_value_dims(shape), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct(_out_dims(shape), jnp.bfloat16)
     start = time.perf_counter()
     try:
         if variant == "forward":
-            _forward(_config(shape)).trace(tensor, key, key).lower(lowering_platforms=("cuda",))
+            _forward(_config(shape)).trace(tensor, key, value).lower(lowering_platforms=("cuda",))
         else:
             lse = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
             _backward(shape, _variants()[variant]).trace(
-                tensor, key, key, tensor, lse, tensor).lower(lowering_platforms=("cuda",))
+                tensor, key, value, out, lse, out).lower(lowering_platforms=("cuda",))
         return variant, time.perf_counter() - start, None
     except Exception as error:  # the timing process compiles it itself then
         return variant, time.perf_counter() - start, f"{type(error).__name__}: {str(error)[:200]}"
@@ -377,7 +401,7 @@ def backward_row(shape, arguments, args):
 
     query, key, value = arguments
     config = _config(shape)
-    d_out = jax.random.normal(jax.random.key(1), query.shape, jnp.float32).astype(query.dtype)
+    d_out = jax.random.normal(jax.random.key(1), _out_dims(shape), jnp.float32).astype(query.dtype)
     row = dict(section="backward", **shape)
     candidates = {}
     reason = _fallback_reason(shape)
@@ -430,7 +454,8 @@ def _summary(row, names):
         ratio = row.get(f"{name}_vs_cudnn")
         cells.append(f"{ratio:5.2f}" if ratio is not None else "  -  ")
     fallback = " (reference fallback, not timed)" if row["fa4_jax_backward"].startswith("reference") else ""
-    return (f"D={row['head_dim']:3d} causal={int(row['causal'])} B={row['batch']:2d} S={row['seq_len']:5d} "
+    dims = f"{row['head_dim']:3d}" + (f"/{row['v_head_dim']}" if row.get("v_head_dim") else "")
+    return (f"D={dims} causal={int(row['causal'])} B={row['batch']:2d} S={row['seq_len']:5d} "
             f"H={row['heads']}/{_kv_heads(row)} "
             f"cudnn {row.get('cudnn_ms', float('nan')):7.3f} ms | " + " ".join(cells) + fallback)
 
@@ -468,7 +493,7 @@ def run(args):
     for shape in shapes:
         key, *subkeys = jax.random.split(key, 4)
         arguments = [jax.random.normal(k, dims, "float32").astype("bfloat16")
-                     for k, dims in zip(subkeys, (_dims(shape), _key_dims(shape), _key_dims(shape)))]
+                     for k, dims in zip(subkeys, (_dims(shape), _key_dims(shape), _value_dims(shape)))]
         row = backward_row(shape, arguments, args)
         report["rows"].append(row)
         write()
@@ -523,7 +548,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
     parser.add_argument("--shapes", choices=("grid", *SHAPE_SETS), default="grid",
                         help="grid: B*S = 16k tokens, H*D = 2048; gqa: the GQA / MQA rows (GQA_SHAPES); "
-                             "d192: 16 heads at D = 192, S 2k / 8k (D192_SHAPES)")
+                             "d192: 16 heads at D = 192, S 2k / 8k (D192_SHAPES); mla: those at D / Dv = "
+                             "192 / 128 (MLA_SHAPES)")
     parser.add_argument("--precompile-workers", type=int, default=0,
                         help="lower every kernel in this many CPU processes first (on-disk cache)")
     parser.add_argument("--variants-passing", metavar="PYTEST_LOG",

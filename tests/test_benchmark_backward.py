@@ -104,8 +104,8 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
                         *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
     else:
         # D = 192's former two-warp-group layout, for comparison, and its candidates.
-        candidates = ["two_groups_by_keys", "deterministic_two_groups_by_keys", "one_query_stage",
-                      "deterministic_one_query_stage"]
+        candidates = ["two_groups_by_keys", "deterministic_two_groups_by_keys", "prefetch_query",
+                      "deterministic_prefetch_query", "one_query_stage", "deterministic_one_query_stage"]
         three = ["two_warpgroups", "deterministic_two_warpgroups", *candidates] if head_dim == 192 else []
         assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", *three]
     dims = (1, 1024, 8, head_dim)
@@ -195,3 +195,20 @@ def test_plain_turns_skip_the_rows_where_rotated_turns_resolve_off(benchmark):
     assert variant.skip_reason(shape) is None
     assert "full rows only" in variant.skip_reason(dict(shape, causal=True))
     assert "resident" in variant.skip_reason(dict(shape, seq_len=16384))
+
+
+def test_mla_rows_take_value_dims_of_their_own(benchmark):
+    """--shapes mla: D192_SHAPES at Dv = 128; V, O and dO are 128 wide, the large-head kernel takes the rows
+    unpadded, and the FLOPs count P V at Dv."""
+    assert [dict(shape, v_head_dim=None) for shape in benchmark.MLA_SHAPES] == [
+        dict(shape, v_head_dim=None) for shape in benchmark.D192_SHAPES]
+    for shape in benchmark.MLA_SHAPES:
+        batch, length, heads = shape["batch"], shape["seq_len"], shape["heads"]
+        assert benchmark._value_dims(shape) == (batch, length, heads, 128)
+        assert benchmark._out_dims(shape) == (batch, length, heads, 128)
+        assert benchmark._key_dims(shape) == (batch, length, heads, 192)
+        assert benchmark._fallback_reason(shape) is None
+        assert benchmark.backward_flops(shape) == benchmark.backward_flops(dict(shape, v_head_dim=None)) * 320 / 384
+    row = dict(benchmark.MLA_SHAPES[0], section="backward", fa4_jax_backward="sm90_backward_large_heads")
+    assert benchmark._summary(row, ["default"]).startswith("D=192/128 causal=1")
+    assert benchmark._variants()["prefetch_query"].skip_reason(benchmark.MLA_SHAPES[0]) is None
