@@ -1,7 +1,9 @@
 """The split-KV paged decode kernel (fa4_jax/kernels/sm90/decode.py) on the CPU: compiled for sm_90a and
 sm_100a with its PTX checked for the design (mma.sync tensor cores, ldmatrix, 16-byte cp.async with a
 multistage wait, no local memory; no spills where ptxas is installed), its split-count heuristic, what
-it refuses, and the combine pass (plain JAX) against a float64 softmax over all keys.
+it refuses, and the combine pass (plain JAX) against a float64 softmax over all keys. The combine kernel
+(`combine="kernel"`, decode_combine.py) compiles in the same processes: its PTX's loads, and its merge run
+through the PTX interpreter against the XLA one.
 """
 
 from __future__ import annotations
@@ -63,15 +65,25 @@ CONFIGS = {
     "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),
 }
 
+# The combine kernel (`combine="kernel"`, fa4_jax/kernels/sm90/decode_combine.py), compiled in the same
+# processes: name -> (AttentionConfig fields, [B, Sq, Hq, Hkv, D], dtype, arch, splits). The sm_90a case is
+# the one the PTX interpreter merges below: Sq 4 x 5 heads a group (20 rows: a full 16-row tile and one of
+# 4), sinks, and 37 splits (a group of 32 loads in flight, then one of 5); the sm_100a one is the benchmark's
+# B = 1 8k row (32 splits).
+COMBINE_CONFIGS = {
+    "combine-q4-gqa5-37-splits-sinks": ({"has_sinks": True}, [2, 4, 10, 2, 64], "bfloat16", "sm_90a", 37),
+    "sm100-combine-d128-32-splits": ({}, [1, 1, 32, 8, 128], "bfloat16", "sm_100a", 32),
+}
+
 _COMPILE = r"""
 import glob, json, os, sys
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.sm90 import decode
+from fa4_jax.kernels.sm90 import decode, decode_combine
 
-configs = json.loads(sys.argv[1])
+configs, combine_configs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
 result = {}
 for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
@@ -88,20 +100,34 @@ for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
     path = os.path.join(dump, name + ".ptx")
     os.replace(new, path)
     result[name] = {"ptx": path, "stages": options.num_stages, "splits": options.num_splits}
+for name, (fields, (B, Sq, Hq, Hkv, D), dtype, _, splits) in combine_configs.items():
+    config = AttentionConfig(scale=D ** -0.5, causal=True, has_kv_seq_lengths=True, **fields)
+    logical = (B, 64 * 16, Hkv, D)
+    problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=16)
+    options = decode.combine_options(decode.options(config, problem, sm_count=132, combine="kernel",
+                                                    num_splits=splits), fields.get("has_sinks", False))
+    cute.compile(decode_combine.Sm90DecodeCombineKernel(options), make_fake_stream(),
+                 *decode_combine.fake_arguments(options, B, Hkv))
+    (new,) = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
+    path = os.path.join(dump, name + ".ptx")
+    os.replace(new, path)
+    result[name] = {"ptx": path, "splits": options.num_splits}
 print("DECODE_PTX " + json.dumps(result))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """{name: {ptx, stages, splits}}: one compile subprocess per architecture."""
+    """{name: {ptx, stages, splits}} (the combine kernel's cases: {ptx, splits}): one compile subprocess per
+    architecture."""
     result = {}
-    for arch in sorted({config[4] for config in CONFIGS.values()}):
+    for arch in sorted({config[4] for config in CONFIGS.values()} | {config[3] for config in COMBINE_CONFIGS.values()}):
         directory = tmp_path_factory.mktemp(f"decode_{arch}")
         selected = {name: config for name, config in CONFIGS.items() if config[4] == arch}
+        combines = {name: config for name, config in COMBINE_CONFIGS.items() if config[3] == arch}
         environment = dict(compile_environment(directory), CUTE_DSL_ARCH=arch)
-        process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(selected)], env=environment,
-                                 capture_output=True, text=True, timeout=900)
+        process = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(selected), json.dumps(combines)],
+                                 env=environment, capture_output=True, text=True, timeout=900)
         assert process.returncode == 0, process.stderr[-4000:]
         line = next(line for line in process.stdout.splitlines() if line.startswith("DECODE_PTX "))
         result.update(json.loads(line[len("DECODE_PTX "):]))
@@ -530,6 +556,28 @@ def test_both_entry_points_lower_to_the_decode_kernel(monkeypatch):
         assert "fa4_jax_sm90_forward" not in text
 
 
+@pytest.mark.parametrize("has_sinks", [False, True])
+def test_combine_kernel_lowers_after_the_decode_kernel(monkeypatch, has_sinks):
+    """decode.run with combine="kernel", lowered for CUDA (compiled here, on the CPU): the decode kernel
+    (its partials) and then the combine kernel, which returns the final O in the query dtype and the LSE;
+    no XLA merge left (no reduce)."""
+    import jax
+
+    from fa4_jax import paged
+
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", "")
+    spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype)
+    arguments = (spec(jnp.bfloat16, 2, 1, 8, 64), spec(jnp.bfloat16, 40, 16, 2, 64), spec(jnp.bfloat16, 40, 16, 2, 64),
+                 spec(jnp.int32, 2, 20), spec(jnp.int32, 2), spec(jnp.float32, 8) if has_sinks else None)
+    config = AttentionConfig(scale=0.125, causal=True, has_kv_seq_lengths=True, has_sinks=has_sinks)
+    options = decode.options(config, paged.paged_problem(*arguments[:4]), sm_count=132, combine="kernel")
+    traced = jax.jit(lambda *a: decode.run(options, *a)).trace(*arguments)
+    out, lse = traced.out_info
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((2, 1, 8, 64), jnp.bfloat16, (2, 8, 1), jnp.float32)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.index("fa4_jax_sm90_decode_combine") > text.index("fa4_jax_sm90_decode_") and "reduce" not in text
+
+
 @pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d128-q4-page64-sinks", "d128-gqa4-page16"])
 def test_last_cta_merges_the_splits(compiled, name, rng):
     """The last CTA of a (batch, head tile), run thread by thread on the CPU from its PTX with every
@@ -599,3 +647,125 @@ def test_last_cta_merges_the_splits(compiled, name, rng):
                 out += [ptx_addresses.half_float(word, kind), ptx_addresses.half_float(word >> 16, kind)]
         np.testing.assert_allclose(out, expected_o[r], rtol=1e-2, atol=1e-2, err_msg=f"{name} row {r}")
     assert np.isinf(expected_lse[0]) != has_sinks
+
+
+def _combine_options(name):
+    """(decode options, combine options) of COMBINE_CONFIGS[name]."""
+    fields, (B, Sq, Hq, Hkv, D), dtype, _, splits = COMBINE_CONFIGS[name]
+    config = AttentionConfig(scale=D ** -0.5, causal=True, has_kv_seq_lengths=True, **fields)
+    logical = (B, 64 * 16, Hkv, D)
+    problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=16)
+    options = decode.options(config, problem, sm_count=132, combine="kernel", num_splits=splits)
+    return options, decode.combine_options(options, fields.get("has_sinks", False))
+
+
+@pytest.mark.parametrize("name", sorted(COMBINE_CONFIGS))
+def test_combine_kernel_ptx_has_the_design(compiled, name):
+    """The combine kernel: per split one 16-byte load of a thread's 4 partial columns and one LSE load, the
+    output's 4 columns (8 bytes) in one store, plain global loads and stores only (no shared memory, no
+    barrier, no local memory), so the same code runs on sm_90 and sm_100."""
+    with open(compiled[name]["ptx"]) as handle:
+        ptx = handle.read()
+    _, options = _combine_options(name)
+    assert f".target {COMBINE_CONFIGS[name][3]}" in ptx
+    vector_loads = re.findall(r"ld\.global(?:\.nc)?\.(?:v4\.b32|v4\.f32|v2\.b64)", ptx)   # 16 bytes each
+    scalar_loads = re.findall(r"ld\.global(?:\.nc)?\.(?:b32|f32)\s", ptx)
+    assert len(vector_loads) == options.num_splits, f"{len(vector_loads)} 16-byte loads for {options.num_splits} splits"
+    assert len(scalar_loads) == options.num_splits + options.has_sinks, scalar_loads
+    assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == 1, "the 4 output columns are not one 8-byte store"
+    assert not re.search(r"\.local\b|ld\.local|st\.local|\.shared|bar\.sync|barrier", ptx)
+    assert "wgmma" not in ptx and "cp.async" not in ptx and "atom." not in ptx
+
+
+@pytest.mark.skipif(find_ptxas() is None, reason="ptxas not installed")
+def test_combine_kernel_has_no_register_spills(compiled):
+    """ptxas keeps a group's 32 splits of loads in registers (minctasm 1 lets it use up to 255)."""
+    name = next(name for name, config in COMBINE_CONFIGS.items() if config[3] == "sm_90a")
+    assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
+
+
+def test_combine_kernel_merges_the_partials(compiled, rng):
+    """Every thread of the sm_90a combine case, run through the PTX interpreter on random partials (rows a
+    split did not see: LSE -inf; the padded rows of the last tile: NaN, never read), writes what the XLA
+    merge (`combine_partials`, `_merge_in_stages`) computes: O rounded to bf16, LSE within 1e-5; a row no
+    split and no sink saw gets O 0 and LSE -inf, one with only its sink O 0 and LSE the sink. Every
+    access aligned and inside its buffer, every output element written once, no partial row past the
+    tile's real rows read."""
+    name = next(name for name, config in COMBINE_CONFIGS.items() if config[3] == "sm_90a")
+    decode_options, options = _combine_options(name)
+    fields, (B, Sq, Hq, Hkv, D), dtype, _, splits = COMBINE_CONFIGS[name]
+    from fa4_jax.kernels.sm90 import decode_combine
+
+    buffers = ["partial_o", "partial_lse", "sinks", "out", "lse"]
+    with open(compiled[name]["ptx"]) as handle:
+        program = ptx_addresses.parse(handle.read())
+    assert [size for _, size in program.params] == [8] * len(buffers)
+    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
+    o_shape, lse_shape = decode_combine.partial_shapes(options, B, Hkv)
+    out_shape, out_lse_shape = decode_combine.output_shapes(options, B, Hkv)
+    shapes = {"partial_o": o_shape, "partial_lse": lse_shape, "sinks": (Hq,), "out": out_shape, "lse": out_lse_shape}
+    sizes = {b: int(np.prod(shapes[b])) * (2 if b == "out" else 4) for b in buffers}
+
+    partial_lse = (rng.standard_normal(lse_shape) * 3).astype(np.float32)
+    partial_o = rng.standard_normal(o_shape).astype(np.float32)
+    partial_lse[rng.random(lse_shape) < 0.2] = -np.inf     # splits that saw no key of a row
+    sinks = rng.standard_normal(Hq).astype(np.float32)
+    # Packed row 0 of (batch 0, head 0) (query head 0, position 0): no split and no sink; packed row 1
+    # (head 1): only its sink.
+    partial_lse[0, 0, :, 0:2] = -np.inf
+    partial_o[0, 0, :, 0:2] = 0.0
+    sinks[0] = -np.inf
+    last_rows = options.rows - (options.row_tiles - 1) * decode.TILE_M
+    padded = np.zeros(lse_shape, bool)
+    padded.reshape(B, Hkv, options.row_tiles, splits, decode.TILE_M)[:, :, -1, :, last_rows:] = True
+    partial_lse[padded] = np.nan
+    partial_o[padded] = np.nan
+    memory = {}
+    for buffer, values in (("partial_o", partial_o), ("partial_lse", partial_lse), ("sinks", sinks)):
+        words = values.ravel().view(np.uint32)
+        memory.update(zip(range(_BASES[buffer], _BASES[buffer] + 4 * words.size, 4), words.tolist()))
+
+    stored = {}
+    read = collections.Counter()
+    for batch in range(B):
+        for head_kv in range(Hkv):
+            for cta in range(options.ctas_per_head):
+                for thread in range(decode_combine.THREADS):
+                    for access in ptx_addresses.thread_accesses(program, thread, (cta, head_kv, batch), params,
+                                                                memory):
+                        where = f"CTA {(cta, head_kv, batch)} thread {thread}: {access}"
+                        assert access.space == "global" and access.address % access.size == 0, where
+                        buffer = max((b for b in buffers if _BASES[b] <= access.address), key=_BASES.get)
+                        offset = access.address - _BASES[buffer]
+                        assert offset + access.size <= sizes[buffer], f"past the end of {buffer}: {where}"
+                        if access.kind == "st.global":
+                            assert buffer in ("out", "lse") and access.address not in stored, where
+                            stored[access.address] = access
+                        else:
+                            assert buffer in ("partial_o", "partial_lse", "sinks"), where
+                            read.update((buffer, element)
+                                        for element in range(offset // 4, (offset + access.size) // 4))
+    for buffer, values in (("partial_o", partial_o), ("partial_lse", partial_lse)):
+        elements = {element for b, element in read if b == buffer}
+        assert not np.isnan(values.ravel()[sorted(elements)]).any(), f"a padded row of {buffer} read"
+        assert len(elements) == np.count_nonzero(~padded) * (D if buffer == "partial_o" else 1), buffer
+
+    expected_o, expected_lse = decode.combine_partials(decode_options, jnp.asarray(partial_o),
+                                                       jnp.asarray(partial_lse), jnp.asarray(sinks), B, Hkv)
+    expected_o, expected_lse = np.asarray(expected_o), np.asarray(expected_lse)
+    out = np.full(out_shape, np.nan, np.float32)
+    lse = np.full(out_lse_shape, np.nan, np.float32)
+    for address, access in stored.items():
+        if address >= _BASES["lse"]:
+            (bits,) = access.values
+            lse.ravel()[(address - _BASES["lse"]) // 4] = ptx_addresses._bits_float(bits)
+            continue
+        start = (address - _BASES["out"]) // 2
+        for index, word in enumerate(access.values):
+            out.ravel()[start + 2 * index] = ptx_addresses.half_float(word, "bf16x2")
+            out.ravel()[start + 2 * index + 1] = ptx_addresses.half_float(word >> 16, "bf16x2")
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output element not written"
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, expected_o, rtol=1e-2, atol=1e-2)
+    assert lse[0, 0, 0] == -np.inf and np.isclose(lse[0, 1, 0], sinks[1], rtol=1e-6, atol=1e-6)
+    assert not out[0, 0, :2].any()

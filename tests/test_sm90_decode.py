@@ -77,11 +77,12 @@ def test_paged_decode_matches_oracle(case, rng):
 
 
 # Options that are not the default, on every paged case through the public API (the kernel's options
-# patched): the cluster combine (the splits merge through distributed shared memory), the page numbers
-# loaded right before their cp.async (the default loads them a block ahead), and the XLA merge as one
-# variadic reduction. Select with `-k cluster`, `-k page_lookahead` or `-k variadic`.
-EVERY_CASE_OPTIONS = {"cluster_combine": {"combine": "cluster"}, "no_page_lookahead": {"page_lookahead": False},
-                      "variadic_merge": {"xla_merge": "variadic"}}
+# patched): the cluster combine (the splits merge through distributed shared memory), the merge as one
+# kernel of ours after the decode kernel, the page numbers loaded right before their cp.async (the default
+# loads them a block ahead), and the XLA merge as one variadic reduction. Select with `-k cluster`,
+# `-k combine_kernel`, `-k page_lookahead` or `-k variadic`.
+EVERY_CASE_OPTIONS = {"cluster_combine": {"combine": "cluster"}, "combine_kernel": {"combine": "kernel"},
+                      "no_page_lookahead": {"page_lookahead": False}, "variadic_merge": {"xla_merge": "variadic"}}
 
 
 @gpu
@@ -120,15 +121,19 @@ FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits"
           {"page_lookahead": False, "num_stages": 4, "num_splits": 2},
           # The XLA merge as one variadic reduction: 2, 40 and 128 splits (113 of them empty).
           {"xla_merge": "variadic", "num_splits": 2}, {"xla_merge": "variadic", "num_splits": 40},
-          {"xla_merge": "variadic", "num_splits": 128}]
+          {"xla_merge": "variadic", "num_splits": 128},
+          # The merge as one kernel of ours: one split (the kernel still merges it with the sinks), 7, 33
+          # (one group of 32 loads in flight, then one of 1) and 128 (four groups, 113 splits empty).
+          {"combine": "kernel", "num_splits": 1}, {"combine": "kernel", "num_splits": 7},
+          {"combine": "kernel", "num_splits": 33}, {"combine": "kernel", "num_splits": 128}]
 
 
 @gpu
 @pytest.mark.parametrize("overrides", FORCED, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_forced_options(overrides, rng):
     """Every split count merges to the same attention (splits past the key blocks get none: -inf; 128
-    splits of 15 blocks leave 113 empty), in the kernel's last CTA, in a cluster and in XLA, and the tuning
-    alternatives (block size, stages) compute it too. Sinks, LSE, poisoned memory."""
+    splits of 15 blocks leave 113 empty), in the kernel's last CTA, in a cluster, in XLA and in the combine
+    kernel, and the tuning alternatives (block size, stages) compute it too. Sinks, LSE, poisoned memory."""
     from fa4_jax import paged
     from fa4_jax.kernels.sm90 import decode
 

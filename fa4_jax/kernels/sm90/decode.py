@@ -12,10 +12,18 @@ kernel is built to keep that read at the memory-bandwidth limit:
   quarter of every key block and keeps its own online softmax, so no warp waits on another in the
   key loop; at the end the 4 warps merge their (O, LSE) through shared memory (the K/V ring is free
   by then) into the split's one.
-- Where the splits merge (`DecodeOptions.combine`; one split always writes the final O and LSE itself):
+- Where the splits merge (`DecodeOptions.combine`; with "last_cta" or "cluster" one split writes the
+  final O and LSE itself):
   - "xla" (the default): each split writes its normalised partial O (fp32, only the tile's real rows)
     and LSE, and `combine_partials` merges them with the sinks in XLA (`xla_merge`: in stages, which XLA
     emits as three kernels, or as one variadic reduction, a candidate).
+  - "kernel" (a candidate, written before its measurement): the same partials, merged by one small
+    CuTe kernel of our own (decode_combine.py: a thread per (row, 4-column chunk), every split's loads
+    in flight at once) instead of XLA's three. Measured on an H100 with "xla" (CUPTI per kernel, B = 1,
+    32 / 8 heads, D 128, Sq 1, 16 splits): at 1k keys the decode kernel takes 4.03 us and the merge
+    1.38 + 1.20 + 1.34 us (7.95 in all; Pallas 9.0, 1.5x needs <= 6.0); at 8k 9.50 + 1.31 + 1.31 + 1.63
+    (13.76). Predicted: the merge kernel 1.5-2 us, so 5.5-6 us at 1k and 11-11.5 us at 8k
+    (docs/kernels.md, "Decode: the combine as one kernel").
   - "last_cta" (measured ~1 us slower than the XLA pass, below): each split writes its partial, fences
     (device scope), and one thread adds 1 to the (batch, head tile)'s int32 counter with an acq_rel
     atomic; the CTA that sees splits - 1 is the last, zeroes the counter again, and merges every
@@ -79,7 +87,7 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import cluster_memory, masking, online_softmax
 from fa4_jax.kernels.common.softcap import apply_softcap
-from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, wgmma
+from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode_combine, wgmma
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 THREADS = 128
@@ -92,7 +100,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 # (8 warps, 2 x 64 KB of cp.async in flight per SM); one at D = 256.
 _TILE_N_AND_STAGES = {64: (128, 3), 128: (64, 3), 256: (64, 2)}
 CHUNK = 8                # elements per 16-byte cp.async
-COMBINES = ("xla", "last_cta", "cluster")
+COMBINES = ("xla", "kernel", "last_cta", "cluster")
 XLA_MERGES = ("staged", "variadic")
 # The largest thread-block cluster sm_90 / sm_100 launch (16 needs the non-portable size, which the DSL
 # allows on every kernel it builds); with 2 CTAs per SM one cluster of 16 spans 8 SMs of one GPC.
@@ -114,7 +122,7 @@ class DecodeOptions:
     num_splits: int
     tile_n: int               # keys per block (each warp takes tile_n / 4)
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
-    combine: str = "xla"      # where the splits merge: "xla", "last_cta" or "cluster" (module docstring)
+    combine: str = "xla"      # where the splits merge: "xla", "kernel", "last_cta" or "cluster" (module docstring)
     rescale_threshold: float = 8.0
     # Load each key block's page numbers one block before its cp.async. A cp.async address needs its row's
     # block-table entry, so without it every block's issue waits for a table load (a DRAM or L2 round
@@ -136,8 +144,9 @@ class DecodeOptions:
 
     @property
     def writes_output(self) -> bool:
-        """Whether the kernel writes the final O and LSE (else its partials, for `combine_partials`)."""
-        return self.combine != "xla"
+        """Whether the kernel writes the final O and LSE (else its partials, for `combine_partials` or the
+        combine kernel)."""
+        return self.combine in ("last_cta", "cluster")
 
     @property
     def row_tiles(self) -> int:
@@ -485,7 +494,7 @@ class Sm90DecodeKernel:
         for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
             row = p * rows_per_pass + tidx // chunks
             if row < rows_here:
-                if cutlass.const_expr(combine != "xla" and splits == 1):
+                if cutlass.const_expr(self.options.writes_output and splits == 1):
                     lse = self.merge(warp_lse, warp_chunk, WARPS, row, chunk,
                                      self.sink(mSinks, head_kv, packed_start + row), values)
                     self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
@@ -727,6 +736,13 @@ def semaphore_shape(options: DecodeOptions, batch: int, kv_heads: int):
     return (batch, kv_heads * options.row_tiles)
 
 
+def combine_options(options: DecodeOptions, has_sinks: bool) -> decode_combine.CombineOptions:
+    """The combine kernel's options (its compile key) for merging the partials of `options`' kernel."""
+    return decode_combine.CombineOptions(dtype_name=options.dtype_name, head_dim=options.head_dim,
+                                         group=options.group, q_len=options.q_len, num_splits=options.num_splits,
+                                         tile_rows=TILE_M, has_sinks=has_sinks)
+
+
 def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batch: int, kv_heads: int):
     """Merge the split partials in XLA (the path with combine="xla"): out [B, Sq, Hq, D] float32,
     lse [B, Hq, Sq].
@@ -813,7 +829,7 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
     # The kernel's operands: query, caches, tables, lengths, sinks, semaphore, then its outputs.
     arguments = [query, key_cache, value_cache, block_tables, kv_seq_lengths, None, None]
     aliases = None
-    if options.combine == "xla":
+    if not options.writes_output:   # "xla" and "kernel": the partials, merged below
         outputs = partials
     elif options.combine == "last_cta":
         # The counters are zeroed here and left zero by the kernel; aliased to an output so that
@@ -829,6 +845,8 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
     results = host.call_kernel(kernel, tuple(arguments), tuple(outputs), (str(kernel), options), aliases)
     if options.writes_output:
         return results[-2], results[-1]
+    if options.combine == "kernel":
+        return decode_combine.run(combine_options(options, sinks is not None), results[0], results[1], sinks)
     out, lse = combine_partials(options, results[0], results[1], sinks, batch, kv_heads)
     return out.astype(query.dtype), lse
 
