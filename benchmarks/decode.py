@@ -28,7 +28,7 @@ distinct DecodeOptions), so the timed process loads them.
 
 Usage:
     python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick]
-        [--combines last_cta,cluster] [--option-variants variadic_merge] [--cold-l2]
+        [--combines last_cta,cluster] [--option-variants combine_kernel,variadic_merge] [--cold-l2]
     python benchmarks/decode.py --plot benchmarks/results/decode_h200.json --png decode_h200.png
     python benchmarks/decode.py --merge b1.json b8.json b64.json --out decode_h200.json   (no GPU needed)
 
@@ -205,7 +205,9 @@ def _pallas_functions(row, arguments):
 
 
 # DecodeOptions candidates `--option-variants` times through decode.run, beside the defaults through it.
-OPTION_VARIANTS = {"no_page_lookahead": {"page_lookahead": False}, "variadic_merge": {"xla_merge": "variadic"}}
+# combine_kernel: the splits merged by our combine kernel (decode_combine.py) instead of XLA's pass.
+OPTION_VARIANTS = {"no_page_lookahead": {"page_lookahead": False}, "variadic_merge": {"xla_merge": "variadic"},
+                   "combine_kernel": {"combine": "kernel"}}
 
 
 def measure(row, key, iterations, sm_count: int = None, combines=(), option_variants=(), cold_flush=None) -> dict:

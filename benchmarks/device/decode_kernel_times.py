@@ -1,9 +1,11 @@
 """CUPTI time of each kernel of one decode call (benchmarks/decode.py's inputs), median over iterations: where
 a B = 1 step's time goes between the split kernel and the XLA pass that merges its splits
 (`combine_partials`, which XLA emits as several kernels in its staged form and as one reduction in its
-variadic form), and what the kernel's own merge and `page_lookahead` change in the split kernel itself.
+variadic form) or by our combine kernel (`combine="kernel"`: the split kernel then one merge kernel), and what
+the kernel's own merge and `page_lookahead` change in the split kernel itself.
 
 Usage: python benchmarks/device/decode_kernel_times.py --out times.json [--iterations 20]
+           [--variants api,combine_kernel]
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 ROWS = [dict(batch=1, context=1024, q_len=1, page_size=16), dict(batch=1, context=8192, q_len=1, page_size=16),
         dict(batch=1, context=1024, q_len=4, page_size=16), dict(batch=8, context=1024, q_len=1, page_size=16)]
 VARIANTS = {"api": None, "last_cta": {"combine": "last_cta"}, "no_page_lookahead": {"page_lookahead": False},
-            "variadic_merge": {"xla_merge": "variadic"}}
+            "variadic_merge": {"xla_merge": "variadic"}, "combine_kernel": {"combine": "kernel"}}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--variants", help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
     args = parser.parse_args()
+    variants = {name: VARIANTS[name] for name in (args.variants.split(",") if args.variants else VARIANTS)}
 
     import jax
     from jax.experimental.mosaic.gpu import profiler
@@ -41,7 +45,7 @@ def main():
                   rows=[])
     for row in ROWS:
         arguments = jax.block_until_ready(decode._inputs(row, jax.random.key(0)))
-        for name, overrides in VARIANTS.items():
+        for name, overrides in variants.items():
             if overrides is None:
                 call = jax.jit(lambda *a: fa4_jax.paged_attention(*a, implementation="cute"))
             else:
