@@ -83,7 +83,8 @@ from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.sm90 import decode, decode_combine
 
-configs, combine_configs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+# The combine cases come second, where given (tools/kernel_binaries.py passes the decode cases alone).
+configs, combine_configs = json.loads(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
 result = {}
 for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
