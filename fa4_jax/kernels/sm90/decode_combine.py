@@ -139,7 +139,8 @@ class Sm90DecodeCombineKernel:
                 group_top = top
                 for i in cutlass.range_constexpr(size):
                     group_top = cute.arch.fmax(group_top, part_lse[i])
-                # exp2 against the new maximum (0 while every LSE so far is -inf: all weights are then 0).
+                # The sums so far rescaled to the new maximum and this group's weights against it (shift 0
+                # while every LSE so far is -inf: every weight is then 0, never NaN).
                 shift = group_top * online_softmax.LOG2_E
                 if group_top == -Float32.inf:
                     shift = Float32(0.0)
