@@ -133,8 +133,8 @@ class DecodeOptions:
     # How `combine_partials` merges the splits with combine="xla" (no change to the kernel): "staged", a max,
     # then sums, then a divide (XLA emits it as three kernels, ~1 us each at B = 1: ncu, H100, 17f1841), or
     # "variadic", one lax.reduce over the splits of (LSE, O) pairs whose combiner is the two-part softmax
-    # merge (one reduction kernel). A candidate, off until measured (docs/kernels.md, "Decode: the XLA
-    # merge in one reduction").
+    # merge. Measured slower on an H100 (rev 6f403c6: the one reduction alone 4.2 us, B = 1 1k 7.95 ->
+    # 10.5 us; docs/kernels.md, "Decode: the XLA merge in one reduction"): kept off, for comparison.
     xla_merge: str = "staged"
 
     @property
