@@ -29,10 +29,13 @@ from fa4_jax.primitive import attention_bwd_inner_p, attention_fwd_inner_p, atte
 from fa4_jax.reference import reference_backward, reference_forward, reference_tangent
 from test_attention import AttentionTestBase, Case, with_cases
 
-KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)   # every forward kernel's, and the sm90 backward's
+KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)   # the sm100 forward's, and the sm90 backward's
+SM90_FORWARD_HEAD_DIMS = (64, 80, 96, 128, 192, 256)   # D = 80 has a kernel of its own there
 SM100_BACKWARD_HEAD_DIMS = (64, 96, 128)
 MLA = (192, 128)   # DeepSeek MLA's (D, Dv): the sm90 forward and large-head backward take it besides D = Dv
-SM90_PAIRS = tuple((d, d) for d in KERNEL_HEAD_DIMS) + (MLA,)   # the sm90 forward's, and backward's together
+SM90_FORWARD_PAIRS = tuple((d, d) for d in SM90_FORWARD_HEAD_DIMS) + (MLA,)
+SM90_BACKWARD_PAIRS = tuple((d, d) for d in KERNEL_HEAD_DIMS) + (MLA,)   # the small- and large-head kernels'
+SM90_PAIRS = {"forward": SM90_FORWARD_PAIRS, "backward": SM90_BACKWARD_PAIRS}
 
 
 def _problem(head_dim, v_head_dim=None):
@@ -54,13 +57,15 @@ def _route(pass_, capability, head_dim, v_head_dim=None):
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm90", "sm100"])
 def test_forward_pads_every_head_dim_to_the_next_kernel_head_dim(capability):
     """Every head dim 1..256 (the multiples of 8 models use, and the rest) runs the forward kernel of
-    the next head dim up, value padded alike; the kernel's own head dims are not padded."""
+    the next head dim up, value padded alike; the kernel's own head dims are not padded. On sm_90 that
+    includes D = 80 (so 65..79 pad to 80), on sm_100 not (65..95 pad to 96)."""
+    head_dims = SM90_FORWARD_HEAD_DIMS if capability == (9, 0) else KERNEL_HEAD_DIMS
     for head_dim in range(1, 257):
         route, padding, reason = _route("forward", capability, head_dim)
         assert reason is None, (head_dim, reason)
-        kernel_head_dim = _next_kernel_head_dim(head_dim, KERNEL_HEAD_DIMS)
+        kernel_head_dim = _next_kernel_head_dim(head_dim, head_dims)
         assert (padding.kernel_head_dim, padding.kernel_v_head_dim) == (kernel_head_dim, kernel_head_dim)
-        assert padding.is_identity == (head_dim in KERNEL_HEAD_DIMS)
+        assert padding.is_identity == (head_dim in head_dims)
         assert route.module == f"fa4_jax.kernels.sm{capability[0]}0.forward"
 
 
@@ -117,12 +122,15 @@ VALUE_HEAD_DIMS = {
 }
 # The sm90 forward and backward also take MLA's 192/128 themselves, and it is the cheaper kernel for
 # every call of 128 < D <= 192 and Dv <= 128 (160/128: 320 / 288 = 1.11x the FLOPs, not 192/192's 1.33x).
-SM90_VALUE_HEAD_DIMS = {**VALUE_HEAD_DIMS, (192, 128): MLA, (160, 128): MLA, (192, 64): MLA}
+SM90_BACKWARD_VALUE_HEAD_DIMS = {**VALUE_HEAD_DIMS, (192, 128): MLA, (160, 128): MLA, (192, 64): MLA}
+# The sm90 forward's own D = 80 kernel holds 80/80 unpadded and 40/72 at 160 / 112 = 1.43x the FLOPs
+# (96/96: 1.71x).
+SM90_FORWARD_VALUE_HEAD_DIMS = {**SM90_BACKWARD_VALUE_HEAD_DIMS, (40, 72): (80, 80), (80, 80): (80, 80)}
 
 
 @pytest.mark.parametrize("dims", list(VALUE_HEAD_DIMS), ids=[f"{d}-{v}" for d, v in VALUE_HEAD_DIMS])
 @pytest.mark.parametrize("capability, pass_, kernel_dims", [
-    ((9, 0), "forward", SM90_VALUE_HEAD_DIMS), ((9, 0), "backward", SM90_VALUE_HEAD_DIMS),
+    ((9, 0), "forward", SM90_FORWARD_VALUE_HEAD_DIMS), ((9, 0), "backward", SM90_BACKWARD_VALUE_HEAD_DIMS),
     ((10, 0), "forward", VALUE_HEAD_DIMS)], ids=["sm90-forward", "sm90-backward", "sm100-forward"])
 def test_value_head_dims_pad_to_the_cheapest_kernel_that_holds_them(dims, capability, pass_, kernel_dims):
     _, padding, reason = _route(pass_, capability, *dims)
@@ -135,7 +143,9 @@ def test_value_head_dims_pad_to_the_cheapest_kernel_that_holds_them(dims, capabi
 def test_sm90_takes_every_call_the_mla_pair_holds_and_pads_the_rest_as_before(pass_):
     """Every (D, Dv) up to 256: the sm90 forward and backward run the 192/128 kernel exactly where it
     holds the call and no D = Dv kernel of less work does (128 < D <= 192, Dv <= 128), unpadded only for
-    192/128 itself; everywhere else they pick what the D = Dv kernels alone would."""
+    192/128 itself; everywhere else they pick what the D = Dv kernels alone would (the forward's
+    include D = 80, the backward's not)."""
+    head_dims = SM90_FORWARD_HEAD_DIMS if pass_ == "forward" else KERNEL_HEAD_DIMS
     for head_dim in range(1, 257):
         for v_head_dim in range(1, 257):
             route, padding, reason = _route(pass_, (9, 0), head_dim, v_head_dim)
@@ -146,9 +156,9 @@ def test_sm90_takes_every_call_the_mla_pair_holds_and_pads_the_rest_as_before(pa
             if 128 < head_dim <= 192 and v_head_dim <= 128:
                 assert kernel_dims == MLA, (head_dim, v_head_dim, kernel_dims)
             else:
-                d = _next_kernel_head_dim(max(head_dim, v_head_dim), KERNEL_HEAD_DIMS)
+                d = _next_kernel_head_dim(max(head_dim, v_head_dim), head_dims)
                 assert kernel_dims == (d, d), (head_dim, v_head_dim, kernel_dims)
-            assert padding.is_identity == ((head_dim, v_head_dim) in SM90_PAIRS)
+            assert padding.is_identity == ((head_dim, v_head_dim) in SM90_PAIRS[pass_])
 
 
 def test_mla_runs_the_sm90_forward_and_backward_unpadded():
@@ -195,9 +205,12 @@ def test_flop_ratios_in_the_docstring():
     for (head_dim, v_head_dim), ratio in ratios.items():
         padding = head_padding.plan(head_dim, v_head_dim, [(d, d) for d in KERNEL_HEAD_DIMS])
         assert padding.flop_ratio == pytest.approx(ratio)
-    # On the sm90 forward and backward, with their MLA pair.
-    for (head_dim, v_head_dim), ratio in {(160, 128): 10 / 9, MLA: 1.0}.items():
-        assert head_padding.plan(head_dim, v_head_dim, SM90_PAIRS).flop_ratio == pytest.approx(ratio)
+    # On the sm90 forward and backward, with their MLA pair, and the forward's D = 80.
+    for pass_ in ("forward", "backward"):
+        for (head_dim, v_head_dim), ratio in {(160, 128): 10 / 9, MLA: 1.0}.items():
+            assert head_padding.plan(head_dim, v_head_dim, SM90_PAIRS[pass_]).flop_ratio == pytest.approx(ratio)
+    for (head_dim, v_head_dim), ratio in {(80, 80): 1.0, (72, 72): 10 / 9}.items():
+        assert head_padding.plan(head_dim, v_head_dim, SM90_FORWARD_PAIRS).flop_ratio == pytest.approx(ratio)
 
 
 # ---------------------------------------------------------------------------- the padding is exact
@@ -392,8 +405,8 @@ def cuda_rules_on_cpu(monkeypatch):
 
 
 def _padded(case: Case) -> bool:
-    """Whether `case` is padded on sm_90 (forward and backward plan on the same pairs)."""
-    return not head_padding.plan(case.head_dim, case.v_dim, SM90_PAIRS).is_identity
+    """Whether `case` is padded on sm_90 in either pass (D = 80: the backward only)."""
+    return not all(head_padding.plan(case.head_dim, case.v_dim, pairs).is_identity for pairs in SM90_PAIRS.values())
 
 
 # return_lse=False and deterministic=True on padded head dims (the shared grid runs those on D 64); 160/128
@@ -416,8 +429,9 @@ class TestPaddedThroughCudaRules(AttentionTestBase):
         # Every case reached the stand-ins at head dims their kernel takes.
         assert self.calls.calls, "no kernel module was called"
         for name, kernel_head_dim, kernel_v_head_dim, _ in self.calls.calls:
-            mla = name.endswith((".forward", ".backward_large_heads"))
-            pairs = SM90_PAIRS if mla else [(d, d) for d in KERNEL_HEAD_DIMS]
+            pairs = (SM90_FORWARD_PAIRS if name.endswith(".forward") else
+                     SM90_BACKWARD_PAIRS if name.endswith(".backward_large_heads") else
+                     [(d, d) for d in KERNEL_HEAD_DIMS])
             assert (kernel_head_dim, kernel_v_head_dim) in pairs
 
     def supports(self, case: Case) -> bool:
@@ -435,14 +449,20 @@ class TestPaddedThroughCudaRules(AttentionTestBase):
 
 
 def test_the_kernels_get_the_callers_scale(cuda_rules_on_cpu, inputs):
-    """The scale the kernel gets is the call's: 1/sqrt(80) by default at D = 80 (not 1/sqrt(96)), or
-    the one given; and the backward of D = 160 runs the large-head module at 192."""
+    """The scale the kernel gets is the call's: 1/sqrt(72) by default at D = 72 (not 1/sqrt(80), the
+    forward kernel it pads to), or the one given; D = 80's forward runs unpadded and its backward at 96
+    with 1/sqrt(80); and the backward of D = 160 runs the large-head module at 192."""
     import fa4_jax
 
-    query = inputs.normal((1, 16, 2, 80))
-    for scale, expected in ((None, 80 ** -0.5), (0.3, 0.3)):
+    query = inputs.normal((1, 16, 2, 72))
+    for scale, expected in ((None, 72 ** -0.5), (0.3, 0.3)):
         jax.jit(lambda q: fa4_jax.attention(q, q, q, scale=scale, implementation="cute"))(query)
-        assert cuda_rules_on_cpu.calls[-1] == ("fa4_jax.kernels.sm90.forward", 96, 96, pytest.approx(expected))
+        assert cuda_rules_on_cpu.calls[-1] == ("fa4_jax.kernels.sm90.forward", 80, 80, pytest.approx(expected))
+    query = inputs.normal((1, 16, 2, 80))
+    jax.jit(jax.grad(lambda q: fa4_jax.attention(q, q, q, implementation="cute").sum()))(query)
+    assert [call[:3] for call in cuda_rules_on_cpu.calls[-2:]] == [("fa4_jax.kernels.sm90.forward", 80, 80),
+                                                                   ("fa4_jax.kernels.sm90.backward", 96, 96)]
+    assert cuda_rules_on_cpu.calls[-1][3] == pytest.approx(80 ** -0.5)
     query = inputs.normal((1, 16, 2, 160))
     jax.jit(jax.grad(lambda q: fa4_jax.attention(q, q, q, implementation="cute").sum()))(query)
     assert cuda_rules_on_cpu.calls[-1] == ("fa4_jax.kernels.sm90.backward_large_heads", 192, 192,
@@ -610,8 +630,8 @@ print("LOWERED " + json.dumps([line.split(" : ")[-1] for line in text.splitlines
 
 def test_padded_jvp_lowers_to_the_tangent_kernel_at_128(tmp_path):
     """jax.jvp of `fa4_jax.attention` at D = 80, lowered for CUDA on a pretended compute capability 9.0
-    (the DSL compiles the real sm_90a kernels here): the forward kernel at 96, then the tangent kernel
-    taking Q, K, V, O and the three tangents at 128."""
+    (the DSL compiles the real sm_90a kernels here): the forward kernel at its own 80, then the tangent
+    kernel taking Q, K, V, O and the three tangents padded to 128."""
     import json
     import os
     import subprocess
@@ -626,8 +646,8 @@ def test_padded_jvp_lowers_to_the_tangent_kernel_at_128(tmp_path):
     assert process.returncode == 0, process.stderr[-4000:]
     line = next(line for line in process.stdout.splitlines() if line.startswith("LOWERED "))
     forward_call, tangent_call = json.loads(line[len("LOWERED "):])
-    q96, k96 = "tensor<1x200x4x96xbf16>", "tensor<1x300x2x96xbf16>"
-    assert forward_call == f"({q96}, {k96}, {k96}) -> ({q96}, tensor<1x4x200xf32>)", forward_call
+    q80, k80 = "tensor<1x200x4x80xbf16>", "tensor<1x300x2x80xbf16>"
+    assert forward_call == f"({q80}, {k80}, {k80}) -> ({q80}, tensor<1x4x200xf32>)", forward_call
     q, k = "tensor<1x200x4x128xbf16>", "tensor<1x300x2x128xbf16>"
     lse = "tensor<1x4x256xf32>"   # the LSE in the exp2 domain, padded to whole query tiles
     assert tangent_call == (f"({q}, {k}, {k}, {q}, {lse}, {q}, {k}, {k}) -> ({q}, tensor<1x4x200xf32>)"), tangent_call

@@ -5,9 +5,10 @@ Head dims: the forward, backward and tangent take any head dim <= 256 and any va
 whose (D, Dv) some route's kernel holds once zero-padded (`fa4_jax/lowering/head_padding.py`: the
 padding is exact, costs (D' + Dv') / (D + Dv) more FLOPs and a padded copy of each operand, and stays
 inside this lowering, so residuals keep the call's dims). Each pass is planned on its own routes: e.g.
-on sm_90, D = 80 runs the D = 96 forward and backward and the D = 128 tangent, 112 the 128 ones, 160
-the 192 ones; MLA's 192/128 runs the forward and the backward unpadded (the sm90 forward's and
-large-head backward's extra pair) and the tangent not at all. Decode is not padded.
+on sm_90, D = 80 runs its own forward kernel, the D = 96 backward and the D = 128 tangent (72 the same
+three, its forward padded to 80), 112 the 128 ones, 160 the 192 ones; MLA's 192/128 runs the forward
+and the backward unpadded (the sm90 forward's and large-head backward's extra pair) and the tangent not
+at all; on sm_100 D = 80 runs the 96 forward and backward. Decode is not padded.
 
 `implementation=None` falls back to the reference with a one-time warning that says why;
 `implementation="cute"` raises instead, naming what the kernel cannot take.
@@ -52,8 +53,9 @@ class Route:
 
 # Every kernel there is, and what selects it. A call no row matches runs the reference (with the reason).
 ROUTES = (
-    # DeepSeek MLA's 192/128 unpadded, forward and backward; the tangent has no such pair.
-    Route(9, "forward", (64, 96, 128, 192, 256), "fa4_jax.kernels.sm90.forward", extra_pairs=((192, 128),)),
+    # DeepSeek MLA's 192/128 unpadded, forward and backward; the tangent has no such pair. D = 80 has
+    # a forward of its own on sm_90 only (its backward pads to 96).
+    Route(9, "forward", (64, 80, 96, 128, 192, 256), "fa4_jax.kernels.sm90.forward", extra_pairs=((192, 128),)),
     Route(9, "backward", (64, 96, 128), "fa4_jax.kernels.sm90.backward"),
     Route(9, "backward", (192, 256), "fa4_jax.kernels.sm90.backward_large_heads", extra_pairs=((192, 128),)),
     # Forward-mode AD's tangent (jax.jvp / linearize / jacfwd), from the forward's saved O and LSE.

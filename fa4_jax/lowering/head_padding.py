@@ -1,11 +1,12 @@
 """Head dims the kernels are not built for, reached by zero-padding: the one place that chooses a
 kernel's head dims for a call and pads into / slices out of it.
 
-Every kernel takes a few (head dim, value head dim) pairs, today D = Dv in {64, 96, 128, 192, 256}, and
-the sm90 forward and large-head backward also DeepSeek MLA's 192/128 (the routing table in
-`fa4_jax/lowering/cuda.py` says which per GPU and pass). A call of head dims (D, Dv) runs the kernel pair (D', Dv') with D' >= D and
-Dv' >= Dv that does the least work, with query and key zero-padded from D to D' and value from Dv to
-Dv' along the head axis:
+Every kernel takes a few (head dim, value head dim) pairs, today D = Dv in {64, 96, 128, 192, 256}, the
+sm90 forward also D = Dv = 80, and the sm90 forward and large-head backward also DeepSeek MLA's 192/128
+(the routing table in `fa4_jax/lowering/cuda.py` says which per GPU and pass). A call of head dims
+(D, Dv) runs the kernel pair (D', Dv') with D' >= D and Dv' >= Dv that does the least work, with query
+and key zero-padded from D to D' and value from Dv to Dv' along the head axis (so on the sm90 forward
+64 < D < 80 pads to 80, 80 < D < 96 to 96):
 - exact: the zero columns add nothing to Q K^T, so the logits, the softmax, the LSE and the sinks are
   the call's; the output's extra columns are P @ 0 = 0 and are sliced off. The softmax scale is the
   call's own (`AttentionConfig.scale`, 1/sqrt(D) of the *original* D by default): padding happens
@@ -19,9 +20,9 @@ Dv' along the head axis:
 - the tangent (forward mode): t_Q and t_K are padded like Q and K, t_V and O like V; t_S = scale ·
   (t_Q K^T + Q t_K^T) is the call's, and t_out = P t_V + (P o t_S) V - t_lse o O has zero extra
   columns, sliced off; t_lse is the call's.
-- the cost, for a (D, Dv) call on kernel (D', Dv'): FLOPs grow by (D' + Dv') / (D + Dv) (80 -> 96:
-  1.2x; 72 -> 96: 1.33x; 112 -> 128: 1.14x; 160 -> 192: 1.2x; MLA 192/128 -> 192/192 (the sm100
-  forward): 1.2x; 160/128 -> 192/128 on the sm90 forward and backward: 1.1x; 64/128 -> 128/128 and
+- the cost, for a (D, Dv) call on kernel (D', Dv'): FLOPs grow by (D' + Dv') / (D + Dv) (80 -> 96
+  (every backward, the sm100 forward): 1.2x; 72 -> 80 (the sm90 forward): 1.11x; 72 -> 96: 1.33x;
+  112 -> 128: 1.14x; 160 -> 192: 1.2x; MLA 192/128 -> 192/192 (the sm100 forward): 1.2x; 160/128 -> 192/128 on the sm90 forward and backward: 1.1x; 64/128 -> 128/128 and
   256/128 -> 256/256: 1.33x; 96/64 -> 96/96: 1.2x), and each padded operand is one more
   copy: the forward reads Q, K, V and writes their padded copies (D'/D, Dv'/Dv as large), then
   slices O; the backward pads Q, K, V, O, dO and slices dQ, dK, dV. Those copies live only inside

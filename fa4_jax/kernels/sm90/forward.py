@@ -27,6 +27,18 @@ Head dims: D = Dv in SUPPORTED_HEAD_DIMS, and DeepSeek MLA's D = 192 with Dv = 1
 Q, K and Q K^T by D, so MLA runs at its own dims (1.2x fewer FLOPs than padding V to 192, and a third
 less V traffic and V buffer).
 
+D = 80 (Phi-2-class models) runs at its own dims too, instead of zero-padded to 96 (1.2x the FLOPs and
+padded copies of Q, K, V): Q K^T is m64n128k16 and P V m64n80k16 wgmma. Its rows are 160 bytes, which
+no 64- or 128-byte swizzle atom tiles, so `wgmma.k_major_layout` (the widest atom that divides the
+row, hopper_helpers.get_smem_layout_atom) gives Q, K, V and the O staging buffer the 32-byte swizzle
+(Swizzle<1,4,3> on byte addresses, atoms of 8 rows x 16 columns) where D = 96 takes the 64-byte and
+D = 128 the 128-byte one. Every 8-row x 16-byte core matrix, as wgmma reads it (K-major for Q and K,
+MN-major for V through `transpose_view`) and stmatrix writes it, still falls on 8 distinct 16-byte bank
+groups: no bank conflicts (docs/sm90_forward_tuning.md, "D = 80 without padding"). What the narrow
+atom costs is TMA boxes: a 128 x 80 tile loads as 5 boxes of 16 columns (32-byte rows, one sector
+each; D = 96 takes 3, D = 128 2) and each warpgroup's O stores as 5. TMA, wgmma and stmatrix all take
+the layout from the same object, so the swizzle choice changes speed, never values.
+
 Tuning options (KernelOptions). The field defaults are the first H200-verified configuration;
 `options` picks, per head dim, mask and query length, the combination that measured fastest
 (benchmarks/results/forward_variants_h200.json, docs/sm90_forward_tuning.md):
@@ -79,7 +91,7 @@ from fa4_jax.kernels.common.dsl_idioms import advanced, select_modes
 from fa4_jax.kernels.common.softcap import apply_softcap
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, wgmma
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # (D, Dv) pairs taken besides D = Dv (fa4_jax/lowering/cuda.py's route lists the same): DeepSeek MLA.
 # The key tile and stages are D's (_TILE_N_AND_STAGES).
 EXTRA_HEAD_DIM_PAIRS = ((192, 128),)
@@ -92,7 +104,8 @@ SCHEDULER_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup; 0 is __
 EPILOGUE_BARRIER = 4   # named barriers 4..6: one per consumer warpgroup, for the TMA-store epilogue
 
 # (key tile, pipeline stages) per head dim, sized to fit 227 KiB of shared memory and 240 registers.
-_TILE_N_AND_STAGES = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
+# D = 80 takes D = 96's (141 KB with the Q double buffer and the O buffer; unmeasured beyond that).
+_TILE_N_AND_STAGES = {64: (128, 3), 80: (128, 2), 96: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +202,8 @@ class KernelOptions:
 THREE_WARPGROUPS = {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
                     "split_masked_loop": True, "schedule_first_block": True}
 # D = 64 causal short queries (and D = 64 with a softcap, window or segments), and D = 96 / 128:
-# Q double buffer + TMA-store epilogue ("q2-tma").
+# Q double buffer + TMA-store epilogue ("q2-tma"). D = 80 takes the same sets as 96 / 128
+# (`_measured_overrides`, head_dim <= 128), not measured at 80 itself.
 Q_DOUBLE_BUFFER_TMA_STORE = {"q_stages": 2, "tma_store": True}
 # D = 256 causal: the TMA-store epilogue in two column chunks with early Q release
 # ("early-q-store-chunks", 0.75 -> 0.88x cuDNN at S = 1k, 0.91 -> 1.01x at 2k) and, for D = 128 and
