@@ -11,7 +11,8 @@ key loop and zigzag tile order when causal), D = 256 causal with `LARGE_HEAD_CAU
 store in two chunks, early Q release, zigzag tile order). DeepSeek MLA's D = 192 / Dv = 128, which
 the kernel takes unpadded, has its own cases (MLA_CASES, `-k mla`): `fa4_jax.attention` must lower them
 to the kernel at those dims (no padded V), match the oracle, and take their gradient through the
-padded large-head backward.
+padded large-head backward. D = 80, which the kernel also takes unpadded (32-byte swizzled tiles, 5 TMA
+boxes a tile), has its own cases too (D80_CASES, `-k d80`), lowered and checked the same way.
 
 The kernel's tuning candidates (sm90.forward.TUNING_CANDIDATES, docs/sm90_forward_tuning.md) run a
 smaller grid of the same cases through `sm90.forward.run` with the candidate's option overrides, so
@@ -224,6 +225,42 @@ def test_mla_runs_unpadded_and_matches_oracle(case: Case, inputs):
     test_forward_matches_oracle(case, inputs)
 
 
+# D = 80 at its own head dim (sm90.forward, "Head dims"): the tuned set of D = 96 / 128 (Q double buffer,
+# TMA store; split key loop and mirrored tiles when causal) with what changes its paths: odd lengths
+# (partial Q tiles, the TMA store's clipping), Sq > Sk and Sq < Sk, GQA, fp16, sequence lengths,
+# softcap + window + sinks, segments, many tiles per CTA.
+D80_CASES = [
+    Case("plain-d80", head_dim=80),
+    Case("fp16-gqa-d80", head_dim=80, q_heads=8, kv_heads=2, dtype=jnp.float16),
+    Case("causal-odd-d80", head_dim=80, causal=True, q_len=301, kv_len=299),
+    Case("causal-more-queries-gqa-d80", head_dim=80, causal=True, q_len=333, kv_len=150, q_heads=8, kv_heads=2),
+    Case("causal-cross-d80", head_dim=80, causal=True, q_len=100, kv_len=357),
+    Case("lengths-causal-fp16-d80", head_dim=80, q_lengths=True, kv_lengths=True, causal=True, dtype=jnp.float16),
+    Case("softcap-window-sinks-d80", head_dim=80, softcap=5.0, scale=1.0, window=(32, 16), sinks=True, q_len=300,
+         kv_len=300),
+    Case("segments-causal-d80", head_dim=80, segments=True, causal=True, q_len=300, kv_len=300),
+    Case("persistent-many-tiles-d80", head_dim=80, batch=2, q_len=1024, kv_len=1024, q_heads=16, kv_heads=16),
+    Case("persistent-many-tiles-causal-d80", head_dim=80, batch=2, q_len=2048, kv_len=2048, q_heads=16,
+         kv_heads=16, causal=True),
+    Case("single-row-d80", head_dim=80, q_len=1, kv_len=77),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", D80_CASES, ids=lambda case: case.name)
+def test_d80_runs_unpadded_and_matches_oracle(case: Case, inputs):
+    """`fa4_jax.attention` at D = 80 lowers to one sm90 forward kernel call taking Q, K, V and returning
+    O at 80 (no padded copy to 96), which matches the oracle."""
+    query, key, value, options = _make_inputs(case, inputs)
+    calls = _kernel_calls(lambda q, k, v: fa4_jax.attention(q, k, v, return_lse=True, implementation="cute",
+                                                            **options), query, key, value)
+    operands = ", ".join(_tensor_type(x.shape, case.dtype) for x in (query, key, value))
+    assert list(calls) == ["sm90_forward"] and len(calls["sm90_forward"]) == 1, calls
+    assert calls["sm90_forward"][0].startswith(f"({operands}"), calls
+    assert f"-> ({_tensor_type(query.shape, case.dtype)}, " in calls["sm90_forward"][0], calls
+    test_forward_matches_oracle(case, inputs)
+
+
 @gpu
 @pytest.mark.parametrize("case", [case for case in MLA_CASES if case.name in (
     "mla-causal-more-queries-gqa", "mla-causal-cross", "mla-lengths-causal-gqa-fp16")], ids=lambda case: case.name)
@@ -285,17 +322,18 @@ def test_variant_matches_oracle(overrides, case: Case, inputs):
 
 # The mirrored causal order (KernelOptions.mirrored_tiles, every causal default) with fewer CTAs than
 # units, so each CTA walks several units and, where M is odd, skips the empty second tile of a middle
-# unit: many tiles (M 8), Sq > Sk (M 3), three warpgroups (192 rows), lengths, a left window, GQA, and
-# D = 192's / D = 256's ping-pong sets.
+# unit: many tiles (M 8), Sq > Sk (M 3), three warpgroups (192 rows), lengths, a left window, GQA,
+# D = 192's / D = 256's ping-pong sets, and D = 80 (M 16, and Sq > Sk with GQA).
 MIRRORED_CASES = [("persistent-many-tiles", 7), ("causal-more-queries", 3), ("causal-d64-long", 5),
                   ("lengths-causal-fp16", 4), ("window-causal-left", 3), ("gqa", 3),
-                  ("persistent-many-tiles-causal-d192", 11), ("causal-d256", 2)]
+                  ("persistent-many-tiles-causal-d192", 11), ("causal-d256", 2),
+                  ("persistent-many-tiles-causal-d80", 7), ("causal-more-queries-gqa-d80", 3)]
 
 
 @gpu
 @pytest.mark.parametrize("case_name,sm_count", MIRRORED_CASES, ids=[f"{n}-{c}" for n, c in MIRRORED_CASES])
 def test_mirrored_order_on_few_ctas_matches_oracle(case_name, sm_count, inputs):
-    case = {case.name: case for case in CASES}[case_name]
+    case = {case.name: case for case in CASES + D80_CASES}[case_name]
     _check_overrides_against_oracle({"sm_count": sm_count, "mirrored_tiles": True}, case, inputs)
 
 
