@@ -7,8 +7,8 @@ producer and consumers) and mbarrier waits, and for the absence of local memory.
 installed, its report must show no spills.
 
 The configurations are what `sm90.forward.options` picks (the tuned defaults: three consumer
-warpgroups with every pipeline option at D = 64, Q double buffer + TMA-store epilogue at D = 96 / 128
-with the split key loop and zigzag tile order when causal, `LARGE_HEAD_CAUSAL` at D = 256 causal:
+warpgroups with every pipeline option at D = 64, Q double buffer + TMA-store epilogue at D = 80 / 96 /
+128 with the split key loop and zigzag tile order when causal, `LARGE_HEAD_CAUSAL` at D = 256 causal:
 ping-pong, TMA store in two chunks, early Q release, zigzag), plus overrides where an option is only
 reachable that way; each is checked for the instructions its effective options add.
 """
@@ -97,9 +97,10 @@ CONFIGS = {
     "d64-causal-lengths-polynomial-exp2": (
         {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 64],
         "bfloat16", {"poly_exp2_every": 8}),
-    # D = 128 causal with lengths in fp16: Q double buffer + TMA store + split key loop.
-    "d128-causal-lengths-fp16": (
-        {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 128],
+    # D = 80 (its own kernel, 32-byte swizzled tiles: m64n128k16 Q K^T, m64n80k16 P V) causal GQA with
+    # lengths in fp16: Q double buffer + TMA store (5 boxes a warpgroup) + split key loop + mirrored tiles.
+    "d80-causal-lengths-gqa-fp16": (
+        {"causal": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True}, [2, 1000, 900, 4, 2, 80],
         "float16", {}),
     # Packed variable-length sequences (attention_varlen): B = 1, the offsets' length in PACKED_SEQUENCES.
     # D = 128 causal GQA (split key loop, zigzag), D = 64 with every other mask feature, D = 256 causal
@@ -244,6 +245,9 @@ def test_tuning_options_are_checked():
                                       host.Problem(long_shape, long_shape, long_shape, "bfloat16"), sm_count=132)
     assert softcapped.consumer_warpgroups == 2 and softcapped.q_stages == 2
     assert options_for(96).q_stages == 2 and options_for(128, True).split_masked_loop
+    d80, d80_causal = options_for(80), options_for(80, True)
+    assert (d80.tile_n, d80.num_stages, d80.q_stages, d80.tma_store, d80.consumer_warpgroups) == (128, 2, 2, True, 2)
+    assert d80_causal.split_masked_loop and d80_causal.mirrored_tiles
     assert options_for(256, True).pingpong_max_head_dim == 256 and options_for(256).pingpong_max_head_dim == 128
     for causal in (False, True):
         mla = options_for(192, causal, 4096, v_head_dim=128)
@@ -267,20 +271,20 @@ THREADS = (0, 1, 2, 3, 4, 5, 8, 13, 31, 32, 47, 64, 90, 127)  # every lane role 
 @cute.jit
 def compare():
     dtype = cutlass.BFloat16
-    for warpgroups in cutlass.range_constexpr(2, 4):
+    for warpgroups, n in ((2, 64), (3, 64), (2, 80)):   # Dv = 80: two warpgroups only (KernelOptions.check)
         def pv_mma(atoms):
             return sm90_utils.make_trivial_tiled_mma(
                 dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, cutlass.Float32,
-                atom_layout_mnk=(atoms, 1, 1), tiler_mn=(64, 64), a_source=warpgroup.OperandSource.RMEM)
+                atom_layout_mnk=(atoms, 1, 1), tiler_mn=(64, n), a_source=warpgroup.OperandSource.RMEM)
         tile, one = pv_mma(warpgroups), pv_mma(1)
         for thread in THREADS:
-            in_one = one.get_slice(thread).partition_C(cute.make_identity_tensor((64, 64)))
+            in_one = one.get_slice(thread).partition_C(cute.make_identity_tensor((64, n)))
             for w in cutlass.range_constexpr(warpgroups):
-                in_tile = tile.get_slice(thread + 128 * w).partition_C(cute.make_identity_tensor((64 * warpgroups, 64)))
+                in_tile = tile.get_slice(thread + 128 * w).partition_C(cute.make_identity_tensor((64 * warpgroups, n)))
                 for i in cutlass.range_constexpr(cute.size(in_one)):
                     checked.append(1)
                     if cutlass.const_expr((in_tile[i][0] - 64 * w, in_tile[i][1]) != (in_one[i][0], in_one[i][1])):
-                        mismatches.append((warpgroups, thread, w, i))
+                        mismatches.append((warpgroups, n, thread, w, i))
 
 chunk_mismatches, chunk_checked = [], []
 
@@ -319,7 +323,8 @@ print("EPILOGUE_CHUNKS", len(chunk_checked), len(chunk_mismatches), chunk_mismat
 
 def test_tma_store_epilogue_layout(tmp_path):
     """The TMA-store epilogue partitions each warpgroup's O buffer with a one-warpgroup MMA: thread t of
-    warpgroup w must hold, in the same register order, rows 64 w + (the rows thread t holds there);
+    warpgroup w must hold, in the same register order, rows 64 w + (the rows thread t holds there), at
+    Dv = 64 and at D = 80's 80 columns;
     with store_chunks, chunk k of its columns must be that MMA's columns + k Dv / chunks."""
     script = tmp_path / "epilogue_layout.py"  # the DSL compiles functions from their source file
     script.write_text(_EPILOGUE_LAYOUT)
@@ -330,7 +335,7 @@ def test_tma_store_epilogue_layout(tmp_path):
     assert process.returncode == 0, process.stderr[-4000:]
     line = next(line for line in process.stdout.splitlines() if line.startswith("EPILOGUE_LAYOUT"))
     _, checked, mismatched, examples = line.split(" ", 3)
-    assert int(checked) == 14 * (2 + 3) * 32 and int(mismatched) == 0, examples
+    assert int(checked) == 14 * ((2 + 3) * 32 + 2 * 40) and int(mismatched) == 0, examples
     line = next(line for line in process.stdout.splitlines() if line.startswith("EPILOGUE_CHUNKS"))
     _, checked, mismatched, examples = line.split(" ", 3)
     assert int(checked) == 2 * 14 * 2 * 128 and int(mismatched) == 0, examples
