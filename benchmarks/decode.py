@@ -3,7 +3,7 @@
 Rows: batch in {1, 8, 64}, context in {1k, 8k, 32k, 128k} (every sequence full), Hq / Hkv = 32 / 8,
 D = 128, page size 16 and 64, Sq in {1, 4}, bf16, block tables a random permutation of the cache.
 Per row: our kernel (`fa4_jax.paged_attention(implementation="cute")`: the split kernel and the
-XLA pass that merges its splits; `num_splits` records how many; with --combines also the kernel with
+combine kernel that merges its splits; `num_splits` records how many; with --combines also the kernel with
 the splits merged another way (DecodeOptions.combine): `fa4_jax_last_cta_combine_ms` (the same splits,
 merged by the kernel's last CTA; `fa4_jax_fused_combine_ms` in reports before 2026-12-06) and
 `fa4_jax_cluster_combine_ms` (at most 16 splits, `cluster_num_splits`, merged through distributed
@@ -28,7 +28,7 @@ distinct DecodeOptions), so the timed process loads them.
 
 Usage:
     python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick]
-        [--combines last_cta,cluster] [--option-variants combine_kernel,variadic_merge] [--cold-l2]
+        [--combines last_cta,cluster] [--option-variants xla_combine,variadic_merge] [--cold-l2]
     python benchmarks/decode.py --plot benchmarks/results/decode_h200.json --png decode_h200.png
     python benchmarks/decode.py --merge b1.json b8.json b64.json --out decode_h200.json   (no GPU needed)
 
@@ -205,9 +205,9 @@ def _pallas_functions(row, arguments):
 
 
 # DecodeOptions candidates `--option-variants` times through decode.run, beside the defaults through it.
-# combine_kernel: the splits merged by our combine kernel (decode_combine.py) instead of XLA's pass.
-OPTION_VARIANTS = {"no_page_lookahead": {"page_lookahead": False}, "variadic_merge": {"xla_merge": "variadic"},
-                   "combine_kernel": {"combine": "kernel"}}
+# xla_combine: the splits merged by XLA's pass (combine_partials) instead of our combine kernel, the default.
+OPTION_VARIANTS = {"no_page_lookahead": {"page_lookahead": False},
+                   "variadic_merge": {"combine": "xla", "xla_merge": "variadic"}, "xla_combine": {"combine": "xla"}}
 
 
 def measure(row, key, iterations, sm_count: int = None, combines=(), option_variants=(), cold_flush=None) -> dict:

@@ -77,12 +77,13 @@ def test_paged_decode_matches_oracle(case, rng):
 
 
 # Options that are not the default, on every paged case through the public API (the kernel's options
-# patched): the cluster combine (the splits merge through distributed shared memory), the merge as one
-# kernel of ours after the decode kernel, the page numbers loaded right before their cp.async (the default
-# loads them a block ahead), and the XLA merge as one variadic reduction. Select with `-k cluster`,
-# `-k combine_kernel`, `-k page_lookahead` or `-k variadic`.
-EVERY_CASE_OPTIONS = {"cluster_combine": {"combine": "cluster"}, "combine_kernel": {"combine": "kernel"},
-                      "no_page_lookahead": {"page_lookahead": False}, "variadic_merge": {"xla_merge": "variadic"}}
+# patched): the cluster combine (the splits merge through distributed shared memory), the XLA merge after
+# the decode kernel (the default merges in a kernel of ours), in stages and as one variadic reduction, and
+# the page numbers loaded right before their cp.async (the default loads them a block ahead). Select with
+# `-k cluster`, `-k xla_combine`, `-k variadic` or `-k page_lookahead`.
+EVERY_CASE_OPTIONS = {"cluster_combine": {"combine": "cluster"}, "xla_combine": {"combine": "xla"},
+                      "no_page_lookahead": {"page_lookahead": False},
+                      "variadic_merge": {"combine": "xla", "xla_merge": "variadic"}}
 
 
 @gpu

@@ -1,11 +1,11 @@
 """CUPTI time of each kernel of one decode call (benchmarks/decode.py's inputs), median over iterations: where
-a B = 1 step's time goes between the split kernel and the XLA pass that merges its splits
-(`combine_partials`, which XLA emits as several kernels in its staged form and as one reduction in its
-variadic form) or by our combine kernel (`combine="kernel"`: the split kernel then one merge kernel), and what
+a B = 1 step's time goes between the split kernel and what merges its splits: our combine kernel (the
+default, `combine="kernel"`) or the XLA pass (`combine="xla"`: `combine_partials`, which XLA emits as several
+kernels in its staged form and as one reduction in its variadic form), and what
 the kernel's own merge and `page_lookahead` change in the split kernel itself.
 
 Usage: python benchmarks/device/decode_kernel_times.py --out times.json [--iterations 20]
-           [--variants api,combine_kernel]
+           [--variants api,xla_combine]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 ROWS = [dict(batch=1, context=1024, q_len=1, page_size=16), dict(batch=1, context=8192, q_len=1, page_size=16),
         dict(batch=1, context=1024, q_len=4, page_size=16), dict(batch=8, context=1024, q_len=1, page_size=16)]
 VARIANTS = {"api": None, "last_cta": {"combine": "last_cta"}, "no_page_lookahead": {"page_lookahead": False},
-            "variadic_merge": {"xla_merge": "variadic"}, "combine_kernel": {"combine": "kernel"}}
+            "variadic_merge": {"combine": "xla", "xla_merge": "variadic"}, "xla_combine": {"combine": "xla"}}
 
 
 def main():

@@ -14,16 +14,16 @@ kernel is built to keep that read at the memory-bandwidth limit:
   by then) into the split's one.
 - Where the splits merge (`DecodeOptions.combine`; with "last_cta" or "cluster" one split writes the
   final O and LSE itself):
-  - "xla" (the default): each split writes its normalised partial O (fp32, only the tile's real rows)
-    and LSE, and `combine_partials` merges them with the sinks in XLA (`xla_merge`: in stages, which XLA
-    emits as three kernels, or as one variadic reduction, a candidate).
-  - "kernel" (a candidate, written before its measurement): the same partials, merged by one small
-    CuTe kernel of our own (decode_combine.py: a thread per (row, 4-column chunk), every split's loads
-    in flight at once) instead of XLA's three. Measured on an H100 with "xla" (CUPTI per kernel, B = 1,
-    32 / 8 heads, D 128, Sq 1, 16 splits): at 1k keys the decode kernel takes 4.03 us and the merge
-    1.38 + 1.20 + 1.34 us (7.95 in all; Pallas 9.0, 1.5x needs <= 6.0); at 8k 9.50 + 1.31 + 1.31 + 1.63
-    (13.76). Predicted: the merge kernel 1.5-2 us, so 5.5-6 us at 1k and 11-11.5 us at 8k
+  - "kernel" (the default since it was measured): each split writes its normalised partial O (fp32, only
+    the tile's real rows) and LSE, and one small CuTe kernel of our own merges them with the sinks
+    (decode_combine.py: a thread per (row, 4-column chunk), every split's loads in flight at once).
+    Measured on an H100 (rev 88d2e81, CUPTI per kernel, B = 1, 32 / 8 heads, D 128, Sq 1): at 1k the
+    split kernel 4.00 us and the merge 1.73 (5.73 in all, against 7.94 with XLA's three-kernel merge;
+    predicted 5.5-6.0), at 8k 9.57 + 2.02 = 11.58 (13.63; predicted 11.0-11.7); B = 1 1k Sq 4 8.51 ->
+    6.18, B = 8 1k 12.27 -> 10.93; never slower through the API on the B = 1 / 8 rows up to 32k
     (docs/kernels.md, "Decode: the combine as one kernel").
+  - "xla": the same partials merged by `combine_partials` in XLA (`xla_merge`: in stages, which XLA emits
+    as three kernels of ~1.2-1.6 us each, or as one variadic reduction, measured slower still).
   - "last_cta" (measured ~1 us slower than the XLA pass, below): each split writes its partial, fences
     (device scope), and one thread adds 1 to the (batch, head tile)'s int32 counter with an acq_rel
     atomic; the CTA that sees splits - 1 is the last, zeroes the counter again, and merges every
@@ -51,9 +51,8 @@ kernel is built to keep that read at the memory-bandwidth limit:
   Measured (H200, rev 3e740c2, decode_h200.json, Sq = 1, page 16; fused / XLA combine): B = 1: 1k
   8.2 / 7.4 us (Pallas 9.2), 8k 15.4 / 14.3 us (2.2 / 2.4 TB/s of 3.37 copy), 32k 41.9 / 40.8, 128k
   133 / 132; B = 8: equal within 0.5 %. The gain is the split count and the warp merge (17.9 -> 7.4 us
-  at 1k, 26.1 -> 14.3 at 8k); the last CTA's merge costs ~1 us more than the XLA pass, so the XLA
-  combine is the default. Short of the bar still: B = 1 at 1k (1.24x Pallas, 1.5x
-  asked) and 8k (71 % of copy, 75 % asked).
+  at 1k, 26.1 -> 14.3 at 8k); the last CTA's merge costs ~1 us more than the XLA pass, which the combine
+  kernel (above) then beat by ~2 us at B = 1.
 - Pages through cp.async with per-row addresses: a token's page comes from the block table, its
   address is computed per 16-byte chunk, so any page size works (1 .. the whole sequence; the
   contiguous-cache form of `fa4_jax.attention` is one page per sequence). Rows past the sequence's
@@ -100,7 +99,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 # (8 warps, 2 x 64 KB of cp.async in flight per SM); one at D = 256.
 _TILE_N_AND_STAGES = {64: (128, 3), 128: (64, 3), 256: (64, 2)}
 CHUNK = 8                # elements per 16-byte cp.async
-COMBINES = ("xla", "kernel", "last_cta", "cluster")
+COMBINES = ("kernel", "xla", "last_cta", "cluster")
 XLA_MERGES = ("staged", "variadic")
 # The largest thread-block cluster sm_90 / sm_100 launch (16 needs the non-portable size, which the DSL
 # allows on every kernel it builds); with 2 CTAs per SM one cluster of 16 spans 8 SMs of one GPC.
@@ -122,7 +121,7 @@ class DecodeOptions:
     num_splits: int
     tile_n: int               # keys per block (each warp takes tile_n / 4)
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
-    combine: str = "xla"      # where the splits merge: "xla", "kernel", "last_cta" or "cluster" (module docstring)
+    combine: str = "kernel"   # where the splits merge: "kernel", "xla", "last_cta" or "cluster" (module docstring)
     rescale_threshold: float = 8.0
     # Load each key block's page numbers one block before its cp.async. A cp.async address needs its row's
     # block-table entry, so without it every block's issue waits for a table load (a DRAM or L2 round
