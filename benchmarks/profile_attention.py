@@ -1,14 +1,14 @@
-"""One library's attention backward on one shape, for Nsight Compute (`ncu`) to profile.
+"""One library's attention forward or backward on one shape, for Nsight Compute (`ncu`) to profile.
 
-Runs the jitted pullback of fa4_jax (`implementation="cute"`) or of FA4's kernels (`fa4peer`, the
-peer bundle; benchmark use only) a few times on fixed bf16 inputs, so that
+Runs the jitted forward, or the jitted pullback, of fa4_jax (`implementation="cute"`), FA4's kernels
+(`fa4peer`, the peer bundle; benchmark use only) or cuDNN a few times on fixed bf16 inputs, so that
 `ncu --kernel-name regex:... --launch-skip N --launch-count 1` can pick one steady-state launch of the
-main backward kernel. The forward and its residuals run before the profiled calls, and
-`--marker` prints when they start, so a profile's launch numbering is easy to read.
+main kernel. For the backward, the forward and its residuals run once before the profiled calls; a line
+is printed when the profiled calls start, so a profile's launch numbering is easy to read.
 
-Usage (device, after the bundles are set up; see benchmarks/device/profile_backward.sh):
-    python3 benchmarks/profile_backward.py --library fa4_jax --batch 4 --seq 4096 --heads 16/16 \
-        --head-dim 128 [--causal] [--calls 3]
+Usage (device, after the bundles are set up; see benchmarks/device/profile_attention.sh):
+    python3 benchmarks/profile_attention.py --pass backward --library fa4_jax --batch 4 --seq 4096 \
+        --heads 16/16 --head-dim 128 [--causal] [--calls 3]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def attention_function(library: str, causal: bool):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pass", dest="pass_name", choices=["forward", "backward"], default="backward")
     parser.add_argument("--library", required=True, choices=["fa4_jax", "fa4peer", "cudnn"])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
@@ -51,6 +52,14 @@ def main(argv=None) -> None:
     d_out = jax.random.normal(keys[3], query.shape, jnp.bfloat16)
 
     attention = attention_function(args.library, args.causal)
+    if args.pass_name == "forward":
+        forward = jax.jit(attention)
+        jax.block_until_ready(forward(query, key, value))
+        print(f"profiled calls start: {args.calls} forward calls of {args.library}", flush=True)
+        for _ in range(args.calls):
+            out = forward(query, key, value)
+        jax.block_until_ready(out)
+        return
     _, pullback = jax.jit(lambda q, k, v: jax.vjp(attention, q, k, v))(query, key, value)
     backward = jax.jit(lambda pullback, d_out: pullback(d_out))
     jax.block_until_ready(backward(pullback, d_out))
