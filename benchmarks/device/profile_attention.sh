@@ -4,8 +4,7 @@
 # launches whose name matches backward/bwd (our preprocess, main kernel and dQ convert; FA4's pre-, main and
 # post-process), a forward one the second launch whose name matches forward/fwd (the first profiled call's,
 # after the warm-up call), with `--set full`; the report's pages come back as text (ncu_pages.sh).
-# Usage (device machine, repo root; carry [".dev/cute", ".dev/peer"], or with the bundles already unpacked
-# on a warm machine, PEER_READY=1 and PYTHONPATH set):
+# Usage (device machine, repo root; carry [".dev/cute", ".dev/peer"], or what cute_env.sh says):
 #   bash benchmarks/device/profile_attention.sh backward "4 4096 16/16 128" "2 4096 64/8 128 causal" ...
 #   bash benchmarks/device/profile_attention.sh forward "2 8192 16/16 128"
 set -u
@@ -13,12 +12,8 @@ PASS=$1
 shift
 if [ "$PASS" = forward ]; then SELECT=(--kernel-name "regex:(?i)forward|fwd" --launch-skip 1 --launch-count 1)
 else SELECT=(--kernel-name "regex:(?i)backward|bwd" --launch-count 4); fi
-if [ -z "${PEER_READY:-}" ]; then
-  source .dev/cute/setup.sh || { echo "the CuTe DSL bundle (.dev/cute) did not set up"; exit 1; }
-  mkdir -p /tmp/peersite && tar xJf .dev/peer/peer-site.tar.xz -C /tmp/peersite
-  python3 -c "import jaxtyping" 2>/dev/null || { [ -f .dev/peer/peer-deps.tar.xz ] && tar xJf .dev/peer/peer-deps.tar.xz -C /tmp/peersite; }
-fi
-export PYTHONPATH=$PWD:/tmp/peersite:$PYTHONPATH CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1 \
+PEER=1 source "$(dirname "$0")/cute_env.sh" || exit 1
+export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1 \
   FA4_JAX_CACHE_DIR=/tmp/fa4_profile_cache XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
