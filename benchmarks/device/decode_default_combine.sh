@@ -15,19 +15,19 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$RE
   XLA_PYTHON_CLIENT_PREALLOCATE=false
 PEERS_CACHE=/tmp/fa4_hopper_vs_peers_cache
 ( for grid in issue12 head-dims; do
-    JAX_PLATFORMS=cpu FA4_JAX_CACHE_DIR=$PEERS_CACHE timeout 480 python3 benchmarks/hopper_vs_peers.py \
+    JAX_PLATFORMS=cpu FA4_JAX_CACHE_DIR=$PEERS_CACHE timeout 420 python3 benchmarks/hopper_vs_peers.py \
       --grid $grid --precompile-only --precompile-workers 5 --no-peer --out /tmp/precompile_$grid.json
   done > /tmp/precompile_peers.log 2>&1 ) &
 export FA4_JAX_CACHE_DIR=/tmp/fa4_kernels
 LOG=/tmp/decode_default_combine.log
-timeout 150 python3 -m pytest -v -n 8 -p no:cacheprovider --timeout 140 tests/test_sm90_decode.py \
+timeout 120 python3 -m pytest -v -n 8 -p no:cacheprovider --timeout 110 tests/test_sm90_decode.py \
   -k "not cluster and not page_lookahead and not variadic" > $LOG 2>&1
 echo "pytest rc=$?" >> $LOG
 grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" $LOG | tail -8
-timeout 270 python3 benchmarks/decode.py --batches 1,8 --option-variants xla_combine --compile-workers 8 \
+timeout 240 python3 benchmarks/decode.py --batches 1,8 --option-variants xla_combine --compile-workers 8 \
   --out "$OUT/decode_b1_b8.json" >> $LOG 2>&1
 echo "grid rc=$?"; grep -E "^B=|copy" $LOG | tail -34
-timeout 70 python3 benchmarks/device/decode_kernel_times.py --variants api,xla_combine \
+timeout 60 python3 benchmarks/device/decode_kernel_times.py --variants api,xla_combine \
   --out "$OUT/decode_kernel_times.json" 2>&1 | grep -E "^B=" | tee -a $LOG
 xz -9 -c $LOG > "$OUT/decode_default_combine.log.xz"
 wait
