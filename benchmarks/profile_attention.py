@@ -8,7 +8,7 @@ is printed when the profiled calls start, so a profile's launch numbering is eas
 
 Usage (device, after the bundles are set up; see benchmarks/device/profile_attention.sh):
     python3 benchmarks/profile_attention.py --pass backward --library fa4_jax --batch 4 --seq 4096 \
-        --heads 16/16 --head-dim 128 [--causal] [--calls 3]
+        --heads 16/16 --head-dim 128 [--causal] [--deterministic] [--calls 3]
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import jax
 import jax.numpy as jnp
 
 
-def attention_function(library: str, causal: bool):
+def attention_function(library: str, causal: bool, deterministic: bool = False):
     if library == "fa4_jax":
         import fa4_jax
-        return lambda q, k, v: fa4_jax.attention(q, k, v, causal=causal, implementation="cute")
+        return lambda q, k, v: fa4_jax.attention(q, k, v, causal=causal, deterministic=deterministic,
+                                                 implementation="cute")
+    if deterministic:
+        raise ValueError("--deterministic profiles fa4_jax's deterministic backward only")
     if library == "fa4peer":
         import fa4peer
         return lambda q, k, v: fa4peer.flash_attn(q, k, v, causal=causal, return_lse=True)[0]
@@ -41,6 +44,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", default="16/16", help="query heads / key-value heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--deterministic", action="store_true", help="fa4_jax's bitwise-reproducible backward")
     parser.add_argument("--calls", type=int, default=3)
     args = parser.parse_args(argv)
 
@@ -51,7 +55,7 @@ def main(argv=None) -> None:
     value = jax.random.normal(keys[2], (args.batch, args.seq, kv_heads, args.head_dim), jnp.bfloat16)
     d_out = jax.random.normal(keys[3], query.shape, jnp.bfloat16)
 
-    attention = attention_function(args.library, args.causal)
+    attention = attention_function(args.library, args.causal, args.deterministic)
     if args.pass_name == "forward":
         forward = jax.jit(attention)
         jax.block_until_ready(forward(query, key, value))

@@ -7,6 +7,8 @@
 # Usage (device machine, repo root; carry [".dev/cute", ".dev/peer"], or what cute_env.sh says):
 #   bash benchmarks/device/profile_attention.sh backward "4 4096 16/16 128" "2 4096 64/8 128 causal" ...
 #   bash benchmarks/device/profile_attention.sh forward "2 8192 16/16 128"
+# LIBRARIES (environment; default "fa4_jax fa4peer") picks the profiled libraries; fa4_jax_deterministic is
+# fa4_jax with deterministic=True.
 set -u
 PASS=$1
 shift
@@ -14,19 +16,21 @@ if [ "$PASS" = forward ]; then SELECT=(--kernel-name "regex:(?i)forward|fwd" --l
 else SELECT=(--kernel-name "regex:(?i)backward|bwd" --launch-count 4); fi
 PEER=1 source "$(dirname "$0")/cute_env.sh" || exit 1
 export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1 \
-  FA4_JAX_CACHE_DIR=/tmp/fa4_profile_cache XLA_PYTHON_CLIENT_PREALLOCATE=false
+  FA4_JAX_CACHE_DIR=${FA4_JAX_CACHE_DIR:-/tmp/fa4_profile_cache} XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 for shape in "$@"; do
   read -r batch seq heads head_dim causal <<< "$shape"
   flag=""; [ "${causal:-}" = "causal" ] && flag="--causal"
   tag="${PASS}_B${batch}_S${seq}_H${heads/\//-}_D${head_dim}${causal:+_causal}"
-  for library in fa4_jax fa4peer; do
+  for library in ${LIBRARIES:-fa4_jax fa4peer}; do
     name="$OUT/${library}_${tag}"
+    extra=$flag
+    [ "$library" = fa4_jax_deterministic ] && { library=fa4_jax; extra="$flag --deterministic"; }
     timeout 150 ncu --set full --import-source no "${SELECT[@]}" \
       -f -o "$name" python3 benchmarks/profile_attention.py --pass "$PASS" --library "$library" --batch "$batch" \
-      --seq "$seq" --heads "$heads" --head-dim "$head_dim" $flag --calls 1 > "$name.log" 2>&1
-    echo "$library $tag: ncu rc=$? after ${SECONDS} s"
+      --seq "$seq" --heads "$heads" --head-dim "$head_dim" $extra --calls 1 > "$name.log" 2>&1
+    echo "$(basename "$name"): ncu rc=$? after ${SECONDS} s"
     bash "$(dirname "$0")/ncu_pages.sh" "$name"   # details, stall samples, raw metrics
     # One line per kernel: name, duration, SM throughput, tensor pipe, registers, stall summary.
     grep -E "^  [A-Za-z_].*\(|^    Duration|^    Compute \(SM\) Throughput|^    Registers Per Thread|^    Achieved Occupancy" \
