@@ -194,7 +194,8 @@ SINGLE_FEATURE_CASES = [
 FEATURE_CASES = _feature_cases()
 
 # Head dims the kernels are built for, and others that reach them zero-padded
-# (fa4_jax/lowering/head_padding.py): 72 / 80 -> 96, 112 -> 128, 160 -> 192, 36 -> 64, and value head
+# (fa4_jax/lowering/head_padding.py): 72 -> 80 (the sm90 forward; 96 elsewhere), 80 (its own on the sm90
+# forward; 96 elsewhere), 112 -> 128, 160 -> 192, 36 -> 64, and value head
 # dims of their own (MLA's 192/128 -> 192/192, 96/64 -> 96/96, 64/128 and 128/64 -> 128/128,
 # 256/128 and 96/256 -> 256/256); causal and not.
 PADDED_HEAD_DIMS = [(72, None), (80, None), (112, None), (160, None), (192, 128), (96, 64), (64, 128),

@@ -427,10 +427,11 @@ def test_non_positive_scale_without_softcap_falls_back(monkeypatch, kind, capabi
 # none does. (capability, pass, head dim) -> the refusal, None where the sm90 kernel of that pass takes it.
 PACKED_ROUTES = {
     "sm90-forward": ((9, 0), "forward", 128, None),
-    "sm90-forward-zero-padded-head-dim": ((9, 0), "forward", 80, None),
+    "sm90-forward-d80": ((9, 0), "forward", 80, None),
+    "sm90-forward-zero-padded-head-dim": ((9, 0), "forward", 72, None),
     "sm90-forward-d64": ((9, 0), "forward", 64, None),
     "sm90-backward": ((9, 0), "backward", 128, None),
-    "sm90-backward-zero-padded-head-dim": ((9, 0), "backward", 80, None),
+    "sm90-backward-zero-padded-head-dim": ((9, 0), "backward", 80, None),   # 80 -> 96
     "sm90-backward-d64": ((9, 0), "backward", 64, None),
     "sm90-backward-d192": ((9, 0), "backward", 192, "sm90 large-head backward has no scheduler for packed"),
     "sm90-backward-large-heads": ((9, 0), "backward", 256, "has no scheduler for packed"),
