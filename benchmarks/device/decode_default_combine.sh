@@ -31,7 +31,7 @@ grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" $LOG | tail -8
 timeout 150 python3 benchmarks/decode.py --batches $BATCHES --option-variants xla_combine --compile-workers 8 \
   --out "$OUT/decode_b${BATCHES//,/_}.json" >> $LOG 2>&1
 echo "grid rc=$?"; grep -E "^B=|copy" $LOG | tail -34
-timeout 50 python3 benchmarks/device/decode_kernel_times.py --variants api,xla_combine \
+[ "${KERNEL_TIMES:-1}" = 1 ] && timeout 50 python3 benchmarks/device/decode_kernel_times.py --variants api,xla_combine \
   --out "$OUT/decode_kernel_times.json" 2>&1 | grep -E "^B=" | tee -a $LOG
 xz -9 -c $LOG > "$OUT/decode_default_combine.log.xz"
 while kill -0 $PRECOMPILE 2>/dev/null && [ $SECONDS -lt 300 ]; do sleep 5; done
