@@ -97,7 +97,8 @@ def test_compiles_to_the_fa4_design(compiled, name):
     check_kernel(name, CASES[name], compiled.record(f"CASES.{name}"))
 
 
-# Exhaustive: head dims x causal x GQA x dtype, plus each head dim with the feature paths.
+# Exhaustive: head dims x causal x GQA in bf16, fp16 once per head dim (causal GQA: the dtype changes the
+# element type alone, and CI's time is better spent on the paths), plus each head dim with the feature paths.
 FEATURES = {
     "window-softcap-sinks": dict(window_left=300, window_right=20, softcap=30.0, has_sinks=True),
     "segments-lengths-causal": dict(causal=True, has_segment_ids=True, has_q_seq_lengths=True,
@@ -109,7 +110,8 @@ GRID = {
         **{f"d{head_dim}-{'causal' if causal else 'full'}-{'gqa' if group > 1 else 'mha'}-{dtype}": dict(
             config=dict(scale=head_dim ** -0.5, causal=causal),
             shape=[2, 1000, 1200, 8, 8 // group, head_dim], dtype=dtype)
-           for causal in (False, True) for group in (1, 4) for dtype in ("bfloat16", "float16")},
+           for causal in (False, True) for group in (1, 4) for dtype in ("bfloat16", "float16")
+           if dtype == "bfloat16" or (causal and group > 1)},
         **{f"d{head_dim}-{feature}": dict(config=dict(scale=head_dim ** -0.5, **config),
                                           shape=[2, 1000, 4000, 8, 2, head_dim])
            for feature, config in FEATURES.items()},

@@ -44,7 +44,8 @@ CASES = {
                                           shape=[2, 1000, 1000, 8, 2, 128]),
 }
 
-# Exhaustive: head dims x causal x GQA x dtype, plus the feature paths per head dim.
+# Exhaustive: head dims x causal x GQA in bf16, fp16 once per head dim (causal GQA: the dtype changes the
+# element type alone, and CI's time is better spent on the paths), plus the feature paths per head dim.
 FEATURES = {
     "window-softcap-sinks": dict(window_left=300, window_right=20, softcap=30.0, has_sinks=True),
     "deterministic-causal": dict(causal=True, deterministic=True),
@@ -55,7 +56,7 @@ GRID = {
     **{f"d{d}-{'causal' if causal else 'full'}-{'gqa' if group > 1 else 'mha'}-{dtype}": dict(
         config=dict(scale=d ** -0.5, causal=causal), shape=[2, 1000, 1200, 8, 8 // group, d], dtype=dtype)
        for d in sm100_backward.SUPPORTED_HEAD_DIMS for causal in (False, True) for group in (1, 4)
-       for dtype in ("bfloat16", "float16")},
+       for dtype in ("bfloat16", "float16") if dtype == "bfloat16" or (causal and group > 1)},
     **{f"d{d}-{feature}": dict(config=dict(scale=d ** -0.5, **config), shape=[2, 1000, 4000, 8, 2, d])
        for d in sm100_backward.SUPPORTED_HEAD_DIMS for feature, config in FEATURES.items()},
 }
