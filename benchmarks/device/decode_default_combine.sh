@@ -17,11 +17,14 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$RE
 PEERS_CACHE=/tmp/fa4_hopper_vs_peers_cache
 # Its own process group, stopped 300 s after the start (below); the cache's writes are atomic, and what it
 # leaves uncompiled the next call compiles.
-setsid bash -c "for grid in head-dims issue12; do
-    JAX_PLATFORMS=cpu FA4_JAX_CACHE_DIR=$PEERS_CACHE python3 benchmarks/hopper_vs_peers.py \
-      --grid \$grid --precompile-only --precompile-workers 8 --no-peer --out /tmp/precompile_\$grid.json
-  done" > /tmp/precompile_peers.log 2>&1 &
-PRECOMPILE=$!
+PRECOMPILE=   # PEER_PRECOMPILE=0: none (no peer call follows)
+if [ "${PEER_PRECOMPILE:-1}" = 1 ]; then
+  setsid bash -c "for grid in head-dims issue12; do
+      JAX_PLATFORMS=cpu FA4_JAX_CACHE_DIR=$PEERS_CACHE python3 benchmarks/hopper_vs_peers.py \
+        --grid \$grid --precompile-only --precompile-workers 8 --no-peer --out /tmp/precompile_\$grid.json
+    done" > /tmp/precompile_peers.log 2>&1 &
+  PRECOMPILE=$!
+fi
 export FA4_JAX_CACHE_DIR=/tmp/fa4_kernels
 LOG=/tmp/decode_default_combine.log
 timeout 110 python3 -m pytest -v -n 8 -p no:cacheprovider --timeout 100 tests/test_sm90_decode.py \
@@ -34,6 +37,8 @@ echo "grid rc=$?"; grep -E "^B=|copy" $LOG | tail -34
 [ "${KERNEL_TIMES:-1}" = 1 ] && timeout 50 python3 benchmarks/device/decode_kernel_times.py --variants api,xla_combine \
   --out "$OUT/decode_kernel_times.json" 2>&1 | grep -E "^B=" | tee -a $LOG
 xz -9 -c $LOG > "$OUT/decode_default_combine.log.xz"
-while kill -0 $PRECOMPILE 2>/dev/null && [ $SECONDS -lt 300 ]; do sleep 5; done
-kill -- -$PRECOMPILE 2>/dev/null
-echo "precompile of the peer grids: $(tail -2 /tmp/precompile_peers.log | tr '\n' ' ')"
+while [ -n "$PRECOMPILE" ] && kill -0 $PRECOMPILE 2>/dev/null && [ $SECONDS -lt 300 ]; do sleep 5; done
+if [ -n "$PRECOMPILE" ]; then
+  kill -- -$PRECOMPILE 2>/dev/null
+  echo "precompile of the peer grids: $(tail -2 /tmp/precompile_peers.log | tr '\n' ' ')"
+fi
