@@ -2,7 +2,7 @@
 # One device call for issue 16 with the combine kernel as the default merge (DecodeOptions.combine = "kernel"):
 #   tests    every paged decode case through the API on the default options, and the XLA merge as the
 #            variant (`-k xla_combine`), against the float64 oracle (tests/test_sm90_decode.py)
-#   grid     benchmarks/decode.py at B = $BATCHES (default 1), every context, page and query length, the XLA
+#   grid     benchmarks/decode.py at B = $BATCHES (default 1; GRID_LIMIT s, default 150), every context, page and query length, the XLA
 #            merge timed beside the default (fa4_jax_xla_combine_ms, fa4_jax_run_ms): decode_b<BATCHES>.json (commas as _)
 #   kernels  CUPTI time of each kernel of one call (the API against the XLA merge): decode_kernel_times.json
 # Meanwhile the CPU fills the kernel cache of hopper_vs_peers.py's two grids (the next call's, with the peer),
@@ -31,7 +31,7 @@ timeout 110 python3 -m pytest -v -n 8 -p no:cacheprovider --timeout 100 tests/te
   -k "not cluster and not page_lookahead and not variadic" > $LOG 2>&1
 echo "pytest rc=$?" >> $LOG
 grep -E "^(FAILED|ERROR)|passed|failed|pytest rc" $LOG | tail -8
-timeout 150 python3 benchmarks/decode.py --batches $BATCHES --option-variants xla_combine --compile-workers 8 \
+timeout ${GRID_LIMIT:-150} python3 benchmarks/decode.py --batches $BATCHES --option-variants xla_combine --compile-workers 8 \
   --out "$OUT/decode_b${BATCHES//,/_}.json" >> $LOG 2>&1
 echo "grid rc=$?"; grep -E "^B=|copy" $LOG | tail -34
 [ "${KERNEL_TIMES:-1}" = 1 ] && timeout 50 python3 benchmarks/device/decode_kernel_times.py --variants api,xla_combine \
