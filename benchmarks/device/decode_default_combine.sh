@@ -6,7 +6,7 @@
 #            merge timed beside the default (fa4_jax_xla_combine_ms, fa4_jax_run_ms): decode_b<BATCHES>.json (commas as _)
 #   kernels  CUPTI time of each kernel of one call (the API against the XLA merge): decode_kernel_times.json
 # Meanwhile the CPU fills the kernel cache of hopper_vs_peers.py's two grids (the next call's, with the peer),
-# so that call spends its time on the GPU. Four files in $OUT. About 320 s.
+# so that call spends its time on the GPU. Four files in $OUT. About 300 s, plus GRID_LIMIT beyond 150.
 # Usage (device machine, repo root, bundle sourced): bash benchmarks/device/decode_default_combine.sh REV
 set -u
 REV=$1

@@ -19,10 +19,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks import decode  # noqa: E402  (its inputs, options and DecodeOptions candidates)
+
 ROWS = [dict(batch=1, context=1024, q_len=1, page_size=16), dict(batch=1, context=8192, q_len=1, page_size=16),
         dict(batch=1, context=1024, q_len=4, page_size=16), dict(batch=8, context=1024, q_len=1, page_size=16)]
-VARIANTS = {"api": None, "last_cta": {"combine": "last_cta"}, "no_page_lookahead": {"page_lookahead": False},
-            "variadic_merge": {"combine": "xla", "xla_merge": "variadic"}, "xla_combine": {"combine": "xla"}}
+# The API call, the last CTA's merge, and benchmarks/decode.py's DecodeOptions candidates.
+VARIANTS = {"api": None, "last_cta": {"combine": "last_cta"}, **decode.OPTION_VARIANTS}
 
 
 def main():
@@ -37,7 +39,7 @@ def main():
     from jax.experimental.mosaic.gpu import profiler
 
     import fa4_jax
-    from benchmarks import attention, decode
+    from benchmarks import attention
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode as decode_kernel
 
     report = dict(device=jax.devices()[0].device_kind, versions=attention._versions(),

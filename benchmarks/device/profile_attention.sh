@@ -14,7 +14,9 @@ PASS=$1
 shift
 if [ "$PASS" = forward ]; then SELECT=(--kernel-name "regex:(?i)forward|fwd" --launch-skip 1 --launch-count 1)
 else SELECT=(--kernel-name "regex:(?i)backward|bwd" --launch-count 4); fi
-PEER=1 source "$(dirname "$0")/cute_env.sh" || exit 1
+LIBRARIES=${LIBRARIES:-fa4_jax fa4peer}
+PEER=0; [[ " $LIBRARIES " == *" fa4peer "* ]] && PEER=1   # the peer bundle only where FA4 is profiled
+PEER=$PEER source "$(dirname "$0")/cute_env.sh" || exit 1
 export PYTHONPATH=$PWD:$PYTHONPATH CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1 \
   FA4_JAX_CACHE_DIR=${FA4_JAX_CACHE_DIR:-/tmp/fa4_profile_cache} XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}
@@ -23,7 +25,7 @@ for shape in "$@"; do
   read -r batch seq heads head_dim causal <<< "$shape"
   flag=""; [ "${causal:-}" = "causal" ] && flag="--causal"
   tag="${PASS}_B${batch}_S${seq}_H${heads/\//-}_D${head_dim}${causal:+_causal}"
-  for library in ${LIBRARIES:-fa4_jax fa4peer}; do
+  for library in $LIBRARIES; do
     name="$OUT/${library}_${tag}"
     extra=$flag
     [ "$library" = fa4_jax_deterministic ] && { library=fa4_jax; extra="$flag --deterministic"; }
