@@ -3,11 +3,10 @@
 Rows: batch in {1, 8, 64}, context in {1k, 8k, 32k, 128k} (every sequence full), Hq / Hkv = 32 / 8,
 D = 128, page size 16 and 64, Sq in {1, 4}, bf16, block tables a random permutation of the cache.
 Per row: our kernel (`fa4_jax.paged_attention(implementation="cute")`: the split kernel and the
-combine kernel that merges its splits; `num_splits` records how many; with --combines also the kernel with
-the splits merged another way (DecodeOptions.combine): `fa4_jax_last_cta_combine_ms` (the same splits,
-merged by the kernel's last CTA; `fa4_jax_fused_combine_ms` in reports before 2026-12-06) and
-`fa4_jax_cluster_combine_ms` (at most 16 splits, `cluster_num_splits`, merged through distributed
-shared memory); with --option-variants the DecodeOptions candidates (OPTION_VARIANTS) through
+combine kernel that merges its splits (one split: the split kernel alone); `num_splits` records how many.
+Reports before 2026-12-07 may also hold `fa4_jax_last_cta_combine_ms` (`fa4_jax_fused_combine_ms` before
+2026-12-06) and `fa4_jax_cluster_combine_ms` / `cluster_num_splits`: merges measured slower and deleted
+(docs/kernels.md). With --option-variants the DecodeOptions candidates (OPTION_VARIANTS) through
 decode.run, `fa4_jax_<name>_ms`, beside `fa4_jax_run_ms`, the default options through it), Pallas
 `decode_attention.gqa` on the same cache viewed contiguously (its API takes [B, L, Hkv, D] and transposes K
 and V to [B, Hkv, L, D] inside the call, which its time includes) and Pallas `paged_attention` (its own
@@ -28,7 +27,7 @@ distinct DecodeOptions), so the timed process loads them.
 
 Usage:
     python benchmarks/decode.py --out benchmarks/results/decode_h200.json [--batches 1,8] [--quick]
-        [--combines last_cta,cluster] [--option-variants xla_combine,variadic_merge] [--cold-l2]
+        [--option-variants xla_combine,no_page_lookahead] [--cold-l2]
     python benchmarks/decode.py --plot benchmarks/results/decode_h200.json --png decode_h200.png
     python benchmarks/decode.py --merge b1.json b8.json b64.json --out decode_h200.json   (no GPU needed)
 
@@ -206,11 +205,10 @@ def _pallas_functions(row, arguments):
 
 # DecodeOptions candidates `--option-variants` times through decode.run, beside the defaults through it.
 # xla_combine: the splits merged by XLA's pass (combine_partials) instead of our combine kernel, the default.
-OPTION_VARIANTS = {"no_page_lookahead": {"page_lookahead": False},
-                   "variadic_merge": {"combine": "xla", "xla_merge": "variadic"}, "xla_combine": {"combine": "xla"}}
+OPTION_VARIANTS = {"no_page_lookahead": {"page_lookahead": False}, "xla_combine": {"combine": "xla"}}
 
 
-def measure(row, key, iterations, sm_count: int = None, combines=(), option_variants=(), cold_flush=None) -> dict:
+def measure(row, key, iterations, sm_count: int = None, option_variants=(), cold_flush=None) -> dict:
     import jax
     import fa4_jax
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode
@@ -226,15 +224,10 @@ def measure(row, key, iterations, sm_count: int = None, combines=(), option_vari
     except Exception as error:
         our_out = None
         record["fa4_jax_error"] = attention_error(error)
-    # decode.run with other options: the kernel's own merges instead of combine_partials (XLA), and the
-    # DecodeOptions candidates beside the default options through the same decode.run.
-    timed = [(f"{combine}_combine", {"combine": combine}) for combine in combines]
-    if option_variants:
-        timed += [("run", {})] + [(name, OPTION_VARIANTS[name]) for name in option_variants]
+    # The DecodeOptions candidates beside the default options, all through decode.run.
+    timed = [("run", {})] + [(name, OPTION_VARIANTS[name]) for name in option_variants] if option_variants else []
     for name, overrides in timed:
         options = _options(row, sm_count, **overrides)
-        if overrides.get("combine") == "cluster":
-            record["cluster_num_splits"] = options.num_splits
         try:
             _, record[f"fa4_jax_{name}_ms"] = attention._median_ms(
                 jax.jit(lambda *a: decode.run(options, *a)), arguments, iterations)
@@ -284,9 +277,7 @@ def _format(record) -> str:
         return fmt.format(value) if isinstance(value, (int, float)) else "    -   "
     return (f"B={record['batch']:3d} ctx={record['context']:6d} q={record['q_len']} page={record['page_size']:2d}  "
             f"ours {number('fa4_jax_ms')} ms {number('fa4_jax_tbps', '{:5.2f}')} TB/s "
-            f"({record.get('num_splits')} splits; last CTA {number('fa4_jax_last_cta_combine_ms')} ms; "
-            f"cluster of {record.get('cluster_num_splits', '-')} {number('fa4_jax_cluster_combine_ms')} ms; "
-            f"run {number('fa4_jax_run_ms')}"
+            f"({record.get('num_splits')} splits; run {number('fa4_jax_run_ms')}"
             + "".join(f" / {name} {number(f'fa4_jax_{name}_ms')}" for name in OPTION_VARIANTS
                       if f"fa4_jax_{name}_ms" in record) + " ms)  "
             f"pallas best {number('pallas_best_ms')} ms  ref {number('reference_ms')} ms"
@@ -309,10 +300,8 @@ def run(args):
                   shape=dict(q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16"),
                   timing="CUPTI kernel time per call (all kernels), median", rows=[])
     sm_count = host.sm_count(DEFAULT_SM_COUNT)
-    combines = tuple(args.combines.split(",")) if args.combines else ()
     option_variants = tuple(args.option_variants.split(",")) if args.option_variants else ()
-    variants = ({},) + tuple({"combine": combine} for combine in combines) \
-        + tuple(OPTION_VARIANTS[name] for name in option_variants)
+    variants = ({},) + tuple(OPTION_VARIANTS[name] for name in option_variants)
     if args.compile_workers > 0:
         report["precompile"] = precompile(row_list, args.compile_workers, sm_count, variants)
     flush = l2_flush() if args.cold_l2 else None
@@ -321,7 +310,7 @@ def run(args):
     print(f"device-to-device copy: {report['copy_tbps']:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     for row in row_list:
-        record = measure(row, key, args.iterations, sm_count, combines, option_variants, flush)
+        record = measure(row, key, args.iterations, sm_count, option_variants, flush)
         record["copy_tbps"] = report["copy_tbps"]
         if "fa4_jax_tbps" in record:
             record["fraction_of_copy"] = record["fa4_jax_tbps"] / report["copy_tbps"]
@@ -389,8 +378,6 @@ def main(argv=None):
     parser.add_argument("--page-sizes", help="comma-separated subset of 16,64")
     parser.add_argument("--quick", action="store_true", help="B in {1, 64}, contexts 8k and 32k")
     parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--combines", help="comma-separated kernel merges to time besides the default XLA pass: "
-                                           "last_cta, cluster (fa4_jax_<combine>_combine_ms)")
     parser.add_argument("--option-variants", help="comma-separated DecodeOptions candidates to time through "
                         f"decode.run ({', '.join(OPTION_VARIANTS)}: fa4_jax_<name>_ms) and, beside them, the "
                         "default options through it (fa4_jax_run_ms)")

@@ -29,10 +29,8 @@ from tools.sm100_inspect import find_ptxas  # noqa: E402
 
 
 # name -> (AttentionConfig fields, [B, Sq, Hq, Hkv, D, max_blocks], dtype, page size, arch[, DecodeOptions
-# overrides]). The cases compile the last-CTA combine (`combine="last_cta"`: its arrival protocol is what the
-# PTX checks and the PTX interpreter below are about) unless their overrides say otherwise; the default,
-# the XLA combine, is the "d128-xla-combine" case, the cluster combine the "cluster" cases.
-LAST_CTA = {"combine": "last_cta"}
+# overrides]). The split count is the heuristic's on 132 SMs unless the overrides set it; with one split the
+# kernel writes the final O and LSE, with more its partials (the combine kernel's or XLA's to merge).
 CONFIGS = {
     "d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a"),
     "d128-q4-page64-sinks": ({"has_sinks": True}, [8, 4, 32, 8, 128, 32], "bfloat16", 64, "sm_90a"),
@@ -47,20 +45,14 @@ CONFIGS = {
     # Tuning alternatives: 32 keys per warp with two stages, and a four-stage ring of 64-key blocks.
     "d128-tile128-stages2": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"tile_n": 128, "num_stages": 2}),
     "d128-stages4": ({}, [2, 4, 32, 8, 128, 64], "bfloat16", 64, "sm_90a", {"num_stages": 4}),
-    # One split: the CTA writes the final O (sinks folded in) itself; and the XLA combine's variant.
+    # One split: the CTA writes the final O (sinks folded in) itself; the same by the heuristic (B = 40: 320
+    # CTAs fill the 264 slots), without sinks.
     "d128-one-split-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 8], "bfloat16", 16, "sm_90a", {"num_splits": 1}),
-    "d128-xla-combine": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"combine": "xla"}),
-    # The cluster combine: 16 splits of one block (B = 1, 1k, the benchmark's row), 4 query tokens with
-    # sinks on 3 splits, and D = 256 (two merge passes' worth of items on 2 splits).
-    "d128-cluster-16": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_90a", {"combine": "cluster"}),
-    "d128-q4-cluster-sinks": ({"has_sinks": True}, [2, 4, 32, 8, 128, 3], "bfloat16", 64, "sm_90a",
-                              {"combine": "cluster"}),
-    "d256-cluster-2": ({}, [8, 2, 16, 2, 256, 2], "bfloat16", 64, "sm_90a", {"combine": "cluster", "num_splits": 2}),
+    "d128-b40-one-split": ({}, [40, 1, 32, 8, 128, 12], "bfloat16", 16, "sm_90a"),
     # The benchmark's 8k row (32 splits of 4 blocks) with its page numbers loaded right before their cp.async
     # (`page_lookahead=False`; every other case loads them a block ahead, the default).
     "d128-no-page-lookahead": ({}, [1, 1, 32, 8, 128, 512], "bfloat16", 16, "sm_90a",
-                               {"combine": "xla", "page_lookahead": False}),
-    "sm100-d128-cluster": ({}, [1, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a", {"combine": "cluster"}),
+                               {"page_lookahead": False}),
     "sm100-d128-gqa4-page16": ({}, [2, 1, 32, 8, 128, 64], "bfloat16", 16, "sm_100a"),
     "sm100-d64-softcap": ({"softcap": 20.0}, [2, 2, 8, 2, 64, 16], "float16", 32, "sm_100a"),
 }
@@ -93,8 +85,7 @@ for name, (fields, shape, dtype, page, _, *overrides) in configs.items():
     logical = (B, max_blocks * page, Hkv, D)
     problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
     assert decode.unsupported_reason(config, problem) is None
-    overrides = {"combine": "last_cta", **(overrides[0] if overrides else {})}   # LAST_CTA, then the case's
-    options = decode.options(config, problem, sm_count=132, **overrides)
+    options = decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
     cute.compile(decode.Sm90DecodeKernel(options), make_fake_stream(),
                  *decode.fake_arguments(options, B, Hkv, 50, max_blocks, fields.get("has_sinks", False)))
     (new,) = glob.glob(os.path.join(dump, "cutlass_*.ptx"))
@@ -148,31 +139,9 @@ def test_ptx_has_the_design(compiled, name):
     assert re.search(rf"cp\.async\.wait_group\s+{wait};", ptx), f"no multistage wait (wait_group {wait})"
     assert not re.search(r"\.local\b|ld\.local|st\.local", ptx), "local memory in the PTX"
     assert "wgmma" not in ptx and "cp.async.bulk" not in ptx  # arch-neutral by design
-    options = _compiled_options(name)
-    arrivals = re.findall(r"atom\.global(?:\.acq_rel)?(?:\.gpu)?\.add\.[us]32", ptx)
-    if options.combine == "last_cta" and options.num_splits > 1:
-        # The last-CTA combine: partial stores, a device-scope fence, then one acq_rel arrival per CTA, and
-        # a fence again before the last CTA reads the partials.
-        assert re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add\.[us]32", ptx) == arrivals and len(arrivals) == 1, \
-            f"expected one acq_rel device-scope atomic add, found {arrivals}"
-        fences = [m.start() for m in re.finditer(r"fence\.acq_rel\.gpu;", ptx)]
-        atomic = ptx.index(arrivals[0])
-        last_partial_store = ptx.rindex("st.global", 0, atomic)
-        assert any(last_partial_store < f < atomic for f in fences), "no fence between the partials and the arrival"
-        assert any(f > atomic for f in fences), "no fence between the arrival and the last CTA's reads"
-    else:
-        assert not arrivals, "an arrival counter where no split waits for another"
-    arrives = [m.start() for m in re.finditer(r"barrier\.cluster\.arrive;", ptx)]
-    waits = [m.start() for m in re.finditer(r"barrier\.cluster\.wait;", ptx)]
-    remote_loads = [m.start() for m in re.finditer(r"ld\.shared::cluster", ptx)]
-    if options.combine == "cluster" and options.num_splits > 1:
-        # Release / acquire around the partials in shared memory, every remote load between the first
-        # wait and the second arrive (no CTA leaves while a peer may read it), no global partial.
-        assert len(arrives) == len(waits) == 2 and arrives[0] < waits[0] < arrives[1] < waits[1], (arrives, waits)
-        assert remote_loads and all(waits[0] < load < arrives[1] for load in remote_loads)
-        assert all(m.start() > waits[0] for m in re.finditer(r"st\.global", ptx)), "a global store before the merge"
-    else:
-        assert not arrives and not waits and not remote_loads, "cluster barriers or remote loads without a cluster"
+    # Every split works alone: no arrival counter, atomic, cluster barrier or remote shared load.
+    assert not re.search(r"\batom\.|\bred\.|barrier\.cluster|ld\.shared::cluster", ptx), "cross-CTA traffic"
+    assert _compiled_options(name).num_splits == compiled[name]["splits"]
 
 
 @pytest.mark.skipif(find_ptxas() is None, reason="ptxas not installed")
@@ -181,11 +150,18 @@ def test_no_register_spills(compiled, name):
     assert_no_spills(find_ptxas(), compiled[name]["ptx"], name)
 
 
-# Where the address check puts each buffer (256-byte aligned, as XLA's are, and far apart), in the
-# kernel's parameter order (sinks only where the config has them).
-_BUFFERS = ("q", "k", "v", "tables", "lengths", "sinks", "semaphore", "partial_o", "partial_lse", "out", "lse")
+# Where the address check puts each buffer (256-byte aligned, as XLA's are, and far apart).
+_BUFFERS = ("q", "k", "v", "tables", "lengths", "sinks", "partial_o", "partial_lse", "out", "lse")
 _BASES = {name: (index + 1) << 36 for index, name in enumerate(_BUFFERS)}
 _FAKE_BLOCKS = 50   # cache blocks of the compile's fake tensors (decode.fake_arguments)
+
+
+def _kernel_buffers(options, has_sinks):
+    """The kernel's tensor parameters in order: with one split the sinks (where given) and the final O
+    and LSE, else the split's partials (the sinks go to the merge)."""
+    if options.writes_output:
+        return ["q", "k", "v", "tables", "lengths"] + (["sinks"] if has_sinks else []) + ["out", "lse"]
+    return ["q", "k", "v", "tables", "lengths", "partial_o", "partial_lse"]
 
 
 def _compiled_options(name):
@@ -193,7 +169,7 @@ def _compiled_options(name):
     config = AttentionConfig(scale=D ** -0.5, causal=True, has_kv_seq_lengths=True, **fields)
     logical = (B, max_blocks * page, Hkv, D)
     problem = host.Problem((B, Sq, Hq, D), logical, logical, dtype, page_size=page)
-    return decode.options(config, problem, sm_count=132, **{**LAST_CTA, **(overrides[0] if overrides else {})})
+    return decode.options(config, problem, sm_count=132, **(overrides[0] if overrides else {}))
 
 
 def _shapes(options, name):
@@ -201,8 +177,8 @@ def _shapes(options, name):
     o_shape, lse_shape = decode.partial_shapes(options, B, Hkv)
     cache = (_FAKE_BLOCKS, options.page_size, Hkv, D)
     return {"q": (B, Sq, Hq, D), "k": cache, "v": cache, "tables": (B, max_blocks), "lengths": (B,),
-            "sinks": (Hq,), "semaphore": decode.semaphore_shape(options, B, Hkv), "partial_o": o_shape,
-            "partial_lse": lse_shape, "out": (B, Sq, Hq, D), "lse": (B, Hq, Sq)}
+            "sinks": (Hq,), "partial_o": o_shape, "partial_lse": lse_shape, "out": (B, Sq, Hq, D),
+            "lse": (B, Hq, Sq)}
 
 
 def _element_bytes(buffer):
@@ -210,33 +186,29 @@ def _element_bytes(buffer):
 
 
 @pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d64-softcap-window-fp16-page7", "d256-64-rows",
-                                  "d128-tile128-stages2", "d128-one-split-sinks"])
+                                  "d128-tile128-stages2", "d128-one-split-sinks", "d128-b40-one-split"])
 def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
-    """Two CTAs of the compiled PTX, run thread by thread on the CPU (tests/ptx_addresses.py) over a
-    paged cache (random block ids, garbage past each sequence's last page): every 16-byte cp.async has
-    16-byte aligned source and destination, every ldmatrix row address is 16-byte aligned, every load
-    and store is aligned to its width and inside its buffer (shared: the CTA's allocation), no table
-    entry past a sequence's last page is read. The first CTA is not the last of its (batch, head tile)
-    to arrive (its counter reads 0): it writes its split's partial rows, O and LSE, every element once,
-    and nothing else. The second is the last (its counter reads splits - 1): it also reads every split's
-    partial rows of its head tile, writes the final O and LSE of the tile's rows, every element once, and
-    zeroes its counter. With one split a CTA writes the final O and LSE directly and no partial. The
-    first H200 run failed on the ldmatrix / cp.async alignment."""
+    """Two CTAs of the compiled PTX (the first split of the first batch's last head tile, the last split
+    of the last batch's first), run thread by thread on the CPU (tests/ptx_addresses.py) over a paged
+    cache (random block ids, garbage past each sequence's last page): every 16-byte cp.async has 16-byte
+    aligned source and destination, every ldmatrix row address is 16-byte aligned, every load and store
+    is aligned to its width and inside its buffer (shared: the CTA's allocation), no table entry past a
+    sequence's last page is read. Each CTA writes its split's partial rows, O and LSE, every element
+    once, and nothing else; with one split, the final O and LSE of its tile's rows instead. The first
+    H200 run failed on the ldmatrix / cp.async alignment."""
     options = _compiled_options(name)
     fields, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
-    buffers = [b for b in _BUFFERS if b != "sinks" or fields.get("has_sinks")]
+    buffers = _kernel_buffers(options, fields.get("has_sinks", False))
     program, params, shapes, sizes, memory, pages = _interpreter_inputs(compiled, name, options, buffers, rng)
     head_tiles = Hkv * options.row_tiles
     splits = options.num_splits
     shared_end = 1024 + options.shared_memory_bytes()
-    for block, last in [((0, head_tiles - 1, 0), splits == 1), ((splits - 1, 0, B - 1), True)]:
+    for block in [(0, head_tiles - 1, 0), (splits - 1, 0, B - 1)]:
         split, head_tile, batch = block
-        counter = _BASES["semaphore"] + 4 * (batch * head_tiles + head_tile)
-        cta_memory = {**memory, counter: splits - 1 if last else 0}
         shared = {}
         touched = {b: collections.defaultdict(list) for b in buffers}
         for thread in range(decode.THREADS):
-            for access in ptx_addresses.thread_accesses(program, thread, block, params, cta_memory,
+            for access in ptx_addresses.thread_accesses(program, thread, block, params, memory,
                                                         shared_memory=shared):
                 _check_access(access, f"{name} CTA {block} thread {thread}: {access}", buffers, sizes,
                               shared_end, max_blocks, pages, touched)
@@ -246,25 +218,19 @@ def test_every_access_is_aligned_and_in_bounds(compiled, name, rng):
 
         rows = options.rows - head_tile % options.row_tiles * decode.TILE_M
         rows = min(rows, decode.TILE_M)
-        expected_writes = {"semaphore": [], "partial_o": [], "partial_lse": [], "out": [], "lse": []}
         if splits > 1:
-            expected_writes["partial_o"] = elements("partial_o", (batch, head_tile, split, slice(0, rows)))
-            expected_writes["partial_lse"] = elements("partial_lse", (batch, head_tile, split, slice(0, rows)))
-        if last:
+            expected_writes = {"partial_o": elements("partial_o", (batch, head_tile, split, slice(0, rows))),
+                               "partial_lse": elements("partial_lse", (batch, head_tile, split, slice(0, rows)))}
+        else:
             head_kv, first = head_tile // options.row_tiles, head_tile % options.row_tiles * decode.TILE_M
             packed = np.arange(first, first + rows)
             positions, heads = packed // options.group, head_kv * options.group + packed % options.group
-            expected_writes["out"] = elements("out", (batch, positions, heads))
-            expected_writes["lse"] = elements("lse", (batch, heads, positions))
-            if splits > 1:
-                expected_writes["semaphore"] = [batch * head_tiles + head_tile]
-                for buffer in ("partial_o", "partial_lse"):
-                    read = elements(buffer, (batch, head_tile, slice(None), slice(0, rows)))
-                    assert sorted(set(touched[buffer]["ld.global"])) == read, f"{name} CTA {block}: {buffer} reads"
-        for buffer, expected in expected_writes.items():
-            assert sorted(touched[buffer]["st.global"]) == expected, f"{name} CTA {block}: {buffer} elements"
-        arrivals = touched["semaphore"]["atom.global"]
-        assert arrivals == ([batch * head_tiles + head_tile] if splits > 1 else []), f"{name} CTA {block}: counter"
+            expected_writes = {"out": elements("out", (batch, positions, heads)),
+                               "lse": elements("lse", (batch, heads, positions))}
+        for buffer in buffers:
+            assert sorted(touched[buffer]["st.global"]) == expected_writes.get(buffer, []), \
+                f"{name} CTA {block}: {buffer} elements"
+        assert not any(kind.startswith("atom") for b in buffers for kind in touched[b]), f"{name}: an atomic"
 
 
 def _interpreter_inputs(compiled, name, options, buffers, rng):
@@ -316,70 +282,12 @@ def _check_access(access, where, buffers, sizes, shared_end, max_blocks, pages, 
     touched[buffer][access.kind].extend(range(offset // unit, (offset + access.size) // unit))
 
 
-CLUSTER_CONFIGS = sorted(name for name, config in CONFIGS.items()
-                         if config[4] == "sm_90a" and config[5:] and config[5].get("combine") == "cluster")
-
-
-@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
-def test_cluster_combine_reads_every_split_and_writes_once(compiled, name, rng):
-    """Every CTA of one cluster (the splits of the last (batch, head tile)), all threads, through the
-    PTX interpreter: accesses aligned and in bounds as above; no partial, counter or atomic in global
-    memory; the remote loads read from every split exactly the bytes that split's CTA stored to its own
-    shared memory for its tile's rows (its partial O and LSE) -- never an unwritten byte --, each byte
-    of O once (16-byte loads) and each row's LSE twice per 8-column item of the row (scalar loads: the
-    merge's max, then its weights), and every row's O and LSE of the tile is written exactly once over
-    the cluster."""
-    options = _compiled_options(name)
-    fields, (B, Sq, Hq, Hkv, D, max_blocks), *_ = CONFIGS[name]
-    buffers = [b for b in ("q", "k", "v", "tables", "lengths", "sinks", "out", "lse")
-               if b != "sinks" or fields.get("has_sinks")]
-    program, params, shapes, sizes, memory, pages = _interpreter_inputs(compiled, name, options, buffers, rng)
-    splits, head_tiles = options.num_splits, Hkv * options.row_tiles
-    assert splits > 1
-    batch, head_tile = B - 1, head_tiles - 1
-    shared_end = 1024 + options.shared_memory_bytes()
-    touched = {b: collections.defaultdict(list) for b in buffers}
-    stored = {}   # rank -> shared bytes it stored
-    remote = {4: collections.defaultdict(list), 16: collections.defaultdict(list)}   # load size -> peer -> bytes
-    for rank in range(splits):
-        shared = {}
-        stored[rank] = set()
-        for thread in range(decode.THREADS):
-            for access in ptx_addresses.thread_accesses(program, thread, (rank, head_tile, batch), params, memory,
-                                                        shared_memory=shared):
-                _check_access(access, f"{name} rank {rank} thread {thread}: {access}", buffers, sizes, shared_end,
-                              max_blocks, pages, touched)
-                if access.kind == "st.shared":
-                    stored[rank].update(range(access.address, access.address + access.size))
-                elif access.space == "cluster":
-                    peer = access.address >> ptx_addresses.CLUSTER_RANK_SHIFT
-                    local = access.address & ((1 << ptx_addresses.CLUSTER_RANK_SHIFT) - 1)
-                    assert 0 <= peer < splits and 1024 <= local and local + access.size <= shared_end, access
-                    remote[access.size][peer].extend(range(local, local + access.size))
-    rows = min(options.rows - head_tile % options.row_tiles * decode.TILE_M, decode.TILE_M)
-    assert set(remote) == {4, 16}
-    for peer in range(splits):
-        for size, elements, reads in ((16, rows * D, 1), (4, rows, 2 * D // decode.CHUNK)):
-            read = collections.Counter(remote[size][peer])
-            assert set(read) <= stored[peer], f"{name}: rank {peer}'s shared memory read where it stored nothing"
-            assert len(read) == elements * 4, f"{name}: rank {peer}: {len(read)} bytes read by {size}-byte loads"
-            assert set(read.values()) == {reads}, f"{name}: rank {peer}: bytes read {set(read.values())} times"
-    head_kv, first = head_tile // options.row_tiles, head_tile % options.row_tiles * decode.TILE_M
-    packed = np.arange(first, first + rows)
-    positions, heads = packed // options.group, head_kv * options.group + packed % options.group
-    for buffer, index in (("out", (batch, positions, heads)), ("lse", (batch, heads, positions))):
-        expected = sorted(np.arange(int(np.prod(shapes[buffer]))).reshape(shapes[buffer])[index].ravel().tolist())
-        assert sorted(touched[buffer]["st.global"]) == expected, f"{name}: {buffer} elements"
-    assert not any(kind.startswith("atom") for b in buffers for kind in touched[b]), "an atomic in the cluster combine"
-
-
 def test_options_are_checked():
     problem = _problem()
     config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
     for overrides, message in [({"tile_n": 96}, "multiple of 64"), ({"num_stages": 1}, "num_stages"),
                                ({"tile_n": 256, "num_stages": 4}, "shared memory"),
-                               ({"combine": "fused"}, "combine must be one of"),
-                               ({"combine": "cluster", "num_splits": 17}, "at most 16 splits")]:
+                               ({"combine": "cluster"}, "combine must be one of")]:
         with pytest.raises(ValueError, match=message):
             decode.options(config, problem, **overrides).check()
     for head_dim in decode.SUPPORTED_HEAD_DIMS:
@@ -416,19 +324,6 @@ def test_split_heuristic_on_the_benchmark_shapes(q_len, page):
         assert splits == 1 or batch * 8 * splits <= 264, f"splits past one wave at {(batch, context)}"
 
 
-def test_cluster_combine_splits_on_the_benchmark_shapes():
-    """With combine="cluster" the splits come from the same rule capped at one cluster (16): B = 1 takes
-    16 splits at every context (one CTA per SM, which the page-64 sweep measured faster at 8k and 32k),
-    B = 8 and 64 keep theirs (4 and 1)."""
-    config = AttentionConfig(scale=0.1, causal=True, has_kv_seq_lengths=True)
-    for (batch, context), splits in BENCHMARK_SPLITS.items():
-        logical = (batch, context, 8, 128)
-        problem = host.Problem((batch, 1, 32, 128), logical, logical, "bfloat16", page_size=16)
-        options = decode.options(config, problem, sm_count=132, combine="cluster")
-        assert options.num_splits == min(splits, decode.MAX_CLUSTER_SPLITS), (batch, context)
-        options.check()
-
-
 def test_split_heuristic():
     """One split when the CTAs fill the GPU; more for small batches, bounded by the key blocks, and as
     few as give each split the same number of blocks."""
@@ -460,16 +355,14 @@ def test_unsupported(config, problem, message, monkeypatch):
     assert message in decode.unsupported_reason(config, problem)
 
 
-@pytest.mark.parametrize("xla_merge", decode.XLA_MERGES)
-def test_combine_partials_is_the_softmax_over_all_keys(rng, xla_merge):
+def test_combine_partials_is_the_softmax_over_all_keys(rng):
     """Partials cut from one row's keys at random, each a normalised (O, LSE) (or empty: -inf), merge
-    into the softmax over all keys with the sinks; padded rows of the tile (NaN here) are dropped. Both
-    forms of the XLA merge (staged, one variadic reduction)."""
+    into the softmax over all keys with the sinks; padded rows of the tile (NaN here) are dropped."""
     batch, kv_heads, group, q_len, dim, keys = 2, 3, 2, 3, 64, 40
     problem = host.Problem((batch, q_len, kv_heads * group, dim), (batch, 100, kv_heads, dim),
                            (batch, 100, kv_heads, dim), "bfloat16", page_size=10)
     options = decode.options(AttentionConfig(scale=0.3, causal=True, has_kv_seq_lengths=True), problem,
-                             sm_count=132, num_splits=7, xla_merge=xla_merge)
+                             sm_count=132, num_splits=7, combine="xla")
     parts, rows = options.num_splits, options.rows
     logits = rng.standard_normal((batch, kv_heads, rows, keys)) * 3
     values = rng.standard_normal((batch, kv_heads, keys, dim))
@@ -503,11 +396,10 @@ def test_combine_partials_is_the_softmax_over_all_keys(rng, xla_merge):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("xla_merge", decode.XLA_MERGES)
-def test_combine_of_rows_that_see_nothing(xla_merge):
+def test_combine_of_rows_that_see_nothing():
     problem = host.Problem((1, 1, 2, 64), (1, 10, 1, 64), (1, 10, 1, 64), "bfloat16", page_size=10)
     options = decode.options(AttentionConfig(scale=0.3, causal=True, has_kv_seq_lengths=True), problem,
-                             sm_count=132, xla_merge=xla_merge)
+                             sm_count=132, combine="xla")
     o_shape, lse_shape = decode.partial_shapes(options, 1, 1)
     out, lse = decode.combine_partials(options, jnp.zeros(o_shape), jnp.full(lse_shape, -jnp.inf), None, 1, 1)
     assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)
@@ -577,77 +469,6 @@ def test_combine_kernel_lowers_after_the_decode_kernel(monkeypatch, has_sinks):
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((2, 1, 8, 64), jnp.bfloat16, (2, 8, 1), jnp.float32)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.index("fa4_jax_sm90_decode_combine") > text.index("fa4_jax_sm90_decode_") and "reduce" not in text
-
-
-@pytest.mark.parametrize("name", ["d64-fp16-page64-sinks", "d128-q4-page64-sinks", "d128-gqa4-page16"])
-def test_last_cta_merges_the_splits(compiled, name, rng):
-    """The last CTA of a (batch, head tile), run thread by thread on the CPU from its PTX with every
-    split's partial (O, LSE) and the sinks in memory, writes the softmax over all splits and the sink:
-    lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s, rounded to the output dtype.
-    Among the rows: one that no split saw (lse -inf everywhere: O 0, LSE the sink or -inf) and one that
-    only some splits saw."""
-    options = _compiled_options(name)
-    fields, (B, Sq, Hq, Hkv, D, max_blocks), dtype, *_ = CONFIGS[name]
-    has_sinks = fields.get("has_sinks", False)
-    buffers = [b for b in _BUFFERS if b != "sinks" or has_sinks]
-    splits, head_tiles, group = options.num_splits, Hkv * options.row_tiles, options.group
-    assert splits > 1
-    with open(compiled[name]["ptx"]) as handle:
-        program = ptx_addresses.parse(handle.read())
-    params = {param: _BASES[buffer].to_bytes(8, "little") for (param, _), buffer in zip(program.params, buffers)}
-    shapes = _shapes(options, name)
-    batch, head_tile = B - 1, head_tiles - 1
-    head_kv, first = head_tile // options.row_tiles, head_tile % options.row_tiles * decode.TILE_M
-    rows = min(decode.TILE_M, options.rows - first)
-    max_len = max_blocks * options.page_size
-    memory = {_BASES["lengths"] + 4 * b: max_len for b in range(B)}
-    memory.update({_BASES["tables"] + 4 * i: i % _FAKE_BLOCKS for i in range(B * max_blocks)})
-    memory[_BASES["semaphore"] + 4 * (batch * head_tiles + head_tile)] = splits - 1
-    partial_lse = rng.standard_normal((splits, rows)).astype(np.float32) * 3
-    partial_lse[:, 0] = -np.inf                      # a row no split saw
-    partial_lse[: splits // 2, rows - 1] = -np.inf   # a row only the later splits saw
-    partial_o = rng.standard_normal((splits, rows, D)).astype(np.float32)
-    partial_o[:, 0] = 0.0                            # what an empty split writes
-    sinks = rng.standard_normal(Hq).astype(np.float32) if has_sinks else None
-    bits = lambda x: int(np.float32(x).view(np.uint32))
-    for s in range(splits):
-        for r in range(rows):
-            index = (((batch * shapes["partial_lse"][1] + head_tile) * splits + s) * decode.TILE_M + r)
-            memory[_BASES["partial_lse"] + 4 * index] = bits(partial_lse[s, r])
-            for d in range(D):
-                memory[_BASES["partial_o"] + 4 * (index * D + d)] = bits(partial_o[s, r, d])
-    if has_sinks:
-        memory.update({_BASES["sinks"] + 4 * h: bits(sinks[h]) for h in range(Hq)})
-
-    stored = {}
-    shared = {}
-    for thread in range(decode.THREADS):
-        for access in ptx_addresses.thread_accesses(program, thread, (splits - 1, head_tile, batch), params, memory,
-                                                    shared_memory=shared):
-            if access.kind == "st.global" and _BASES["out"] <= access.address:
-                stored[access.address] = access
-    kind = "bf16x2" if dtype == "bfloat16" else "f16x2"
-    packed = np.arange(first, first + rows)
-    heads, positions = head_kv * group + packed % group, packed // group
-    top = partial_lse.max(axis=0)
-    if has_sinks:
-        top = np.maximum(top, sinks[heads])
-    shift = np.where(np.isfinite(top), top, 0.0)
-    total = np.exp(partial_lse - shift).sum(axis=0) + (np.exp(sinks[heads] - shift) if has_sinks else 0.0)
-    expected_lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), -np.inf)
-    weights = np.exp(partial_lse - np.where(np.isfinite(expected_lse), expected_lse, 0.0))
-    expected_o = np.einsum("sr,srd->rd", weights, partial_o)
-    for r in range(rows):
-        lse_address = _BASES["lse"] + 4 * ((batch * Hq + heads[r]) * Sq + positions[r])
-        (lse_bits,) = stored[lse_address].values
-        np.testing.assert_allclose(ptx_addresses._bits_float(lse_bits), expected_lse[r], rtol=1e-5, atol=1e-5)
-        out = []
-        for d in range(0, D, 8):
-            address = _BASES["out"] + 2 * (((batch * Sq + positions[r]) * Hq + heads[r]) * D + d)
-            for word in stored[address].values:
-                out += [ptx_addresses.half_float(word, kind), ptx_addresses.half_float(word >> 16, kind)]
-        np.testing.assert_allclose(out, expected_o[r], rtol=1e-2, atol=1e-2, err_msg=f"{name} row {r}")
-    assert np.isinf(expected_lse[0]) != has_sinks
 
 
 def _combine_options(name):

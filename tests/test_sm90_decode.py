@@ -50,6 +50,9 @@ CASES = [
               sinks=True, scale=0.3),
     PagedCase(batch=3, q_len=4, q_heads=8, kv_heads=2, head_dim=128, block_size=4, max_blocks=3, dtype=BF16,
               lengths=(1, 3, 12)),   # lengths below q_len: rows before the sequence start see nothing
+    # 320 CTAs fill the 264 slots of 132 SMs: one split, whose kernel writes O and LSE itself, sinks folded in.
+    PagedCase(batch=40, q_len=1, q_heads=32, kv_heads=8, head_dim=128, block_size=16, max_blocks=12, dtype=BF16,
+              sinks=True),
 ]
 
 
@@ -77,13 +80,10 @@ def test_paged_decode_matches_oracle(case, rng):
 
 
 # Options that are not the default, on every paged case through the public API (the kernel's options
-# patched): the cluster combine (the splits merge through distributed shared memory), the XLA merge after
-# the decode kernel (the default merges in a kernel of ours), in stages and as one variadic reduction, and
-# the page numbers loaded right before their cp.async (the default loads them a block ahead). Select with
-# `-k cluster`, `-k xla_combine`, `-k variadic` or `-k page_lookahead`.
-EVERY_CASE_OPTIONS = {"cluster_combine": {"combine": "cluster"}, "xla_combine": {"combine": "xla"},
-                      "no_page_lookahead": {"page_lookahead": False},
-                      "variadic_merge": {"combine": "xla", "xla_merge": "variadic"}}
+# patched): the XLA merge after the decode kernel (the default merges in a kernel of ours) and the page
+# numbers loaded right before their cp.async (the default loads them a block ahead). Select with
+# `-k xla_combine` or `-k page_lookahead`.
+EVERY_CASE_OPTIONS = {"xla_combine": {"combine": "xla"}, "no_page_lookahead": {"page_lookahead": False}}
 
 
 @gpu
@@ -107,34 +107,28 @@ def _check_paged_case(case, rng):
     _check(case, out, lse, drawn, reference_out)
 
 
-FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits": 40}, {"num_splits": 128},
+# One split writes the final O itself (sinks folded in); more are merged by the combine kernel (the
+# default) or XLA: 2, 7, 33 (one group of 32 loads in flight, then one of 1), 40 and 128 (15 blocks: 113
+# splits empty, merged as -inf).
+FORCED = [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 7}, {"num_splits": 33}, {"num_splits": 40},
+          {"num_splits": 128},
           {"tile_n": 128, "num_stages": 2}, {"num_stages": 4}, {"tile_n": 128, "num_stages": 2, "num_splits": 3},
-          # The last CTA's combine instead of the XLA pass (combine_partials, the default).
-          {"combine": "last_cta"}, {"combine": "last_cta", "num_splits": 1},
-          {"combine": "last_cta", "num_splits": 40}, {"combine": "last_cta", "num_splits": 128},
-          # The cluster combine: its own split choice (at most 16), one split, 2, and 16 (15 key blocks:
-          # one split is empty and merges as -inf).
-          {"combine": "cluster"}, {"combine": "cluster", "num_splits": 1}, {"combine": "cluster", "num_splits": 2},
-          {"combine": "cluster", "num_splits": 16},
+          {"tile_n": 128, "num_stages": 2, "num_splits": 1},
           # Page numbers loaded right before their cp.async (the default: a block ahead): one split (15
           # blocks through the loop), 7, four stages.
           {"page_lookahead": False, "num_splits": 1}, {"page_lookahead": False, "num_splits": 7},
           {"page_lookahead": False, "num_stages": 4, "num_splits": 2},
-          # The XLA merge as one variadic reduction: 2, 40 and 128 splits (113 of them empty).
-          {"xla_merge": "variadic", "num_splits": 2}, {"xla_merge": "variadic", "num_splits": 40},
-          {"xla_merge": "variadic", "num_splits": 128},
-          # The merge as one kernel of ours: one split (the kernel still merges it with the sinks), 7, 33
-          # (one group of 32 loads in flight, then one of 1) and 128 (four groups, 113 splits empty).
-          {"combine": "kernel", "num_splits": 1}, {"combine": "kernel", "num_splits": 7},
-          {"combine": "kernel", "num_splits": 33}, {"combine": "kernel", "num_splits": 128}]
+          # The XLA merge: 2, 40 and 128 splits.
+          {"combine": "xla", "num_splits": 2}, {"combine": "xla", "num_splits": 40},
+          {"combine": "xla", "num_splits": 128}]
 
 
 @gpu
 @pytest.mark.parametrize("overrides", FORCED, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_forced_options(overrides, rng):
     """Every split count merges to the same attention (splits past the key blocks get none: -inf; 128
-    splits of 15 blocks leave 113 empty), in the kernel's last CTA, in a cluster, in XLA and in the combine
-    kernel, and the tuning alternatives (block size, stages) compute it too. Sinks, LSE, poisoned memory."""
+    splits of 15 blocks leave 113 empty), in the combine kernel and in XLA, one split without a merge,
+    and the tuning alternatives (block size, stages) compute it too. Sinks, LSE, poisoned memory."""
     from fa4_jax import paged
     from fa4_jax.kernels.sm90 import decode
 
@@ -200,47 +194,6 @@ def test_garbage_is_never_read(rng):
                  jnp.where(unused, -123456, tables), lengths)
     assert not np.any(np.isnan(np.asarray(first.astype(jnp.float32))))
     np.testing.assert_array_equal(np.asarray(first.astype(jnp.float32)), np.asarray(second.astype(jnp.float32)))
-
-
-@gpu
-@pytest.mark.parametrize("num_splits", [1, 9])
-def test_last_cta_combine_calls_in_a_row(num_splits, rng):
-    """The arrival counters start at zero on every call: the same compiled call twice, then three calls
-    in one program (lax.map: the kernel runs back to back, XLA free to reuse buffers), each with other
-    lengths, each matches the oracle and the first two match each other bit for bit."""
-    from fa4_jax import paged
-
-    case = PagedCase(batch=2, q_len=1, q_heads=32, kv_heads=8, head_dim=128, block_size=16, max_blocks=40,
-                     dtype=BF16, sinks=True)
-    config = fa4_jax.AttentionConfig(scale=case.head_dim ** -0.5, causal=True, has_sinks=True,
-                                     has_kv_seq_lengths=True)
-    drawn = paged_cases.build(case, rng)
-    arguments = paged_cases.arguments(drawn)
-    options = decode.options(config, paged.paged_problem(*arguments[:4]), num_splits=num_splits,
-                             combine="last_cta")
-    call = jax.jit(lambda *a: decode.run(options, *a))
-    reference_out, _ = fa4_jax.paged_attention(*arguments, sinks=drawn["sinks"], implementation="reference",
-                                               return_lse=True)
-    poison_device_memory(64 * 2 ** 20)
-    first = call(*arguments, drawn["sinks"])
-    second = call(*arguments, drawn["sinks"])
-    _check(case, *first, drawn, reference_out)
-    for a, b in zip(first, second):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
-
-    lengths = [np.asarray(arguments[4])]
-    for _ in range(2):   # shorter than the drawn lengths: the cache holds those tokens, not NaN
-        lengths.append(np.asarray([rng.integers(1, n + 1) for n in lengths[0]], np.int32))
-    stacked = jnp.asarray(np.stack(lengths))
-    query, key_cache, value_cache, tables, _ = arguments
-    outs, lses = jax.jit(lambda n: jax.lax.map(
-        lambda one: decode.run(options, query, key_cache, value_cache, tables, one, drawn["sinks"]), n))(stacked)
-    for index, one in enumerate(lengths):
-        drawn_here = dict(drawn, kv_seq_lengths=jnp.asarray(one))
-        reference_here, _ = fa4_jax.paged_attention(query, key_cache, value_cache, tables, jnp.asarray(one),
-                                                    sinks=drawn["sinks"], implementation="reference",
-                                                    return_lse=True)
-        _check(case, outs[index], lses[index], drawn_here, reference_here)
 
 
 @gpu

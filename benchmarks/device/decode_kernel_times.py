@@ -1,8 +1,7 @@
 """CUPTI time of each kernel of one decode call (benchmarks/decode.py's inputs), median over iterations: where
 a B = 1 step's time goes between the split kernel and what merges its splits: our combine kernel (the
-default, `combine="kernel"`) or the XLA pass (`combine="xla"`: `combine_partials`, which XLA emits as several
-kernels in its staged form and as one reduction in its variadic form), and what
-the kernel's own merge and `page_lookahead` change in the split kernel itself.
+default, `combine="kernel"`) or the XLA pass (`combine="xla"`: `combine_partials`, which XLA emits as three
+kernels), and what `page_lookahead` changes in the split kernel itself.
 
 Usage: python benchmarks/device/decode_kernel_times.py --out times.json [--iterations 20]
            [--variants api,xla_combine]
@@ -23,8 +22,8 @@ from benchmarks import decode  # noqa: E402  (its inputs, options and DecodeOpti
 
 ROWS = [dict(batch=1, context=1024, q_len=1, page_size=16), dict(batch=1, context=8192, q_len=1, page_size=16),
         dict(batch=1, context=1024, q_len=4, page_size=16), dict(batch=8, context=1024, q_len=1, page_size=16)]
-# The API call, the last CTA's merge, and benchmarks/decode.py's DecodeOptions candidates.
-VARIANTS = {"api": None, "last_cta": {"combine": "last_cta"}, **decode.OPTION_VARIANTS}
+# The API call and benchmarks/decode.py's DecodeOptions candidates.
+VARIANTS = {"api": None, **decode.OPTION_VARIANTS}
 
 
 def main():

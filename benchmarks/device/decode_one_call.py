@@ -3,7 +3,7 @@ Compute's --profile-from-start off), after a warm-up call that compiles and load
 holds that call's kernels and nothing else (no input generation, no compilation).
 
 Usage: python benchmarks/device/decode_one_call.py BATCH CONTEXT PAGE_SIZE Q_LEN
-           [--overrides '{"combine": "last_cta", "page_lookahead": false}']
+           [--overrides '{"combine": "xla", "page_lookahead": false}']
        (with --overrides: decode.run with those DecodeOptions fields instead of the public API)
 """
 

@@ -14,14 +14,10 @@ Variants:
   no_keys           decode.run with every sequence length 0: no key block is loaded, so only the Q
                     cp.async and the partial O / LSE stores run (expected: out 0, lse = the sinks)
   d128_bf16         the benchmark's heads: batch 3, 32 / 8 heads, D = 128, bfloat16, pages of 16
-  cluster           decode.run, combine = "cluster" (the splits merge through distributed shared memory)
-  cluster_no_keys   the same with 4 splits and every length 0: every split empty, the sinks hold the mass
-  cluster16_bf16    the benchmark's heads (as d128_bf16), combine = "cluster" with 16 splits (40 blocks of 16
-                    tokens: 10 key blocks, so 6 splits are empty)
 
 Usage (device machine, repo root, `source .dev/cute/setup.sh` first):
   python benchmarks/device/decode_probe.py                  # all variants, < 90 s
-  python benchmarks/device/decode_probe.py --only cluster,cluster16_bf16   # a subset
+  python benchmarks/device/decode_probe.py --only splits1,no_keys   # a subset
   python benchmarks/device/decode_probe.py --variant NAME   # one, in this process (what each child runs)
 Output: one `VARIANT <name>: ...` line per variant, then `PROBE ok` when all ran and matched.
 """
@@ -36,11 +32,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VARIANTS = ("paged_attention", "splits1", "stages2", "tile64", "no_keys", "d128_bf16", "cluster", "cluster_no_keys",
-            "cluster16_bf16")
-OVERRIDES = {"splits1": {"num_splits": 1}, "stages2": {"num_stages": 2}, "tile64": {"tile_n": 64},
-             "cluster": {"combine": "cluster"}, "cluster_no_keys": {"combine": "cluster", "num_splits": 4},
-             "cluster16_bf16": {"combine": "cluster", "num_splits": 16}}
+VARIANTS = ("paged_attention", "splits1", "stages2", "tile64", "no_keys", "d128_bf16")
+OVERRIDES = {"splits1": {"num_splits": 1}, "stages2": {"num_stages": 2}, "tile64": {"tile_n": 64}}
 # Rough bounds: the kernel and the reference round differently (the tests' tolerance is the oracle's).
 OUT_TOLERANCE, LSE_TOLERANCE = 2e-2, 1e-3
 
@@ -56,7 +49,7 @@ def run_variant(name: str) -> dict:
     from fa4_jax import paged
     from fa4_jax.kernels.sm90 import decode
 
-    if name in ("d128_bf16", "cluster16_bf16"):
+    if name == "d128_bf16":
         case = paged_cases.PagedCase(batch=3, q_len=1, q_heads=32, kv_heads=8, head_dim=128, block_size=16,
                                      max_blocks=40, dtype=jnp.bfloat16)
     else:
@@ -66,7 +59,7 @@ def run_variant(name: str) -> dict:
     query, key_cache, value_cache, tables, lengths = paged_cases.arguments(drawn)
     sinks = drawn["sinks"]
     scale = case.scale if case.scale is not None else case.head_dim ** -0.5
-    no_keys = name in ("no_keys", "cluster_no_keys")
+    no_keys = name == "no_keys"
     if no_keys:
         lengths = jnp.zeros_like(lengths)
 

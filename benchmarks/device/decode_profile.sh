@@ -6,7 +6,7 @@
 # stall samples and the raw metrics, compressed.
 # Usage (device machine, repo root, bundle sourced):
 #   bash benchmarks/device/decode_profile.sh "BATCH CONTEXT PAGE_SIZE Q_LEN [--overrides JSON]" ...
-#   (JSON without spaces, e.g. {"xla_merge":"variadic"}: each row is split on spaces)
+#   (JSON without spaces, e.g. {"combine":"xla"}: each row is split on spaces)
 # (each row is one ncu report: keep the rows few, a call returns a limited number of files)
 set -u
 OUT=${OUT:-/tmp/out}

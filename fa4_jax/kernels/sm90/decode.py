@@ -12,8 +12,8 @@ kernel is built to keep that read at the memory-bandwidth limit:
   quarter of every key block and keeps its own online softmax, so no warp waits on another in the
   key loop; at the end the 4 warps merge their (O, LSE) through shared memory (the K/V ring is free
   by then) into the split's one.
-- Where the splits merge (`DecodeOptions.combine`; with "last_cta" or "cluster" one split writes the
-  final O and LSE itself):
+- Where the splits merge (`DecodeOptions.combine`); with one split (batch · Hkv · row tiles CTAs already
+  fill the GPU) there is nothing to merge, and the kernel writes the final O (output dtype) and LSE itself:
   - "kernel" (the default since it was measured): each split writes its normalised partial O (fp32, only
     the tile's real rows) and LSE, and one small CuTe kernel of our own merges them with the sinks
     (decode_combine.py: a thread per (row, 4-column chunk), every split's loads in flight at once).
@@ -22,37 +22,17 @@ kernel is built to keep that read at the memory-bandwidth limit:
     predicted 5.5-6.0), at 8k 9.57 + 2.02 = 11.58 (13.63; predicted 11.0-11.7); B = 1 1k Sq 4 8.51 ->
     6.18, B = 8 1k 12.27 -> 10.93; never slower through the API on the B = 1 / 8 rows up to 32k
     (docs/kernels.md, "Decode: the combine as one kernel").
-  - "xla": the same partials merged by `combine_partials` in XLA (`xla_merge`: in stages, which XLA emits
-    as three kernels of ~1.2-1.6 us each, or as one variadic reduction, measured slower still).
-  - "last_cta" (measured ~1 us slower than the XLA pass, below): each split writes its partial, fences
-    (device scope), and one thread adds 1 to the (batch, head tile)'s int32 counter with an acq_rel
-    atomic; the CTA that sees splits - 1 is the last, zeroes the counter again, and merges every
-    split's partial (just written, so read from L2) with the sinks into the final O (output dtype,
-    [B, Sq, Hq, Dv]) and LSE [B, Hq, Sq]. The counters come zeroed from XLA (aliased in and out, so the
-    kernel owns the buffer).
-  - "cluster" (measured no faster at B = 1 and 25-45 % slower at B = 8; docs/kernels.md): the splits
-    of one (batch, head tile) are one thread-block cluster (so at most MAX_CLUSTER_SPLITS of them). Each keeps its partial in its own shared memory;
-    after a cluster barrier (release / acquire) every CTA merges a share of the (row, 8-column chunk)
-    items, reading all the splits' partials through distributed shared memory, and writes them to the
-    final O and LSE; a second barrier keeps each CTA's shared memory alive until the others have read
-    it. No partial reaches global memory, no counter, no second kernel: the XLA pass is one more
-    launch (~2 us of the 7.4 us step at B = 1, 1k) and the last CTA's merge a chain of L2 round trips.
+  - "xla": the same partials merged by `combine_partials` in XLA (a max, the weights' sum, the weighted
+    sum: three kernels of ~1.2-1.6 us each at B = 1), kept as the kernel's yardstick.
+  Three more merges were built, measured slower and deleted (docs/kernels.md has their numbers): the
+  last CTA of each (batch, head tile) merging behind an arrival counter (~1 us slower than the XLA
+  pass), the splits as one thread-block cluster merging through distributed shared memory (no faster
+  at B = 1, 25-45 % slower at B = 8), and the XLA merge as one variadic reduction (slower still).
 
-  Why (B = 1, Hq / Hkv = 32 / 8, D = 128, bf16; benchmarks/results/decode_h200.json, rev d309c5e): K/V
-  is 4 KiB per token (8 heads x 2 x 128 x 2 bytes): 4 MiB at 1k, 32 MiB at 8k, 128 MiB at 32k, i.e.
-  1.2 / 9.9 / 39 us at 3.4 TB/s. Measured with the XLA combine: 17.9 / 26.1 / 55.8 us, so ~16-17 us
-  that no read explains. The old layout wrote a partial per (split, warp) over all 16 rows: at 8k
-  8 heads x 33 splits x 4 warps x 16 x 128 x 4 bytes = 8.7 MB out and back in (a quarter of the K/V
-  read), then the XLA pass's kernels. Now a split's partial is its real rows only (4 at one token:
-  2 KB a head), 0.5 MB at 8k, and there is one kernel. Predicted (to be measured; benchmarks/decode.py):
-  B = 1: 1k 5-6.5 us (Pallas 9.2; 1.5x needs <= 6.1), 8k 12-14 us (2.4-2.8 TB/s, 72-83 % of copy),
-  32k 36-43 us (3.1-3.7 TB/s), 128k 125-140 us; B = 8: 1k 12-15 us (was 23.6), 8k and up a few us
-  under the old times.
-  Measured (H200, rev 3e740c2, decode_h200.json, Sq = 1, page 16; fused / XLA combine): B = 1: 1k
-  8.2 / 7.4 us (Pallas 9.2), 8k 15.4 / 14.3 us (2.2 / 2.4 TB/s of 3.37 copy), 32k 41.9 / 40.8, 128k
-  133 / 132; B = 8: equal within 0.5 %. The gain is the split count and the warp merge (17.9 -> 7.4 us
-  at 1k, 26.1 -> 14.3 at 8k); the last CTA's merge costs ~1 us more than the XLA pass, which the combine
-  kernel (above) then beat by ~2 us at B = 1.
+  Why the partial is small: K/V is 4 KiB per token at 32 / 8 heads, D 128 (4 MiB at 1k: ~1.2 us at
+  3.4 TB/s), so at B = 1 the step is launches and partials, not the read. A split's partial is its
+  tile's real rows only (4 at one token: 2 KB a head, 0.5 MB at 8k); the first layout, a partial per
+  (split, warp) over all 16 rows, moved 8.7 MB at 8k, a quarter of the K/V read (docs/kernels.md).
 - Pages through cp.async with per-row addresses: a token's page comes from the block table, its
   address is computed per 16-byte chunk, so any page size works (1 .. the whole sequence; the
   contiguous-cache form of `fa4_jax.attention` is one page per sequence). Rows past the sequence's
@@ -84,7 +64,7 @@ from cutlass.memory import SmemAllocator
 
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.common import cluster_memory, masking, online_softmax
+from fa4_jax.kernels.common import masking, online_softmax
 from fa4_jax.kernels.common.softcap import apply_softcap
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode_combine, wgmma
 
@@ -99,11 +79,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 # (8 warps, 2 x 64 KB of cp.async in flight per SM); one at D = 256.
 _TILE_N_AND_STAGES = {64: (128, 3), 128: (64, 3), 256: (64, 2)}
 CHUNK = 8                # elements per 16-byte cp.async
-COMBINES = ("kernel", "xla", "last_cta", "cluster")
-XLA_MERGES = ("staged", "variadic")
-# The largest thread-block cluster sm_90 / sm_100 launch (16 needs the non-portable size, which the DSL
-# allows on every kernel it builds); with 2 CTAs per SM one cluster of 16 spans 8 SMs of one GPC.
-MAX_CLUSTER_SPLITS = 16
+COMBINES = ("kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +97,7 @@ class DecodeOptions:
     num_splits: int
     tile_n: int               # keys per block (each warp takes tile_n / 4)
     num_stages: int           # key blocks in the cp.async ring (num_stages - 1 in flight during compute)
-    combine: str = "kernel"   # where the splits merge: "kernel", "xla", "last_cta" or "cluster" (module docstring)
+    combine: str = "kernel"   # where the splits merge: "kernel" or "xla" (module docstring)
     rescale_threshold: float = 8.0
     # Load each key block's page numbers one block before its cp.async. A cp.async address needs its row's
     # block-table entry, so without it every block's issue waits for a table load (a DRAM or L2 round
@@ -129,12 +105,6 @@ class DecodeOptions:
     # Measured on an H100 (c2332f0; docs/kernels.md, "Decode: page numbers one block ahead"): equal or
     # faster on all 24 rows, ~1 us at B = 1 8k and 1-2 us at B = 8 1k. False: the old order.
     page_lookahead: bool = True
-    # How `combine_partials` merges the splits with combine="xla" (no change to the kernel): "staged", a max,
-    # then sums, then a divide (XLA emits it as three kernels, ~1 us each at B = 1: ncu, H100, 17f1841), or
-    # "variadic", one lax.reduce over the splits of (LSE, O) pairs whose combiner is the two-part softmax
-    # merge. Measured slower on an H100 (rev 6f403c6: the one reduction alone 4.2 us, B = 1 1k 7.95 ->
-    # 10.5 us; docs/kernels.md, "Decode: the XLA merge in one reduction"): kept off, for comparison.
-    xla_merge: str = "staged"
 
     @property
     def rows(self) -> int:
@@ -143,9 +113,9 @@ class DecodeOptions:
 
     @property
     def writes_output(self) -> bool:
-        """Whether the kernel writes the final O and LSE (else its partials, for `combine_partials` or the
-        combine kernel)."""
-        return self.combine in ("last_cta", "cluster")
+        """Whether the kernel writes the final O and LSE: with one split there is nothing to merge (else
+        it writes its partials, for the combine kernel or `combine_partials`)."""
+        return self.num_splits == 1
 
     @property
     def row_tiles(self) -> int:
@@ -161,11 +131,6 @@ class DecodeOptions:
                              f"num_stages >= 2; got {self.tile_n}, {self.num_stages}")
         if self.combine not in COMBINES:
             raise ValueError(f"combine must be one of {COMBINES}; got {self.combine!r}")
-        if self.xla_merge not in XLA_MERGES:
-            raise ValueError(f"xla_merge must be one of {XLA_MERGES}; got {self.xla_merge!r}")
-        if self.combine == "cluster" and self.num_splits > MAX_CLUSTER_SPLITS:
-            raise ValueError(f"the cluster combine merges at most {MAX_CLUSTER_SPLITS} splits (one thread-block "
-                             f"cluster); got {self.num_splits}")
         if self.shared_memory_bytes() > SHARED_MEMORY_LIMIT:
             raise ValueError(f"{self.shared_memory_bytes()} bytes of shared memory needed, {SHARED_MEMORY_LIMIT} "
                              "available")
@@ -273,7 +238,7 @@ class Sm90DecodeKernel:
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mBlockTables: cute.Tensor, mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor],
-                 mSemaphore: Optional[cute.Tensor], mPartialO: Optional[cute.Tensor],
+                 mPartialO: Optional[cute.Tensor],
                  mPartialLSE: Optional[cute.Tensor], mO: Optional[cute.Tensor] = None,
                  mLSE: Optional[cute.Tensor] = None):
         q_layout, kv_layout = shared_layouts(self.dtype, self.head_dim, self.tile_n, self.num_stages)
@@ -294,15 +259,13 @@ class Sm90DecodeKernel:
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
                                         permutation_mnk=(16, 16, 16))
         grid = (self.options.num_splits, mK.shape[2] * self.options.row_tiles, mQ.shape[0])
-        # The cluster combine: one cluster per (batch, head tile), its CTAs the splits (rank = split).
-        cluster = {"cluster": [self.options.num_splits, 1, 1]} if self.options.combine == "cluster" else {}
-        self.kernel(mQ, mK, mV, mBlockTables, mKVSeqLengths, mSinks, mSemaphore, mPartialO, mPartialLSE, mO, mLSE,
+        self.kernel(mQ, mK, mV, mBlockTables, mKVSeqLengths, mSinks, mPartialO, mPartialLSE, mO, mLSE,
                     q_layout, kv_layout, tiled_load, load_atom, tiled_mma, SharedStorage).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream, **cluster)
+            grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mBlockTables: cute.Tensor,
-               mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
+               mKVSeqLengths: cute.Tensor, mSinks: Optional[cute.Tensor],
                mPartialO: Optional[cute.Tensor], mPartialLSE: Optional[cute.Tensor], mO: Optional[cute.Tensor],
                mLSE: Optional[cute.Tensor], q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
                tiled_load: cute.TiledCopy, load_atom: cute.CopyAtom, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
@@ -460,8 +423,7 @@ class Sm90DecodeKernel:
         cute.arch.cp_async_wait_group(0)
 
         # Merge the 4 warps' (O, LSE) into this split's, through shared memory that the K/V ring and Q
-        # no longer need: scratch O [warp, 16, D] fp32 over the K ring, LSE [warp, 16] over Q (and the
-        # cluster combine's split partial: O [16, D] over the V ring, LSE in row WARPS of the LSE scratch).
+        # no longer need: scratch O [warp, 16, D] fp32 over the K ring, LSE [warp, 16] over Q.
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         output_scale = cute.make_rmem_tensor(num_rows, Float32)
         self.softmax.finalize(row_max, row_sum, None, lse_rows, output_scale)
@@ -469,10 +431,8 @@ class Sm90DecodeKernel:
         cute.arch.sync_threads()   # every warp is done reading the ring
         warp_o = storage.s_k.get_tensor(cute.make_ordered_layout((WARPS, TILE_M, self.head_dim), order=(2, 1, 0)),
                                         dtype=Float32)
-        scratch_lse = storage.s_q.get_tensor(cute.make_ordered_layout((WARPS + 1, TILE_M), order=(1, 0)),
+        scratch_lse = storage.s_q.get_tensor(cute.make_ordered_layout((WARPS, TILE_M), order=(1, 0)),
                                              dtype=Float32)
-        split_o = storage.s_v.get_tensor(cute.make_ordered_layout((TILE_M, self.head_dim), order=(1, 0)),
-                                         dtype=Float32)
         t_warp_o = accumulator_mn(thread_mma.partition_C(warp_o[warp_index, None, None]))
         for r in cutlass.range_constexpr(num_rows):
             for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
@@ -487,86 +447,22 @@ class Sm90DecodeKernel:
         rows_per_pass = THREADS // chunks
         chunk = tidx % chunks
         values = cute.make_rmem_tensor(CHUNK, Float32)
-        combine, splits = self.options.combine, self.options.num_splits
         warp_lse = lambda w, row: scratch_lse[w, row]
         warp_chunk = lambda w, row, chunk: cute.local_tile(warp_o[w, row, None], (CHUNK,), (chunk,)).load()
         for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
             row = p * rows_per_pass + tidx // chunks
             if row < rows_here:
-                if cutlass.const_expr(self.options.writes_output and splits == 1):
+                if cutlass.const_expr(self.options.writes_output):
+                    # One split: this CTA's is the whole softmax, the sinks' mass included.
                     lse = self.merge(warp_lse, warp_chunk, WARPS, row, chunk,
                                      self.sink(mSinks, head_kv, packed_start + row), values)
                     self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
                 else:
                     lse = self.merge(warp_lse, warp_chunk, WARPS, row, chunk, None, values)
-                    if cutlass.const_expr(combine == "cluster"):
-                        cute.local_tile(split_o[row, None], (CHUNK,), (chunk,)).store(values.load())
-                        if chunk == 0:
-                            scratch_lse[WARPS, row] = lse
-                    else:
-                        g_o = cute.local_tile(mPartialO[batch_index, head_tile, split, row, None], (CHUNK,), (chunk,))
-                        g_o.store(values.load())
-                        if chunk == 0:
-                            mPartialLSE[batch_index, head_tile, split, row] = lse
-
-        if cutlass.const_expr(combine == "last_cta" and splits > 1):
-            # The last CTA of this (batch, head tile) to arrive merges every split's partial (written
-            # just before, so in L2). Release: each thread's partial stores are ordered before thread
-            # 0's atomic by its own fence and the barrier; acquire: the atomic's and the fence after it.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            arrived = storage.s_v.get_tensor(cute.make_layout(1), dtype=Int32)
-            if tidx == 0:
-                counter = cute.make_ptr(Int32, _element_address(mSemaphore, (batch_index, head_tile)),
-                                        cute.AddressSpace.gmem, assumed_align=4)
-                arrived[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-            cute.arch.sync_threads()
-            if arrived[0] == splits - 1:
-                cute.arch.fence_acq_rel_gpu()
-                if tidx == 0:
-                    # Every split has arrived: zero the counter for the next call on this buffer.
-                    mSemaphore[batch_index, head_tile] = Int32(0)
-                split_o_global = mPartialO[batch_index, head_tile, None, None, None]
-                split_lse_global = mPartialLSE[batch_index, head_tile, None, None]
-                global_lse = lambda q, r: split_lse_global[q, r]
-                global_chunk = lambda q, r, c: cute.local_tile(split_o_global[q, r, None], (CHUNK,), (c,)).load()
-                for p in cutlass.range_constexpr(-(-TILE_M // rows_per_pass)):
-                    row = p * rows_per_pass + tidx // chunks
-                    if row < rows_here:
-                        lse = self.merge(global_lse, global_chunk, splits, row, chunk,
-                                         self.sink(mSinks, head_kv, packed_start + row), values)
-                        self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, chunk)
-
-        if cutlass.const_expr(combine == "cluster" and splits > 1):
-            # Every split's partial is in its CTA's shared memory once the cluster barrier completes (its
-            # arrive releases this CTA's writes, its wait acquires the others'). The (row, chunk) items go
-            # to CTA `item % splits` (the rank: the cluster spans the grid's split axis), so each CTA
-            # merges a 1 / splits share, every split's part read through distributed shared memory.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            remote_lse = lambda q, r: cluster_memory.load_f32(scratch_lse.iterator + (WARPS * TILE_M + r), q)
-            remote_chunk = lambda q, r, c: self.remote_chunk(split_o, q, r, c)
-            for p in cutlass.range_constexpr(-(-TILE_M * chunks // (THREADS * splits))):
-                item = (p * THREADS + tidx) * splits + split
-                row = item // chunks
-                if row < rows_here:
-                    lse = self.merge(remote_lse, remote_chunk, splits, row, item % chunks,
-                                     self.sink(mSinks, head_kv, packed_start + row), values)
-                    self.store_output(mO, mLSE, values, lse, batch_index, head_kv, packed_start + row, item % chunks)
-            # No CTA may exit (and free its shared memory) while another may still read its partial.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-    def remote_chunk(self, split_o: cute.Tensor, rank: Int32, row: Int32, chunk: Int32):
-        """Columns [8 chunk, 8 chunk + 8) of row `row` of cluster rank `rank`'s split_o (fp32 [16, D] in
-        its shared memory), as two 16-byte loads."""
-        fragment = cute.make_rmem_tensor(CHUNK, Float32)
-        start = split_o.iterator + (row * self.head_dim + chunk * CHUNK)
-        for half in range(CHUNK // 4):   # plain Python loops: this helper is traced, not preprocessed
-            quad = cluster_memory.load_f32x4(start + 4 * half, rank)
-            for i in range(4):
-                fragment[4 * half + i] = quad[i]
-        return fragment.load()
+                    g_o = cute.local_tile(mPartialO[batch_index, head_tile, split, row, None], (CHUNK,), (chunk,))
+                    g_o.store(values.load())
+                    if chunk == 0:
+                        mPartialLSE[batch_index, head_tile, split, row] = lse
 
     def sink(self, mSinks, head_kv, packed):
         """The sink logit of packed row `packed`'s query head, or None without sinks."""
@@ -580,13 +476,12 @@ class Sm90DecodeKernel:
         """values = columns [8 chunk, 8 chunk + 8) of row `row` of the softmax over every part's keys
         (and the sink): sum_p exp(lse_p - lse) O_p with lse = log(sum_p exp(lse_p) + exp(sink)).
         Returns lse; a row no part saw (and no sink) gets O 0 and lse -inf. part_lse(p, row) is part p's
-        LSE of a row (natural log), part_chunk(p, row, chunk) the 8 values of its normalised partial O:
-        a warp's in shared memory, a split's in global memory or in its CTA's shared memory."""
+        LSE of a row (natural log), part_chunk(p, row, chunk) the 8 values of its normalised partial O
+        (the parts are the CTA's warps, in shared memory; the splits merge in decode_combine.py)."""
         top = -Float32.inf
         if cutlass.const_expr(sink is not None):
             top = sink
-        # Unrolled wide so that many parts' loads are in flight at once: the last CTA's merge is a
-        # chain of L2 round trips, one per unrolled group (32 splits: 1 + 4 of them).
+        # Unrolled (the four warps' loads in flight at once).
         for p in cutlass.range(num_parts, unroll=32):
             top = cute.arch.fmax(top, part_lse(p, row))
         shift = top * online_softmax.LOG2_E
@@ -697,8 +592,7 @@ MAX_DECODE_ROWS = 64
 def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[int] = None,
             **overrides) -> DecodeOptions:
     """The static kernel configuration for one call; `overrides` (DecodeOptions fields, for tests and
-    tuning sweeps: tile_n, num_stages, num_splits, combine) go on top of the defaults; with
-    combine="cluster" the splits are chosen among at most MAX_CLUSTER_SPLITS (one cluster)."""
+    tuning sweeps: tile_n, num_stages, num_splits, combine) go on top of the defaults."""
     page_size = problem.page_size if problem.page_size is not None else problem.kv_len
     tile_n, stages = _TILE_N_AND_STAGES[problem.head_dim]
     tile_n, stages = overrides.get("tile_n", tile_n), overrides.get("num_stages", stages)
@@ -708,8 +602,7 @@ def options(config: AttentionConfig, problem: host.Problem, sm_count: Optional[i
     batch = problem.batch if isinstance(problem.batch, int) else 1
     num_splits = choose_num_splits(batch, problem.kv_heads, row_tiles, problem.kv_len, tile_n,
                                    host.sm_count(DEFAULT_SM_COUNT) if sm_count is None else sm_count,
-                                   max(1, SHARED_MEMORY_LIMIT // per_cta),
-                                   MAX_CLUSTER_SPLITS if overrides.get("combine") == "cluster" else MAX_SPLITS)
+                                   max(1, SHARED_MEMORY_LIMIT // per_cta))
     fields = dict(dtype_name=problem.dtype, head_dim=problem.head_dim, group=problem.group, q_len=problem.q_len,
                   page_size=page_size, scale=float(config.scale), mask=masking.MaskShape.from_config(config),
                   softcap=None if config.softcap is None else float(config.softcap), num_splits=num_splits,
@@ -730,11 +623,6 @@ def partial_shapes(options: DecodeOptions, batch: int, kv_heads: int):
     return leading + (options.head_dim,), leading
 
 
-def semaphore_shape(options: DecodeOptions, batch: int, kv_heads: int):
-    """The last-CTA combine's arrival counters: one int32 per (batch, head tile), zero between calls."""
-    return (batch, kv_heads * options.row_tiles)
-
-
 def combine_options(options: DecodeOptions, has_sinks: bool) -> decode_combine.CombineOptions:
     """The combine kernel's options (its compile key) for merging the partials of `options`' kernel."""
     return decode_combine.CombineOptions(dtype_name=options.dtype_name, head_dim=options.head_dim,
@@ -747,7 +635,7 @@ def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batc
     lse [B, Hq, Sq].
 
     lse = log(sum_p exp(lse_p) + exp(sink)); out = sum_p exp(lse_p - lse) O_p, a row whose every
-    partial is -inf (and sink too) gets out 0, lse -inf; in stages or as one reduction (`options.xla_merge`).
+    partial is -inf (and sink too) gets out 0, lse -inf.
     """
     group, q_len, rows = options.group, options.q_len, options.rows
     parts = options.num_splits
@@ -760,10 +648,7 @@ def combine_partials(options: DecodeOptions, partial_o, partial_lse, sinks, batc
     sink_rows = None
     if sinks is not None:
         sink_rows = jnp.tile(sinks.reshape(kv_heads, group), (1, q_len))[None]   # row = position * G + g
-    if options.xla_merge == "variadic":
-        out, lse = _merge_in_one_reduction(lse_parts, o_parts, sink_rows)
-    else:
-        out, lse = _merge_in_stages(lse_parts, o_parts, sink_rows)
+    out, lse = _merge_in_stages(lse_parts, o_parts, sink_rows)
     out = out.reshape(batch, kv_heads, q_len, group, -1).transpose(0, 2, 1, 3, 4)
     out = out.reshape(batch, q_len, kv_heads * group, -1)
     lse = lse.reshape(batch, kv_heads, q_len, group).transpose(0, 1, 3, 2).reshape(batch, kv_heads * group, q_len)
@@ -789,34 +674,6 @@ def _merge_in_stages(lse_parts, o_parts, sink_rows):
     return out, lse
 
 
-def _merge_two(first, second):
-    """The softmax merge of two (LSE, O) parts, elementwise: lse = log(e^a + e^b), O = e^(a - lse) O_a +
-    e^(b - lse) O_b; two empty parts (-inf) merge to (-inf, 0). (-inf, 0) is its identity, and it is
-    associative and commutative up to rounding, as a reduction's combiner must be."""
-    (lse_a, o_a), (lse_b, o_b) = first, second
-    top = jnp.maximum(lse_a, lse_b)
-    shift = jnp.where(top == -jnp.inf, 0.0, top)
-    weight_a, weight_b = jnp.exp(lse_a - shift), jnp.exp(lse_b - shift)
-    total = weight_a + weight_b
-    has_mass = total > 0
-    safe_total = jnp.where(has_mass, total, 1.0)
-    return (jnp.where(has_mass, shift + jnp.log(safe_total), -jnp.inf),
-            (weight_a * o_a + weight_b * o_b) / safe_total)
-
-
-def _merge_in_one_reduction(lse_parts, o_parts, sink_rows):
-    """`_merge_in_stages`'s result from one variadic lax.reduce over the parts' axis (one kernel where the
-    staged form is three): each part's LSE broadcast along D next to its O, the sink one more part of O 0."""
-    lse_wide = jnp.broadcast_to(lse_parts[..., None], o_parts.shape)
-    if sink_rows is not None:
-        sink_part = jnp.broadcast_to(sink_rows[:, :, None, :, None],
-                                     (o_parts.shape[0], o_parts.shape[1], 1) + o_parts.shape[3:])
-        lse_wide = jnp.concatenate([lse_wide, sink_part], axis=2)
-        o_parts = jnp.concatenate([o_parts, jnp.zeros_like(sink_part)], axis=2)
-    lse, out = jax.lax.reduce((lse_wide, o_parts), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _merge_two, (2,))
-    return out, lse[..., 0]
-
-
 def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks=None):
     """(out [B, Sq, Hq, D] in the query dtype, lse [B, Hq, Sq] float32), traceable under jax.jit."""
     batch, q_len, q_heads, _ = query.shape
@@ -825,23 +682,15 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
     partials = [jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
     final = [jax.ShapeDtypeStruct((batch, q_len, q_heads, options.head_dim), query.dtype),
              jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32)]
-    # The kernel's operands: query, caches, tables, lengths, sinks, semaphore, then its outputs.
-    arguments = [query, key_cache, value_cache, block_tables, kv_seq_lengths, None, None]
-    aliases = None
-    if not options.writes_output:   # "xla" and "kernel": the partials, merged below
-        outputs = partials
-    elif options.combine == "last_cta":
-        # The counters are zeroed here and left zero by the kernel; aliased to an output so that
-        # XLA hands the kernel a buffer of its own to count in.
-        semaphore = jnp.zeros(semaphore_shape(options, batch, kv_heads), jnp.int32)
-        arguments[5:] = [sinks, semaphore]
-        aliases = {6: 0}
-        outputs = [jax.ShapeDtypeStruct(semaphore.shape, jnp.int32), *partials, *final]
-    else:   # "cluster": no counter and no partial in global memory (absent operands take no buffer)
-        arguments[5:] = [sinks, None, None, None]
-        outputs = final
+    # The kernel's operands: query, caches, tables, lengths, sinks, then its outputs (absent operands take
+    # no buffer). With one split it writes the final O and LSE, the sinks folded in; else its partials,
+    # which the combine kernel (or XLA) merges with the sinks.
+    if options.writes_output:
+        arguments, outputs = [query, key_cache, value_cache, block_tables, kv_seq_lengths, sinks, None, None], final
+    else:
+        arguments, outputs = [query, key_cache, value_cache, block_tables, kv_seq_lengths, None], partials
     kernel = _kernel(options)
-    results = host.call_kernel(kernel, tuple(arguments), tuple(outputs), (str(kernel), options), aliases)
+    results = host.call_kernel(kernel, tuple(arguments), tuple(outputs), (str(kernel), options))
     if options.writes_output:
         return results[-2], results[-1]
     if options.combine == "kernel":
@@ -853,22 +702,17 @@ def run(options: DecodeOptions, query, key_cache, value_cache, block_tables, kv_
 def fake_arguments(options: DecodeOptions, batch: int, kv_heads: int, num_blocks: int, max_blocks: int,
                    has_sinks: bool = False) -> list:
     """Fake tensors in the kernel's argument order, for compiling without a GPU: (query, key and value
-    caches, block tables, lengths, sinks or None, semaphore or None, partial O or None, partial LSE or
-    None[, out, lse])."""
+    caches, block tables, lengths, then with one split: sinks or None, None, None, out, lse; else: None,
+    partial O, partial LSE)."""
     element = host.cutlass_dtype(options.dtype_name)
     q_heads = kv_heads * options.group
-    o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
     cache = (num_blocks, options.page_size, kv_heads, options.head_dim)
-    writes_output, cluster = options.writes_output, options.combine == "cluster"
     arguments = [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
                  host.fake_tensor(element, cache), host.fake_tensor(element, cache),
-                 host.fake_tensor(cutlass.Int32, (batch, max_blocks)), host.fake_tensor(cutlass.Int32, (batch,)),
-                 host.fake_tensor(Float32, (q_heads,)) if writes_output and has_sinks else None,
-                 host.fake_tensor(cutlass.Int32, semaphore_shape(options, batch, kv_heads))
-                 if options.combine == "last_cta" else None,
-                 None if cluster else host.fake_tensor(Float32, o_shape),
-                 None if cluster else host.fake_tensor(Float32, lse_shape)]
-    if writes_output:
-        arguments += [host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
-                      host.fake_tensor(Float32, (batch, q_heads, options.q_len))]
-    return arguments
+                 host.fake_tensor(cutlass.Int32, (batch, max_blocks)), host.fake_tensor(cutlass.Int32, (batch,))]
+    if options.writes_output:
+        return arguments + [host.fake_tensor(Float32, (q_heads,)) if has_sinks else None, None, None,
+                            host.fake_tensor(element, (batch, options.q_len, q_heads, options.head_dim)),
+                            host.fake_tensor(Float32, (batch, q_heads, options.q_len))]
+    o_shape, lse_shape = partial_shapes(options, batch, kv_heads)
+    return arguments + [None, host.fake_tensor(Float32, o_shape), host.fake_tensor(Float32, lse_shape)]
