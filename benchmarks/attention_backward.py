@@ -162,10 +162,6 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_stmatrix=False), deterministic,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_plain_store"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
-        # The deterministic dQ writer frees a staging buffer once it is read (`Tuning.dq_free_on_read`).
-        "deterministic_dq_free_on_read": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_free_on_read=True), True,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "dq_free_on_read")),
         # Deterministic full-mask walks from the first query block, the dQ turns highest key block first
         # (the shipped kernel rotates them, `Tuning.rotated_turns`, where a head's key blocks fit on half the
         # SMs: up to 8k at D <= 128; rows past that skip this variant).
@@ -183,24 +179,11 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_row_split=False), deterministic, (64,),
             ("test_sm90_backward.py", "dq_column_split"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
-        # 80 query rows per block at D = 128 without a mask (dQ computed transposed; the candidate of
-        # docs/sm90_backward_tuning.md, "The stall profile"), default and deterministic.
-        **{f"{prefix}query_rows_80": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=80), deterministic, (128,),
-            ("test_sm90_backward.py", "query_rows_80"), masks=("full",))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
         # D = 192 in the two-warp-group layout it ran before three warp groups became its default
         # (docs/sm90_backward_tuning.md, "D = 192: three consumer warp groups"), for comparison.
         **{f"{prefix}two_warpgroups": Variant(
             large_heads, large_heads.Tuning(three_warpgroups=False), deterministic,
             (large_heads.THREE_WARPGROUPS_HEAD_DIM,), ("test_sm90_backward_large_heads.py", f"{prefix}two_warpgroups"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
-        # D = 192 in two warp groups that split the 96 keys (`Tuning.two_groups_by_keys`, a candidate:
-        # docs/sm90_backward_tuning.md, "D = 192: two groups split by keys").
-        **{f"{prefix}two_groups_by_keys": Variant(
-            large_heads, large_heads.Tuning(two_groups_by_keys=True), deterministic,
-            (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
-            ("test_sm90_backward_large_heads.py", f"{prefix}two_groups_by_keys"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
         # Two Q stages and one P / dS buffer (`Tuning.prefetch_query`) asked for: D = Dv = 192's default,
         # at MLA's 192 / 128 (`--shapes mla`) a candidate; and D = 192 with one Q stage and two P / dS

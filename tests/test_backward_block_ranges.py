@@ -25,10 +25,9 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=repr)
-# (128, 256): the sm100 backward's query block and CTA pair of keys; (80, 128): the sm90 backward's
-# 80-row query blocks, no power of two; (64, 96): the large-head backward's 96-key blocks
-# (`Tuning.three_warpgroups`), no power of two either.
-@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 128), (64, 64), (128, 256), (80, 128), (64, 96)])
+# (128, 256): the sm100 backward's query block and CTA pair of keys; (64, 96): the large-head backward's
+# 96-key blocks (`Tuning.three_warpgroups`), no power of two.
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 128), (64, 64), (128, 256), (64, 96)])
 def test_query_block_range_inverts_key_block_range(shape, tile_m, tile_n):
     num_m_blocks = 12
     for kv_len, row_offset in itertools.product((1, 130, 700, 1000), (0, 300, -200, 37, -4000)):
@@ -83,14 +82,14 @@ def test_causal_arrival_order_is_diagonal_first(shape):
             assert steps == sorted(steps, reverse=True), (kv_len, row_offset, m_block, visitors, steps)
 
 
-@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (80, 128), (64, 96)])
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (64, 96)])
 @pytest.mark.parametrize("highest_first", [False, True], ids=["lowest_first", "highest_first"])
 @pytest.mark.parametrize("shape", SHAPES, ids=repr)
 def test_key_block_turns_are_the_visitors_in_order(shape, highest_first, tile_m, tile_n):
     """`ordered_reduction.key_block_turn` hands the key blocks that visit a query block (found by the
     backward's walk, `query_block_range`) the turns 0, 1, ... once each, lowest or highest key block
-    first: a turn given twice or skipped would hang the deterministic dQ writers (64- and 80-row query
-    blocks of 128 keys, and the large-head kernel's 96-key blocks)."""
+    first: a turn given twice or skipped would hang the deterministic dQ writers (64-row query blocks of
+    128 keys, and the large-head kernel's 96-key blocks)."""
     num_m_blocks = 12
     for kv_len, row_offset in itertools.product((1, 130, 700, 1000), (0, 300, -200, 37)):
         num_n_blocks = -(-kv_len // tile_n)

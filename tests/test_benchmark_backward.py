@@ -92,46 +92,24 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
     shape = dict(batch=1, seq_len=1024, heads=8, head_dim=head_dim, causal=False)
     runs = [name for name, variant in benchmark._variants().items() if variant.skip_reason(shape) is None]
     if head_dim in (64, 96, 128):
-        # MHA: no split divides a group of 1; 64 query rows forced at D = 64 only, 80 at D = 128 only.
+        # MHA: no split divides a group of 1; 64 query rows forced at D = 64 only.
         wide = ["query_rows_64", "deterministic_query_rows_64", "dq_column_split", "deterministic_dq_column_split"] \
             if head_dim == 64 else []
-        rows_80 = ["query_rows_80", "deterministic_query_rows_80"] if head_dim == 128 else []
         # Every 4th exp2 on the FMA pipe spills at D = 64's 128 rows: every 6th only there.
         poly = ["poly_exp2_6"] if head_dim == 64 else ["poly_exp2_4", "poly_exp2_6"]
         rotated = ["deterministic_plain_turns"]   # a full mask, 8 key blocks
         assert runs == [*SHIPPED, *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
-                        "deterministic_ds_plain_store", "deterministic_dq_free_on_read", *rotated, *wide, *rows_80,
-                        *UNSPLIT[1:], "key_blocks_outer", "key_blocks_outer_head_splits_1"]
+                        "deterministic_ds_plain_store", *rotated, *wide, *UNSPLIT[1:], "key_blocks_outer",
+                        "key_blocks_outer_head_splits_1"]
     else:
         # D = 192's former two-warp-group layout, for comparison, and its candidates.
-        candidates = ["two_groups_by_keys", "deterministic_two_groups_by_keys", "prefetch_query",
-                      "deterministic_prefetch_query", "one_query_stage", "deterministic_one_query_stage"]
+        candidates = ["prefetch_query", "deterministic_prefetch_query", "one_query_stage",
+                      "deterministic_one_query_stage"]
         three = ["two_warpgroups", "deterministic_two_warpgroups", *candidates] if head_dim == 192 else []
         assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(
         benchmark._config(shape), host.Problem(dims, dims, dims, "bfloat16")) is None for name in runs)
-
-
-def test_a_variant_for_unmasked_rows_skips_the_causal_ones(benchmark):
-    """query_rows_80 (the kernel refuses it under a causal mask) times the D = 128 rows without a mask and
-    records the causal ones and the other head dims skipped; the shipped variants run at every mask."""
-    from fa4_jax.kernels.sm90 import backward as sm90_backward
-
-    variants = benchmark._variants()
-    full = dict(batch=1, seq_len=1024, heads=8, head_dim=128, causal=False)
-    causal = dict(full, causal=True)
-    dims = (1, 1024, 8, 128)
-    problem = host.Problem(dims, dims, dims, "bfloat16")
-    for name in ("query_rows_80", "deterministic_query_rows_80"):
-        variant = variants[name]
-        assert variant.masks == ("full",) and variant.skip_reason(full) is None
-        sm90_backward.options(benchmark._config(full, variant.deterministic), problem, variant.tuning)
-        assert variant.skip_reason(causal) == "sm90_backward variant, full rows only"
-        with pytest.raises(ValueError, match="without a mask"):
-            sm90_backward.options(benchmark._config(causal, variant.deterministic), problem, variant.tuning)
-        assert "head dims" in variant.skip_reason(dict(full, head_dim=64))
-    assert all(variants[name].skip_reason(causal) is None for name in SHIPPED)
 
 
 def test_shipped_variants_name_the_kernel_that_runs_at_each_head_dim(benchmark):

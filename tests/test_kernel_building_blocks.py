@@ -199,22 +199,20 @@ def test_polynomial_exp2_ptx_uses_fmas():
     assert text.count("fma.rn.f32") == 3 and "add.rm.f32" in text and "cvt" not in text and "ex2" not in text
 
 
-@pytest.mark.parametrize("tile_m,head_dim,transposed,groups", [
-    (64, 64, False, 2), (64, 96, False, 2), (64, 128, False, 2), (128, 64, False, 2), (80, 128, True, 2),
-    (64, 192, False, 2), (64, 256, False, 2), (64, 192, False, 3)])
-def test_fragment_order_dq_reads_back_every_element_once(tile_m, head_dim, transposed, groups):
+@pytest.mark.parametrize("tile_m,head_dim,groups", [
+    (64, 64, 2), (64, 96, 2), (64, 128, 2), (128, 64, 2), (64, 192, 2), (64, 256, 2), (64, 192, 3)])
+def test_fragment_order_dq_reads_back_every_element_once(tile_m, head_dim, groups):
     """sm90 backward's `Tuning.flat_dq`: writing a [tile_m, D] block the way the consumers stage it
     (thread t of warp group g puts its accumulator values, in register order, as 4-value chunks at
     ((g K + k) 128 + t) 4, the wgmma D fragment giving each value's row and column) and reading it
     back with `backward_common.dq_from_fragments` (both sm90 backward kernels' reader) gives the block,
-    for every head dim and row count the kernel takes. At 80 rows the fragment is of dQ^T (M = the
-    head dim, 64 rows per warp group; N = the 80 queries). The large-head kernel's groups of columns:
-    two of D/2, or three of 64 (its `Tuning.three_warpgroups`)."""
+    for every head dim and row count the kernel takes. The large-head kernel's groups of columns: two of
+    D/2, or three of 64 (its `Tuning.three_warpgroups`)."""
     from fa4_jax.kernels.sm90 import backward_common
     rng = np.random.default_rng()
     block = rng.standard_normal((tile_m, head_dim)).astype(np.float32)
     columns, chunks = head_dim // groups, tile_m * head_dim // (128 * groups) // 4
-    n = tile_m if transposed else columns     # the wgmma's N: N / 2 values per thread and 64-row atom
+    n = columns                               # the wgmma's N: N / 2 values per thread and 64-row atom
     flat = np.full(tile_m * head_dim, np.nan, np.float32)
     for g, t in itertools.product(range(groups), range(128)):
         warp, lane = divmod(t, 32)
@@ -223,11 +221,10 @@ def test_fragment_order_dq_reads_back_every_element_once(tile_m, head_dim, trans
             j, h, c = within // 4, (within // 2) % 2, within % 2
             row = 64 * m + 16 * warp + 8 * h + lane // 4        # of the warp group's M rows
             column = 8 * j + 2 * (lane % 4) + c
-            query, dim = (column, g * columns + row) if transposed else (row, g * columns + column)
             k, v = divmod(value, 4)
-            flat[((g * chunks + k) * 128 + t) * 4 + v] = block[query, dim]
+            flat[((g * chunks + k) * 128 + t) * 4 + v] = block[row, g * columns + column]
     assert not np.isnan(flat).any()
     accumulator = np.stack([flat, 2 * flat]).reshape(1, 1, 2, tile_m * head_dim)   # two query blocks
-    rows = np.asarray(backward_common.dq_from_fragments(tile_m, transposed, groups)(accumulator, 2 * tile_m - 3))
+    rows = np.asarray(backward_common.dq_from_fragments(tile_m, groups)(accumulator, 2 * tile_m - 3))
     np.testing.assert_array_equal(rows[0, :tile_m, 0], block)
     np.testing.assert_array_equal(rows[0, tile_m:, 0], 2 * block[:tile_m - 3])

@@ -24,7 +24,6 @@ from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm90 import backward as sm90_backward  # noqa: E402
-from fa4_jax.kernels.sm90 import backward_common  # noqa: E402
 from fa4_jax.kernels.sm90.wgmma import swizzle_columns  # noqa: E402
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
@@ -113,17 +112,8 @@ CASES = {
     "d128-causal-gqa-head-splits-2-tiled-dq": dict(config=dict(scale=128 ** -0.5, causal=True),
                                                    shape=[2, 300, 333, 8, 2, 128], head_splits=2,
                                                    tuning=dict(flat_dq=False)),
-    # The deterministic dQ writer freeing its staging buffer on read (`Tuning.dq_free_on_read`): D 64 at
-    # 128 rows with rotated turns as well (`Tuning.rotated_turns`, a full mask), and GQA D 128 with head
-    # splits (causal: rotated turns would resolve off).
-    "d64-deterministic-dq-free-on-read-rotated-turns": dict(
-        config=dict(scale=0.125, deterministic=True), shape=[2, 300, 333, 4, 4, 64],
-        tuning=dict(dq_free_on_read=True, rotated_turns=True)),
-    "d128-causal-gqa-deterministic-dq-free-on-read": dict(
-        config=dict(scale=128 ** -0.5, causal=True, deterministic=True), shape=[2, 256, 512, 8, 2, 128],
-        tuning=dict(dq_free_on_read=True)),
     # Deterministic full-mask rows walk in rotated turns by default (`Tuning.rotated_turns`): GQA D 128 with
-    # head splits and key lengths (D 64 at 128 rows: with dq_free_on_read above). The plain turns compile in
+    # head splits and key lengths (D 64 at 128 rows: d64-deterministic above). The plain turns compile in
     # the causal deterministic cases, where rotated turns resolve off.
     "d128-gqa-lengths-deterministic-rotated-turns": dict(
         config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
@@ -131,20 +121,6 @@ CASES = {
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),
-    # 80 query rows at D = 128 without a mask (`Tuning(query_rows=80)`, the candidate of
-    # docs/sm90_backward_tuning.md, "The stall profile"): m64n80 S^T / dP^T, dQ computed transposed, one
-    # dQ staging buffer; odd lengths, GQA deterministic, fp16 with query / key lengths, and GQA
-    # deterministic with dS^T through the plain stores (the default: stmatrix).
-    "d128-query-rows-80": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 333, 4, 4, 128],
-                               tuning=dict(query_rows=80)),
-    "d128-gqa-deterministic-query-rows-80": dict(config=dict(scale=128 ** -0.5, deterministic=True),
-                                                 shape=[2, 300, 512, 8, 2, 128], tuning=dict(query_rows=80)),
-    "d128-lengths-query-rows-80-fp16": dict(
-        config=dict(scale=128 ** -0.5, has_q_seq_lengths=True, has_kv_seq_lengths=True),
-        shape=[2, 197, 333, 4, 4, 128], dtype="float16", tuning=dict(query_rows=80)),
-    "d128-gqa-deterministic-query-rows-80-ds-plain-store": dict(
-        config=dict(scale=128 ** -0.5, deterministic=True), shape=[2, 300, 512, 8, 2, 128],
-        tuning=dict(query_rows=80, ds_stmatrix=False)),
     "d128-segments-lengths-head-splits-4": dict(
         config=dict(scale=128 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
         shape=[2, 197, 333, 8, 2, 128], head_splits=4),
@@ -283,10 +259,9 @@ def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
     assert set(stmatrix) == ({"stmatrix.sync.aligned.m8n8.x4.shared.b16"} if kernel.tuning.ds_stmatrix else set())
     # dQ's wgmmas: N = D / 2 (warp groups split the head dim), or N = D with the row split.
     dq_columns = kernel.head_dim if kernel.tuning.dq_row_split else kernel.head_dim // 2
-    if not kernel.dq_transposed:
-        assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dq_columns}k16", ptx), "no dQ wgmma"
-        if kernel.tuning.dq_row_split:
-            assert not re.search(rf"m64n{kernel.head_dim // 2}k16", ptx), "dQ still split by columns"
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dq_columns}k16", ptx), "no dQ wgmma"
+    if kernel.tuning.dq_row_split:
+        assert not re.search(rf"m64n{kernel.head_dim // 2}k16", ptx), "dQ still split by columns"
     # The FMA-pipe exp2 (a floor by rounded add, no conversion-pipe instruction) with the candidate only.
     assert ("add.rm.f32" in ptx) == bool(kernel.tuning.poly_exp2_every)
     assert ".local" not in ptx, "local memory in the PTX"
@@ -382,39 +357,6 @@ def test_dq_row_split_resolves_where_128_rows_are_chosen(shape, tuning, expected
     assert options.tuning.dq_row_split is expected
 
 
-@pytest.mark.parametrize("head_dim,extra,tuning,match", [
-    (64, dict(), dict(), "head dims"), (96, dict(), dict(), "head dims"),
-    (128, dict(causal=True), dict(), "without a mask"),
-    (128, dict(window_left=64, window_right=0), dict(), "without a mask"),
-    (128, dict(softcap=5.0), dict(), "softcap or segment ids"),
-    (128, dict(has_segment_ids=True), dict(), "softcap or segment ids"),
-    (128, dict(), dict(flat_dq=False), "flat_dq"), (128, dict(), dict(head_splits=2), "head_splits")])
-def test_query_rows_80_is_refused_outside_unmasked_head_dim_128(head_dim, extra, tuning, match):
-    """80 query rows (dQ computed transposed, the head dim split 64 per warp group) are the candidate
-    for D = 128 without a causal mask or a window; not beside softcap or segment ids, the tiled dQ
-    staging or a head split. `options` refuses the rest by name, and so does the kernel's constructor
-    given such options directly; GQA deterministic at D = 128 takes them (unsplit), and the default
-    never chooses them."""
-    config = AttentionConfig(scale=head_dim ** -0.5, **extra)
-    problem = _problem([1, 256, 333, 8, 2, head_dim])
-    with pytest.raises(ValueError, match=match):
-        sm90_backward.options(config, problem, sm90_backward.Tuning(query_rows=80, **tuning))
-    sixty_four = sm90_backward.options(config, problem, sm90_backward.Tuning(
-        query_rows=64, head_splits=1, flat_dq=tuning.get("flat_dq", True)))
-    forced = dataclasses.replace(sixty_four, tuning=dataclasses.replace(sixty_four.tuning, query_rows=80),
-                                 head_splits=tuning.get("head_splits", 1))
-    with pytest.raises(ValueError, match=match):
-        sm90_backward.Sm90BackwardKernel(forced)
-    config = AttentionConfig(scale=128 ** -0.5, deterministic=True)
-    problem = _problem([1, 256, 333, 8, 2, 128])
-    taken = sm90_backward.options(config, problem, sm90_backward.Tuning(query_rows=80))
-    assert taken.tuning.query_rows == 80 and taken.head_splits == 1
-    kernel = sm90_backward.Sm90BackwardKernel(taken)
-    assert (kernel.tile_m, kernel.dq_transposed, kernel.dq_buffers) == (80, True, 1)
-    assert kernel.shared_memory_bytes() <= backward_common.SHARED_MEMORY_BYTES
-    assert sm90_backward.options(config, problem).tuning.query_rows == 64
-
-
 @pytest.mark.parametrize("shape,extra,rows", [
     ([2, 1024, 1024, 8, 8, 64], dict(), 128), ([2, 1024, 1024, 8, 8, 64], dict(deterministic=True), 128),
     ([2, 1024, 1024, 8, 8, 64], dict(softcap=5.0), 64), ([2, 1024, 1024, 8, 8, 64], dict(has_segment_ids=True), 64),
@@ -487,11 +429,11 @@ print("DS_STORE " + json.dumps(found))
 """
 
 
-@pytest.mark.parametrize("head_dim,query_rows,rows", [(128, None, 64), (64, None, 128), (128, 80, 80)])
+@pytest.mark.parametrize("head_dim,query_rows,rows", [(128, None, 64), (64, None, 128)])
 def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, query_rows, rows, tmp_path):
     """`Tuning.ds_stmatrix` changes how dS^T reaches shared memory, not where each value goes: for every
     consumer thread and register value, stmatrix (as the PTX ISA defines it) writes it at the plain
-    store's coordinate, and the values cover the [keys, queries] tile once (64, 80 and 128 query rows).
+    store's coordinate, and the values cover the [keys, queries] tile once (64 and 128 query rows).
     The compile test checks that the copy is the non-transposed x4 form this models."""
     found = _trace(_DS_STORE_CHECK, {"head_dim": head_dim, "dtype": "bfloat16", "query_rows": query_rows},
                    tmp_path, "DS_STORE")
@@ -520,7 +462,7 @@ def _trace(script_text, spec, tmp_path, tag):
 # Where `_stage_dq` (flat_dq) puts each consumer thread's dQ values: register value v of consumer thread
 # t (warp group t // 128) at ((g K + v // 4) 128 + t % 128) 4 + v % 4 of the block, K = values / 4,
 # the value being dQ at the (query, head-dim) coordinate the kernel's own dQ tiled MMA gives it
-# (partition_C of an identity tensor over (rows, D), or over (D, rows) when dQ is transposed).
+# (partition_C of an identity tensor over (rows, D)).
 _DQ_STAGING_TRACE = r"""
 import json, sys
 import cutlass, cutlass.cute as cute
@@ -538,29 +480,26 @@ placed = {}
 @cute.jit
 def trace():
     _, _, mma_dq = kernel._tiled_mmas()
-    shape = (head_dim, kernel.tile_m) if kernel.dq_transposed else (kernel.tile_m, head_dim)
-    coordinates = cute.make_identity_tensor(shape)
+    coordinates = cute.make_identity_tensor((kernel.tile_m, head_dim))
     for t in cutlass.range_constexpr(kernel.consumer_threads):
         values = mma_dq.get_slice(t).partition_C(coordinates)
         chunks = cute.size(values) // 4
         for v in cutlass.range_constexpr(cute.size(values)):
             position = (((t // 128) * chunks + v // 4) * 128 + t % 128) * 4 + v % 4
-            first, second = tuple(values[v])
-            placed.setdefault(position, []).append((second, first) if kernel.dq_transposed else (first, second))
+            placed.setdefault(position, []).append(tuple(values[v]))
 
 trace()
-print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m, "transposed": kernel.dq_transposed,
+print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m,
                                   "placed": sorted((p, c) for p, cs in placed.items() for c in cs)}))
 """
 
 
-@pytest.mark.parametrize("head_dim,query_rows,row_split", [(128, 64, False), (64, 128, False), (128, 80, False),
-                                                            (64, 128, True)])
+@pytest.mark.parametrize("head_dim,query_rows,row_split", [(128, 64, False), (64, 128, False), (64, 128, True)])
 def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_split, tmp_path):
     """The dQ staging order and its reader agree through the kernel's own dQ tiled MMA: every position
-    of a block holds one dQ element, and `backward_common.dq_from_fragments` (with the kernel's
-    `dq_transposed`, and one column group where `dq_row_split` gives each warp group whole rows) puts
-    each at its (query, head-dim) place (64, 128, and 80 query rows, where the fragment is of dQ^T).
+    of a block holds one dQ element, and `backward_common.dq_from_fragments` (with one column group
+    where `dq_row_split` gives each warp group whole rows) puts each at its (query, head-dim) place (64
+    and 128 query rows).
     tests/test_kernel_building_blocks.py checks the reader against the PTX ISA's fragment layout instead."""
     import numpy as np
 
@@ -568,14 +507,13 @@ def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_sp
 
     found = _trace(_DQ_STAGING_TRACE, {"head_dim": head_dim, "query_rows": query_rows, "row_split": row_split},
                    tmp_path, "DQ_STAGING")
-    assert (found["rows"], found["transposed"]) == (query_rows, query_rows == 80)
+    assert found["rows"] == query_rows
     positions = [position for position, _ in found["placed"]]
     assert sorted(positions) == list(range(query_rows * head_dim)), "a position staged twice or never"
     flat = np.zeros(query_rows * head_dim, np.float32)
     for position, (row, column) in found["placed"]:
         flat[position] = row * head_dim + column
-    rows = np.asarray(backward_common.dq_from_fragments(query_rows, found["transposed"],
-                                                        column_groups=1 if row_split else 2)(
+    rows = np.asarray(backward_common.dq_from_fragments(query_rows, column_groups=1 if row_split else 2)(
         flat.reshape(1, 1, 1, -1), query_rows))
     np.testing.assert_array_equal(rows[0, :, 0], np.arange(query_rows * head_dim).reshape(query_rows, head_dim))
 

@@ -115,18 +115,6 @@ CASES = {
                                                     shape=[2, 300, 333, 8, 2, 192, 128], dtype="float16"),
     "d192-v128-segments-lengths": dict(config=dict(scale=192 ** -0.5, has_segment_ids=True, has_q_seq_lengths=True,
                                                    has_kv_seq_lengths=True), shape=[2, 197, 333, 4, 4, 192, 128]),
-    # The candidate `Tuning.two_groups_by_keys` (96 keys a CTA, two consumer warp groups of 240 registers
-    # splitting the keys: S / dP and dK^T / dV^T of 48 keys each, dQ by halves of D): the same features.
-    **{f"d192-two-groups-by-keys{suffix}": dict(config=dict(scale=192 ** -0.5, **config), shape=shape,
-                                                tuning=dict(two_groups_by_keys=True), **extra)
-       for suffix, config, shape, extra in [
-           ("-deterministic-causal-gqa", dict(causal=True, deterministic=True), [2, 333, 300, 8, 2, 192], dict()),
-           ("-softcap-window-q-start-kv-lengths-fp16",
-            dict(softcap=5.0, window_left=64, window_right=32, has_q_start=True, q_total=900,
-                 has_kv_seq_lengths=True), [1, 200, 333, 4, 4, 192], dict(dtype="float16")),
-           ("-segments-lengths", dict(has_segment_ids=True, has_q_seq_lengths=True, has_kv_seq_lengths=True),
-            [2, 197, 333, 4, 4, 192], dict()),
-       ]},
     # `Tuning.prefetch_query` (two Q stages, dO one stage in a pipeline of its own, one P / dS buffer behind
     # PDS_FREE_BARRIER), asked for at MLA's 192 / 128 with the deterministic turns (two loop copies: group 2
     # holds no dV); at D = Dv = 192 the default cases above take it.
@@ -175,14 +163,11 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     kernel = _resolved(CASES[name])
     head_dim, v_head_dim, keys = kernel.head_dim, kernel.v_head_dim, kernel.tile_n
     assert ".target sm_90a" in ptx
-    # S: D / 16 k-steps, dP: Dv / 16; dK, dV: 4 each per 64-row M atom a warp group holds (all of D's
-    # three, Dv's two with two_groups_by_keys); dQ: keys / 16. Where a warp group holds no dV its loop is
-    # a second copy, without the dV GEMM.
-    by_keys = kernel.dkv_by_keys
-    without_dv = head_dim // 16 + v_head_dim // 16 + 4 * (head_dim // 64 if by_keys else 1) + keys // 16
-    dv = 4 * (v_head_dim // 64 if by_keys else 1)
+    # S: D / 16 k-steps, dP: Dv / 16; dK, dV: 4 each; dQ: keys / 16. Where a warp group holds no dV its
+    # loop is a second copy, without the dV GEMM.
+    without_dv = head_dim // 16 + v_head_dim // 16 + 4 + keys // 16
     copies = 1 if kernel.dv_groups == kernel.consumer_groups else 2
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == copies * without_dv + dv
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == copies * without_dv + 4
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
     assert re.search(r"cp\.reduce\.async\.bulk[^;]*\.add", ptx), "no bulk reduce-add for dQ"
@@ -276,8 +261,7 @@ def test_prefetch_query_reuses_the_pds_buffer_only_after_every_read(compiled, na
 
 
 @pytest.mark.parametrize("head_dim,v_head_dim,tuning", [
-    (256, 256, dict(prefetch_query=True)), (192, 192, dict(prefetch_query=True, three_warpgroups=False)),
-    (192, 128, dict(prefetch_query=True, two_groups_by_keys=True))])
+    (256, 256, dict(prefetch_query=True)), (192, 192, dict(prefetch_query=True, three_warpgroups=False))])
 def test_prefetch_query_refuses_other_layouts(head_dim, v_head_dim, tuning):
     """`Tuning.prefetch_query` changes the three-warp-group layout: not at D = 256, not with two warp groups."""
     from fa4_jax.config import AttentionConfig
@@ -347,25 +331,6 @@ def test_default_layout_by_head_dim(head_dim, segments, expected):
     assert large_heads.resolved_tuning(large_heads.Tuning(prefetch_query=True), 192, True, 128).prefetch_query
 
 
-@pytest.mark.parametrize("head_dim,tuning", [(256, dict(two_groups_by_keys=True)),
-                                             (192, dict(two_groups_by_keys=True, three_warpgroups=True))])
-def test_two_groups_by_keys_refuses_what_it_is_not(head_dim, tuning):
-    """`Tuning.two_groups_by_keys` is a D = 192 layout of its own: not at D = 256, not with three warp groups
-    asked for as well; at D = 192 it takes the place of the default three groups (segment ids too)."""
-    from fa4_jax.config import AttentionConfig
-    from fa4_jax.kernels import host
-    from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
-
-    shape = (1, 256, 4, head_dim)
-    options = large_heads.options(AttentionConfig(scale=1.0), host.Problem(shape, shape, shape, "bfloat16"),
-                                  large_heads.Tuning(**tuning))
-    with pytest.raises(ValueError, match="two_groups_by_keys"):
-        large_heads.Sm90LargeHeadBackwardKernel(options)
-    for segments in (False, True):
-        resolved = large_heads.resolved_tuning(large_heads.Tuning(two_groups_by_keys=True), 192, segments)
-        assert resolved.three_warpgroups is False and resolved.two_groups_by_keys
-
-
 def test_three_warpgroups_refuses_other_head_dims():
     """`Tuning.three_warpgroups` is the D = 192 layout: at D = 256 the kernel is not built."""
     from fa4_jax.config import AttentionConfig
@@ -432,18 +397,16 @@ print("PLACEMENT " + json.dumps({"groups": kernel.consumer_groups, "dv_groups": 
 """
 
 
-# two_groups_by_keys (a measured miss, off) once, at Dv = 128: its key split of dK and of dV, the one case.
 @pytest.mark.parametrize("head_dim,v_head_dim,tuning", [
     (192, 192, dict(three_warpgroups=False)), (256, 256, dict(three_warpgroups=False)),
     (192, 192, dict(three_warpgroups=True)), (192, 128, dict(three_warpgroups=True)),
-    (192, 128, dict(three_warpgroups=False)), (192, 128, dict(two_groups_by_keys=True))],
-    ids=["d192", "d256", "d192-three-warpgroups", "d192-v128-three-warpgroups", "d192-v128-two-warpgroups",
-         "d192-v128-two-groups-by-keys"])
+    (192, 128, dict(three_warpgroups=False))],
+    ids=["d192", "d256", "d192-three-warpgroups", "d192-v128-three-warpgroups", "d192-v128-two-warpgroups"])
 def test_placement_through_the_kernels_tiled_mmas(head_dim, v_head_dim, tuning, tmp_path):
     """Every dQ staging position holds one dQ element and `dq_reader` puts each back at its (row,
     column); every (key, head-dim) element of dK and of dV is one thread's, of the warp group owning that
-    column slice (or, with two_groups_by_keys, that key slice: what `_store_dkv_tma` writes over K / V);
-    at Dv = 128 with three groups dV only in groups 0 and 1; S / dP split by keys across the groups."""
+    column slice (what `_store_dkv_tma` writes over K / V); at Dv = 128 with three groups dV only in
+    groups 0 and 1; S / dP split by keys across the groups."""
     import numpy as np
 
     from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
@@ -452,8 +415,8 @@ def test_placement_through_the_kernels_tiled_mmas(head_dim, v_head_dim, tuning, 
     found = _trace(_PLACEMENT_TRACE, {"head_dim": head_dim, "v_head_dim": v_head_dim, "tuning": tuning}, tmp_path,
                    "PLACEMENT")
     groups, keys, rows = found["groups"], found["keys"], 64
-    three, by_keys = tuning.get("three_warpgroups"), tuning.get("two_groups_by_keys")
-    assert (groups, keys) == ((3, 96) if three else (2, 96) if by_keys else (2, 64))
+    three = tuning.get("three_warpgroups")
+    assert (groups, keys) == ((3, 96) if three else (2, 64))
     positions = sorted(position for position, _ in found["dq"])
     assert positions == list(range(rows * head_dim)), "a dQ position staged twice or never"
     flat = np.zeros(rows * head_dim, np.float32)
@@ -468,11 +431,8 @@ def test_placement_through_the_kernels_tiled_mmas(head_dim, v_head_dim, tuning, 
     assert dv == [(key, dim) for key in range(keys) for dim in range(v_head_dim)]
     dv_groups = found["dv_groups"]
     assert dv_groups == (2 if three and v_head_dim == 128 else groups)
-    if by_keys:
-        assert all(key // (keys // groups) == group for group, (key, _) in found["dkv"] + found["dv"])
-    else:
-        assert all(dim // (head_dim // groups) == group for group, (_, dim) in found["dkv"])
-        assert all(dim // (v_head_dim // dv_groups) == group for group, (_, dim) in found["dv"])
+    assert all(dim // (head_dim // groups) == group for group, (_, dim) in found["dkv"])
+    assert all(dim // (v_head_dim // dv_groups) == group for group, (_, dim) in found["dv"])
     scores = sorted(tuple(element) for _, element in found["scores"])
     assert scores == [(row, key) for row in range(rows) for key in range(keys)]
     assert all(key // (keys // groups) == group for group, (_, key) in found["scores"])

@@ -56,11 +56,11 @@ CASES = [
 # The default, and the candidates under measurement: the grid launched key block slowest (longest
 # walks first); the dQ staging as a swizzled tile with TMA tensor reduces (the default stages it in the
 # accumulator's register order); dS^T staged with plain 32-bit stores (the default uses stmatrix,
-# docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe; the
-# deterministic dQ writer freeing its staging buffer on read; deterministic full-mask walks from the first
-# query block with the turns highest key block first (the default rotates them, `Tuning.rotated_turns`).
-# Select their tests with `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2`,
-# `-k dq_free_on_read`, `-k plain_turns` or `-k rotated_turns` (the default's own rotated-walk cases).
+# docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe;
+# deterministic full-mask walks from the first query block with the turns highest key block first (the
+# default rotates them, `Tuning.rotated_turns`). Select their tests with `-k key_blocks_outer`,
+# `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2`, `-k plain_turns` or `-k rotated_turns` (the
+# default's own rotated-walk cases).
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
@@ -68,7 +68,6 @@ TUNINGS = {
     "ds_plain_store": dataclasses.replace(sm90_backward.DEFAULT_TUNING, ds_stmatrix=False),
     "poly_exp2_4": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=4),
     "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
-    "dq_free_on_read": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_free_on_read=True),
     "plain_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=False),
 }
 # Rotated turns beyond the shared cases: more key blocks than query blocks (several key blocks reach a
@@ -112,22 +111,6 @@ WIDE_QUERY_TUNINGS = {f"query_rows_{rows}{'' if flat else '_tiled_dq'}": datacla
 # Select with `-k dq_column_split`.
 WIDE_QUERY_TUNINGS["dq_column_split"] = dataclasses.replace(
     sm90_backward.DEFAULT_TUNING, dq_row_split=False, query_rows=sm90_backward.WIDE_QUERY_ROWS)
-
-# 80 query rows per block (`Tuning(query_rows=80)`, the candidate at D = 128 without a mask: dQ computed
-# transposed, one dQ staging buffer): the unmasked D = 128 cases (odd lengths, GQA, sinks with d_lse, a
-# single row, fp16), and unmasked GQA, query / key lengths and more queries than keys on whole 80-row
-# blocks; default and deterministic, dS^T through stmatrix (the default) and the plain stores. Select
-# with `-k query_rows_80`.
-TRANSPOSED_DQ_CASES = [case for case in CASES if case.head_dim == 128 and not case.causal and case.window is None
-                       and case.softcap is None and not case.segments] + [
-    Case("gqa-unmasked", q_heads=8, kv_heads=2),
-    Case("lengths", q_lengths=True, kv_lengths=True),
-    Case("more-queries-whole-blocks", q_len=400, kv_len=150)]
-TRANSPOSED_DQ_TUNINGS = {
-    "query_rows_80": dataclasses.replace(sm90_backward.DEFAULT_TUNING, query_rows=80),
-    "query_rows_80_ds_plain_store": dataclasses.replace(sm90_backward.DEFAULT_TUNING, query_rows=80,
-                                                        ds_stmatrix=False),
-}
 
 
 def _head_split_parameters(cases, splits=HEAD_SPLITS):
@@ -232,13 +215,6 @@ def test_wide_query_blocks_match_oracle(case: Case, deterministic, tuning, input
     _check_against_oracle(case, WIDE_QUERY_TUNINGS[tuning], inputs, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("tuning", sorted(TRANSPOSED_DQ_TUNINGS))
-@pytest.mark.parametrize("deterministic", [False, True], ids=["unordered_dq", "deterministic"])
-@pytest.mark.parametrize("case", TRANSPOSED_DQ_CASES, ids=lambda case: case.name)
-def test_transposed_dq_blocks_match_oracle(case: Case, deterministic, tuning, inputs):
-    _check_against_oracle(case, TRANSPOSED_DQ_TUNINGS[tuning], inputs, deterministic=deterministic)
-
-
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):
     """`kernel.run` (this module's kernel or its large-head twin) with `tuning` on the oracle's out and
     LSE, against the oracle's gradients."""
@@ -277,11 +253,9 @@ def test_sanitizer_shapes(head_dim, causal, deterministic, tuning, inputs):
     _check_against_oracle(case, TUNINGS[tuning], inputs, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("causal,tuning", [(causal, tuning) for tuning in sorted(TUNINGS) for causal in (False, True)]
-                         + [(False, "query_rows_80")])
+@pytest.mark.parametrize("causal,tuning", [(causal, tuning) for tuning in sorted(TUNINGS) for causal in (False, True)])
 def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
-    """deterministic=True: ten runs give identical bits (many key blocks add into each dQ tile); 80 query
-    rows without a mask too (their one dQ staging buffer)."""
+    """deterministic=True: ten runs give identical bits (many key blocks add into each dQ tile)."""
     batch, length, heads, dim = 2, 1024, 4, 128
     query, key, value, d_out = (inputs.normal((batch, length, heads, dim), jnp.bfloat16)
                                 for _ in range(4))
@@ -290,7 +264,7 @@ def test_deterministic_is_bitwise_reproducible(causal, tuning, inputs):
     out, lse = numpy_reference.attention_forward(as64(query), as64(key), as64(value), causal=causal)
     out, lse = jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), jnp.asarray(lse, jnp.float32)
     problem = host.Problem.of(query, key, value)
-    options = sm90_backward.options(config, problem, {**TUNINGS, **TRANSPOSED_DQ_TUNINGS}[tuning])
+    options = sm90_backward.options(config, problem, TUNINGS[tuning])
     backward = jax.jit(lambda *a: sm90_backward.run(options, *a, None, {})[:3])
     first = [np.asarray(g.astype(jnp.float32)) for g in backward(query, key, value, out, lse, d_out)]
     for _ in range(9):

@@ -77,9 +77,6 @@ THREE_WARPGROUPS_VARIANTS = {   # name -> (Tuning, deterministic)
     # (benchmarks/attention_backward.py times it for comparison: `-k two_warpgroups`).
     "two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), False),
     "deterministic_two_warpgroups": (sm90_backward_large_heads.Tuning(three_warpgroups=False), True),
-    # The candidate with two warp groups splitting the 96 keys (`-k two_groups_by_keys`).
-    "two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), False),
-    "deterministic_two_groups_by_keys": (sm90_backward_large_heads.Tuning(two_groups_by_keys=True), True),
     # Two Q stages and one P / dS buffer asked for (`-k prefetch_query`): the default at D = Dv = 192, and
     # with segment ids and at MLA's 192 / 128 a candidate. Its former one Q stage and two buffers
     # (`-k one_query_stage`; benchmarks/attention_backward.py times it for comparison).
@@ -117,15 +114,14 @@ def test_three_warpgroups_matches_oracle(case: Case, variant, inputs):
 # causal with Sq < Sk and Sq > Sk, GQA and MQA, lengths off the 64-row and 96-key blocks and on them
 # (384), fewer keys than one block, fp16, windows, softcap, sinks with d_lse, segment ids (two warp
 # groups by default), sequence lengths; unordered and deterministic (both turn orders), the two-group
-# layout and the two_groups_by_keys and prefetch_query candidates. Select with `-k mla`.
+# layout and the prefetch_query candidate. Select with `-k mla`.
 MLA_VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
     "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
     "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False), True),
     "no_stagger": (sm90_backward_large_heads.Tuning(stagger=False), False),
     **{name: THREE_WARPGROUPS_VARIANTS[name] for name in (
-        "two_warpgroups", "deterministic_two_warpgroups", "two_groups_by_keys", "prefetch_query",
-        "deterministic_prefetch_query")},
+        "two_warpgroups", "deterministic_two_warpgroups", "prefetch_query", "deterministic_prefetch_query")},
 }
 MLA_CASES = [
     Case("mla", head_dim=192, v_head_dim=128),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The backward candidates' device call (backward_deterministic.sh and backward_d192.sh say which): the
+# The backward candidates' device call (backward_deterministic.sh and backward_mla_prefetch.sh say which): the
 # candidates' GPU tests while the CPU compiles the timed kernels, then attention_backward.py over the
 # given variants and shapes, a candidate timed only if its tests passed. Logs and the JSON go to $OUT
 # under NAME.

@@ -6,9 +6,8 @@ memory and its dK, dV accumulators in registers while it walks the query blocks 
 of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored LSE, dP^T = V dO^T,
 dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and dK += dS^T Q with
 P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in shared memory for
-dQ = dS K (with 80-row query blocks dQ^T = K^T dS^T, `Tuning.query_rows`), and stages dQ in shared
-memory for the dQ writer warp, which adds it into the fp32 accumulator in global memory with TMA
-bulk reduce-adds.
+dQ = dS K, and stages dQ in shared memory for the dQ writer warp, which adds it into the fp32
+accumulator in global memory with TMA bulk reduce-adds.
 
 Warp roles: warp group 0 is the producer (warp 0 issues the TMA loads of K, V once and of Q, dO per
 query block into a two-deep ring of mbarrier-guarded buffers; warp 1, the dQ writer, issues the dQ
@@ -102,13 +101,7 @@ class Tuning:
     query_rows: query rows per block (the GEMMs' N for S^T / dP^T, K for dV / dK, M for dQ): 64, or
       128 where registers and shared memory allow it (D = 64 without softcap, segment ids or head
       splits), which halves the per-block fixed costs (barrier hand-offs, pipeline waits, row
-      statistics) per FLOP. None: `query_rows_for` chooses (in `options`). 80 (D = 128 without a
-      mask, softcap, segment ids or head splits; a candidate, never chosen): S^T and dP^T as m64n80
-      wgmmas, which read 4.5 KB of shared memory per 40 tensor cycles where m64n64 reads 4 KB per 32,
-      above the 128 B / cycle the SS GEMMs of 64 rows are held to (docs/sm90_backward_tuning.md, "The
-      stall profile"); wgmma's M being a multiple of 64, dQ is then computed transposed (dQ^T = K^T
-      dS^T: M = D, 64 per warp group, N = the 80 queries) and staged through one buffer, as two do
-      not fit shared memory.
+      statistics) per FLOP. None: `query_rows_for` chooses (in `options`).
     flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
       by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
       takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
@@ -138,13 +131,6 @@ class Tuning:
       rows and flat_dq only. None (the default) takes it wherever those are chosen: measured +2.6 to
       +4.0 % at D = 64 (an H100, rev 6d8d911, docs/sm90_backward_tuning.md, "dq_row_split measured");
       False keeps the column split.
-    dq_free_on_read (deterministic): the dQ writer hands a staging buffer back to the consumers once the
-      copy engine has read it, and passes the tile's turn on when the adds are complete in global memory,
-      instead of freeing the buffer only after passing the turn. The consumers then wait for a buffer one
-      write-completion latency less per query block: the deterministic rows that trail the default most
-      (D = 64 full, 0.73-0.76x on an H100) are where the writer's chain is longest against a block's time.
-      Off: measured slower on an H100 (rev 17f1841, cuDNN ms / ours, deterministic 1k / 4k: D = 64 full
-      0.84 / 0.84 -> 0.84 / 0.80, D = 128 full 0.79 / 0.79 -> 0.75 / 0.72; docs/sm90_backward_tuning.md).
     rotated_turns (deterministic, full masks): key block n walks its query blocks starting at n (mod
       their count) and each tile takes its adds in arrival order (`ordered_reduction.rotated_turn`),
       instead of every key block walking from the first query block, where they queue at each tile
@@ -172,7 +158,6 @@ class Tuning:
     ds_stmatrix: bool = True
     poly_exp2_every: int = 0
     dq_row_split: Optional[bool] = None
-    dq_free_on_read: bool = False
     rotated_turns: bool = True
 
 
@@ -196,8 +181,8 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
 # ----------------------------------------------------------------------------------------------------
 
 DS_READY_BARRIER = 1
-DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp (at most)
-WGMMA_M = 64               # wgmma's M per warp group: the query rows are N of S^T, M of dQ unless transposed
+DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
+WGMMA_M = 64               # wgmma's M per warp group: the query rows are N of S^T, M of dQ
 DETERMINISTIC_HEAD_SPLITS = 2   # fp32 partial sums that add onto zero in an order-free way
 
 
@@ -218,13 +203,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         register_bound = options.softcap is not None or options.has_segment_ids
         self.tile_m = tuning.query_rows or backward_common.TILE_M
         masked = options.causal or options.window_left is not None or options.window_right is not None
-        reason = query_rows_reason(self.tile_m, self.head_dim, options.head_splits, register_bound, masked,
-                                   tuning.flat_dq) or dq_row_split_reason(tuning, self.tile_m)
+        reason = (query_rows_reason(self.tile_m, self.head_dim, options.head_splits, register_bound)
+                  or dq_row_split_reason(tuning, self.tile_m))
         if reason is not None:
             raise ValueError(reason)
-        # wgmma's M is a multiple of 64: a query block of another size (80) computes dQ transposed,
-        # dQ^T = K^T dS^T, with the head dim as M (64 per warp group) and the query rows as N.
-        self.dq_transposed = self.tile_m % WGMMA_M != 0
         # At 128 query rows S^T, dP^T, dK and dV take 192 registers already: early dV's live P^T
         # operand on top makes ptxas serialize the wgmmas (and spill), so it waits for dS there.
         self.early_dv = tuning.early_dv and not register_bound and self.tile_m == backward_common.TILE_M
@@ -252,12 +234,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             self.staged_row_stats = False
             self.tma_dkv_store = False
             self.key_blocks_outer = False
-        # Two dQ staging buffers, or one where two do not fit (80 query rows at D = 128): the writer's
-        # bulk reduce of block i then has the whole of block i + 1's GEMMs to read the buffer before
-        # the consumers stage again, and the dQ pipeline's one stage keeps them from overwriting it.
         self.dq_buffers = DQ_BUFFERS
-        if self.shared_memory_bytes() > backward_common.SHARED_MEMORY_BYTES:
-            self.dq_buffers = 1
         self.check_shared_memory()
         if self.head_splits != 1:
             self._check_head_splits()
@@ -319,18 +296,12 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         if const_expr(self.tuning.dq_row_split):
             mma_dq = sm90_helpers.make_trivial_tiled_mma(
                 self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (WGMMA_M, d))
-        if const_expr(self.dq_transposed):
-            # dQ^T = K^T dS^T: A = K viewed (D, keys), B = dS^T viewed (queries, keys), both with their
-            # M / N contiguous (D in K's rows, the queries in sdS); warp groups split D (M).
-            mma_dq = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (WGMMA_M, self.tile_m))
         return mma_sdp, mma_dkv, mma_dq
 
     def _smem_layouts(self):
         d = self.head_dim
         q_layout = k_major_layout(self.dtype, self.tile_m, d, self.stages, swizzle_columns(d, 64))
-        # K is read MN-major by dQ with N (transposed: M) = D / 2 per warp group: its swizzle atom
-        # must fit that.
+        # K is read MN-major by dQ with N = D / 2 per warp group: its swizzle atom must fit that.
         k_layout = k_major_layout(self.dtype, self.tile_n, d, None, swizzle_columns(d // 2, 64))
         v_layout = k_major_layout(self.dtype, self.tile_n, d, None, swizzle_columns(d, 64))
         ds_layout = mn_major_layout(self.dtype, self.tile_m, self.tile_n, 2)
@@ -571,13 +542,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         tdPrdO = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sdO))
         tdVrdO = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sdO)))
         tdKrQ = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sQ)))
-        if const_expr(self.dq_transposed):     # dQ^T = K^T dS^T: sdS is already (queries, keys) = (N, K)
-            tdQrK = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(transpose_view(sK)))
-            tdQrdS = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(sdS))
-        else:
-            tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
-            tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
-        shape_dq = (d, self.tile_m) if self.dq_transposed else (self.tile_m, d)
+        tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
+        tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
+        shape_dq = (self.tile_m, d)
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
         if const_expr(self.tuning.ds_stmatrix):
             ds_store = self._ds_store_copy(mma_sdp)
@@ -685,10 +652,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             cute.arch.fence_view_async_shared()
             ds_barrier.arrive_and_wait()
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(shape_dq), Float32)
-            if const_expr(self.dq_transposed):
-                gemm(mma_dq, acc_dq, tdQrK, tdQrdS[None, None, None, ds_stage], True)
-            else:
-                gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
+            gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
             warpgroup.commit_group()
             if const_expr(self.stage_dq_under_dk):
                 # dK after dQ, so that dQ is staged for the writer warp while the tensor cores compute
@@ -849,14 +813,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 for half in cutlass.range_constexpr(2):
                     cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
             cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic and self.tuning.dq_free_on_read):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
-                dq_pipe.consumer_release(dq_state)
-                ordered_reduction.finish_bulk_adds(flag, lane)   # complete in global memory, then the turn
-            else:
-                ordered_reduction.finish_bulk_adds(flag, lane)
-                dq_pipe.consumer_release(dq_state)
+            ordered_reduction.finish_bulk_adds(flag, lane)
+            dq_pipe.consumer_release(dq_state)
             dq_state.advance()
             q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
 
@@ -965,7 +923,7 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
     if head_splits is None and (tuning.query_rows or backward_common.TILE_M) != backward_common.TILE_M:
-        head_splits = 1        # 80 or 128 query rows stage no fp32 dK / dV partials (query_rows_reason)
+        head_splits = 1        # 128 query rows stage no fp32 dK / dV partials (query_rows_reason)
     if head_splits is None:
         head_splits = head_splits_for(problem.batch, problem.kv_heads, problem.group, problem.q_len,
                                       problem.kv_len, host.sm_count(DEFAULT_SM_COUNT), config.deterministic,
@@ -978,8 +936,7 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     query_rows = tuning.query_rows
     if query_rows is None:
         query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
-    masked = config.causal or config.has_window
-    reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, masked, tuning.flat_dq)
+    reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound)
               or dq_row_split_reason(tuning, query_rows))
     if reason is not None:
         raise ValueError(reason)
@@ -1026,13 +983,8 @@ def packed_reason(head_splits: int, query_rows: int, flat_dq: bool) -> Optional[
 
 
 WIDE_QUERY_ROWS = 128
-# No multiple of wgmma's M = 64: S^T / dP^T are m64n80 wgmmas and dQ is computed transposed.
-TRANSPOSED_DQ_QUERY_ROWS = 80
-QUERY_ROWS = (backward_common.TILE_M, TRANSPOSED_DQ_QUERY_ROWS, WIDE_QUERY_ROWS)
+QUERY_ROWS = (backward_common.TILE_M, WIDE_QUERY_ROWS)
 WIDE_QUERY_HEAD_DIMS = (64,)     # where 128 query rows fit: [128 x 128] S^T and dP^T beside dK, dV
-# Where 80 query rows are meant to pay: D = 128, whose N = 64 GEMMs run at the shared-memory bandwidth
-# limit (docs/sm90_backward_tuning.md, "The stall profile"); it fits with one dQ staging buffer.
-TRANSPOSED_DQ_HEAD_DIMS = (128,)
 
 
 def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int:
@@ -1044,30 +996,16 @@ def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int
     return backward_common.TILE_M
 
 
-def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool,
-                      masked: bool = False, flat_dq: bool = True) -> Optional[str]:
-    """Why the kernel cannot take `query_rows` query rows per block, or None (`masked`: a causal mask or
-    a window; `flat_dq`: `Tuning.flat_dq`)."""
+def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool) -> Optional[str]:
+    """Why the kernel cannot take `query_rows` query rows per block, or None."""
     if query_rows not in QUERY_ROWS:
         return f"query_rows={query_rows} must be one of {QUERY_ROWS}"
-    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and register_bound:
-        return (f"query_rows={query_rows} does not combine with softcap or segment ids: with softcap ptxas "
-                "spills (D = 128: 88 bytes), and neither is tested at 80 rows")
     if query_rows != backward_common.TILE_M and register_bound:
         return (f"query_rows={query_rows} does not combine with softcap or segment ids: their per-row "
                 "statistics in registers make ptxas spill (D = 64: 352 bytes)")
     if query_rows == WIDE_QUERY_ROWS and head_dim not in WIDE_QUERY_HEAD_DIMS:
         return (f"query_rows={query_rows} fits registers and shared memory at head dims {WIDE_QUERY_HEAD_DIMS} "
                 f"only (got {head_dim})")
-    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and head_dim not in TRANSPOSED_DQ_HEAD_DIMS:
-        return (f"query_rows={query_rows} is built for head dims {TRANSPOSED_DQ_HEAD_DIMS} only (got {head_dim}): "
-                "its transposed dQ gives each warp group 64 of the head dim")
-    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and masked:
-        return (f"query_rows={query_rows} is the candidate for attention without a mask: with a causal mask or "
-                "a window it is neither tested nor timed (FA4 keeps 64 rows under a causal mask)")
-    if query_rows == TRANSPOSED_DQ_QUERY_ROWS and not flat_dq:
-        return (f"query_rows={query_rows} needs flat_dq=True: its transposed dQ fragment is staged in the "
-                "register order only")
     if query_rows != backward_common.TILE_M and head_splits > 1:
         return (f"query_rows={query_rows} does not combine with head_splits={head_splits}: the fp32 dK / dV "
                 "partials are staged over Q / dO rings sized for 64 rows")
@@ -1158,7 +1096,7 @@ def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, opt
     accumulator_shape, dq_rows = dq_accumulator_shape, _dq_rows
     if options.tuning.flat_dq:
         accumulator_shape = backward_common.flat_dq_accumulator_shape(kernel.tile_m)
-        dq_rows = backward_common.dq_from_fragments(kernel.tile_m, kernel.dq_transposed,
-                                                    column_groups=1 if options.tuning.dq_row_split else 2)
+        column_groups = 1 if options.tuning.dq_row_split else 2
+        dq_rows = backward_common.dq_from_fragments(kernel.tile_m, column_groups=column_groups)
     return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,
                              accumulator_shape, dq_rows, kernel.tile_m, options.num_sequences)

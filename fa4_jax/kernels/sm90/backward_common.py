@@ -109,8 +109,6 @@ class Sm90BackwardBase:
 
     # Whether the dK / dV accumulators hold dK^T / dV^T ([D, keys]; `_store_dkv_tma` transposes them).
     dkv_transposed = False
-    # Whether the warp groups split dK / dV by keys (each all of D) rather than by head-dim columns.
-    dkv_by_keys = False
     # Every how many of a thread's scores one exp2 of P runs on the FMA pipe (`numerics`; 0: none).
     poly_exp2_every = 0
 
@@ -277,7 +275,7 @@ def flat_dq_accumulator_shape(tile_m):
     return lambda batch, padded_rows, q_heads, head_dim: (batch, q_heads, padded_rows // tile_m, tile_m * head_dim)
 
 
-def dq_from_fragments(tile_m, transposed=False, column_groups=2):
+def dq_from_fragments(tile_m, column_groups=2):
     """The reader of that accumulator: the accumulator [B, Hq, query block, tile_m x D] as [B, q_len, Hq, D].
 
     Within a block, consumer warp group g of `column_groups` G (columns g D/G ...) puts thread t = 32 w
@@ -285,23 +283,13 @@ def dq_from_fragments(tile_m, transposed=False, column_groups=2):
     t) 4, K = tile_m D / (128 G) chunks a thread; the chunk's 4 values are (row half h, column c) =
     (0, 0), (0, 1), (1, 0), (1, 1). That value is row 64 m + 16 w + 8 h + q, column g D/G + 8 j + 2 r +
     c of the block (the PTX ISA's wgmma D fragment layout, repeated over the 64-row atoms m). G = 2
-    (backward.py, backward_large_heads.py's default) or 3 (its `three_warpgroups`: 64 columns each).
-
-    `transposed` (backward.py's 80-row blocks, which compute dQ^T = K^T dS^T): the fragment is of
-    dQ^T, warp group g holding head-dim rows g 64 ... (one 64-row atom, so D = 128) and all tile_m
-    query columns; chunk k = j is then head-dim row 64 g + 16 w + 8 h + q, query 8 j + 2 r + c."""
+    (backward.py, backward_large_heads.py's default) or 3 (its `three_warpgroups`: 64 columns each)."""
     def rows(dq_accum, q_len: int):
         batch, heads, blocks, flat = dq_accum.shape
         head_dim = flat // tile_m
-        if transposed:
-            assert head_dim == 128 and column_groups == 2, "one 64-row atom of the head dim per warp group"
-            fragments = dq_accum.reshape(batch, heads, blocks, 2, tile_m // 8, 4, 8, 4, 2, 2)
-            #             axes:          0      1      2       g  j            w  q  r  h  c
-            rows_columns = fragments.transpose(0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
-        else:
-            fragments = dq_accum.reshape(batch, heads, blocks, column_groups, tile_m // 64,
-                                         head_dim // (8 * column_groups), 4, 8, 4, 2, 2)
-            # axes: 0 batch, 1 heads, 2 blocks, 3 g, 4 m, 5 j, 6 w, 7 q, 8 r, 9 h, 10 c
-            rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
+        fragments = dq_accum.reshape(batch, heads, blocks, column_groups, tile_m // 64,
+                                     head_dim // (8 * column_groups), 4, 8, 4, 2, 2)
+        # axes: 0 batch, 1 heads, 2 blocks, 3 g, 4 m, 5 j, 6 w, 7 q, 8 r, 9 h, 10 c
+        rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
         return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
     return rows

@@ -132,13 +132,6 @@ class Tuning:
       causal, 1.31 / 1.34 -> 1.35 / 1.39 full; deterministic 0.43 / 0.46 -> 0.64 / 0.70 causal,
       0.74 / 0.88 -> 1.04 / 1.35 full (docs/sm90_backward_tuning.md, "D = 192: three consumer warp
       groups"). False keeps the two-group layout at D = 192, for comparison.
-    two_groups_by_keys (D = 192; takes the place of three_warpgroups): 96 keys per CTA and two consumer
-      warp groups of 240 registers that split the keys, not the head dim: group g computes S and dP for
-      keys [48 g, 48 g + 48) (m64n48k16) and accumulates dK^T and dV^T of those keys over all 192
-      columns (M = 192 as three 64-row atoms, N = 48: 2 x 72 fp32 registers a thread); dQ = dS K is
-      split by halves of D (m64n96k16). Every GEMM then reads at most 149 B of shared memory a tensor
-      clock (the three groups' S / dP read 192); FA4's D = 192 configuration has this shape. A
-      candidate, off until measured (docs/sm90_backward_tuning.md, "D = 192: two groups split by keys").
     prefetch_query: None (the default) takes it at D = Dv = 192 wherever the three-warp-group layout runs
       (not with segment ids, which keep two groups); True also at MLA's 192 / 128 (not yet timed there) and
       with segment ids; False keeps one Q stage and two P / dS buffers. The layout: a second Q stage, paid
@@ -159,7 +152,6 @@ class Tuning:
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
-    two_groups_by_keys: bool = False
     prefetch_query: Optional[bool] = None
 
 
@@ -174,8 +166,7 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
 
 def query_stages(head_dim: int, tile_n: int = TILE_N) -> int:
     """Depth of the Q / dO ring: what is left of shared memory after K, V, P, dS and the dQ staging
-    (two stages at D = 192, one at D = 256, one with the 96-key K and V of `Tuning.three_warpgroups`
-    and `Tuning.two_groups_by_keys`)."""
+    (two stages at D = 192, one at D = 256, one with the 96-key K and V of `Tuning.three_warpgroups`)."""
     return 2 if head_dim <= 192 and tile_n == TILE_N else 1
 
 
@@ -187,8 +178,7 @@ def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False
     D = Dv = 192 (v_head_dim None: Dv = D)."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     if tuning.three_warpgroups is None:
-        three = (head_dim == THREE_WARPGROUPS_HEAD_DIM and (tuning.prefetch_query or not has_segment_ids)
-                 and not tuning.two_groups_by_keys)
+        three = head_dim == THREE_WARPGROUPS_HEAD_DIM and (tuning.prefetch_query or not has_segment_ids)
         tuning = dataclasses.replace(tuning, three_warpgroups=three)
     if tuning.prefetch_query is None:
         tuning = dataclasses.replace(tuning, prefetch_query=bool(
@@ -202,14 +192,10 @@ def tuning_reason(tuning: Tuning, head_dim: int) -> Optional[str]:
         return (f"Tuning(three_warpgroups=True) is the D = {THREE_WARPGROUPS_HEAD_DIM} layout (three warp "
                 f"groups of 64 head-dim columns, 96 keys a CTA); at D = {head_dim} it fits neither the "
                 f"registers nor the shared memory: use the default Tuning")
-    if tuning.two_groups_by_keys and (head_dim != THREE_WARPGROUPS_HEAD_DIM or tuning.three_warpgroups):
-        return (f"Tuning(two_groups_by_keys=True) is a D = {THREE_WARPGROUPS_HEAD_DIM} layout of its own (two warp "
-                f"groups splitting 96 keys): not at D = {head_dim}, and not with three_warpgroups=True")
-    if tuning.prefetch_query and (head_dim != THREE_WARPGROUPS_HEAD_DIM or tuning.three_warpgroups is False
-                                  or tuning.two_groups_by_keys):
+    if tuning.prefetch_query and (head_dim != THREE_WARPGROUPS_HEAD_DIM or tuning.three_warpgroups is False):
         return (f"Tuning(prefetch_query=True) changes the D = {THREE_WARPGROUPS_HEAD_DIM} three-warp-group layout "
                 f"(a second Q stage for one P / dS buffer): not at D = {head_dim}, not with "
-                f"three_warpgroups=False or two_groups_by_keys=True")
+                f"three_warpgroups=False")
     return None
 
 
@@ -230,24 +216,21 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             raise ValueError(reason)
         tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids, self.v_head_dim)
         three_warpgroups = tuning.three_warpgroups
-        by_keys = tuning.two_groups_by_keys
-        # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dQ (and of dK,
-        # dV unless `dkv_by_keys`), and keys [g tile_n / groups, ...) of S and dP.
+        # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dQ, dK and dV,
+        # and keys [g tile_n / groups, ...) of S and dP.
         self.consumer_groups = 3 if three_warpgroups else 2
         self.group_dim = self.head_dim // self.consumer_groups
-        # Transposed (dK^T = Q^T dS, dV^T = dO^T P): M = the group's head-dim columns, N = the keys; or
-        # with `dkv_by_keys` M = the whole head dim, N = the group's keys (two_groups_by_keys).
-        self.dkv_transposed = three_warpgroups or by_keys
-        self.dkv_by_keys = by_keys
-        # The warp groups that hold dV: all of them (each Dv / groups columns, or with `dkv_by_keys` its
-        # keys), except with three groups at Dv = 128: dV^T's two 64-row atoms go to groups 0 and 1, and
-        # group 2 computes S, dP, dK^T and dQ only (`_consume(holds_dv=False)`).
+        # Transposed (dK^T = Q^T dS, dV^T = dO^T P): M = the group's head-dim columns, N = the keys.
+        self.dkv_transposed = three_warpgroups
+        # The warp groups that hold dV: all of them (each Dv / groups columns), except with three groups at
+        # Dv = 128: dV^T's two 64-row atoms go to groups 0 and 1, and group 2 computes S, dP, dK^T and dQ
+        # only (`_consume(holds_dv=False)`).
         assert self.v_head_dim % 64 == 0, "dV in whole 64-column MMA atoms"
         self.dv_groups = self.v_head_dim // self.group_dim if three_warpgroups else self.consumer_groups
         # Deterministic mode needs the plain walk (with a stagger the turns would wait).
         self.stagger = tuning.stagger and not self.deterministic
         self.diagonal_first = self.deterministic and tuning.diagonal_first
-        self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups or by_keys else TILE_N
+        self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups else TILE_N
         # `Tuning.prefetch_query`: two Q stages, dO one in a ring of its own (`separate_do_ring`), one P / dS
         # buffer.
         prefetch = tuning.prefetch_query
@@ -295,14 +278,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         mma_sdp = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, groups, 1),
             (self.tile_m, self.tile_n // groups))
-        if self.dkv_by_keys:
-            # dV^T += dO^T P, dK^T += Q^T dS as below, each warp group N = its keys and M = all of D (Dv):
-            # the [D, keys] accumulator tiles the (64, keys) MMA three times along M (Dv / 64 times for
-            # dV), all in each group.
-            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, groups, 1),
-                (64, self.tile_n // groups))
-        elif self.dkv_transposed:
+        if self.dkv_transposed:
             # dV^T += dO^T P, dK^T += Q^T dS: A = dO^T / Q^T read as [D, rows] (D contiguous), B = P
             # / dS read as [keys, rows] (keys contiguous); each warp group M = its columns of D.
             mma_dkv = sm90_helpers.make_trivial_tiled_mma(
@@ -321,12 +297,11 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         return mma_sdp, mma_dkv, mma_dq
 
     def _dv_tiled_mma(self, mma_dkv):
-        """The dV (dV^T) MMA: `mma_dkv` where dV has dK's shape (D = Dv) or the groups split the keys
-        (`dkv_by_keys`: Dv / 64 atoms along M instead of three); at Dv < D each warp group's N = Dv /
-        groups columns of dV, or, transposed, the first `dv_groups` groups' M = 64 rows of dV^T each.
+        """The dV (dV^T) MMA: `mma_dkv` where dV has dK's shape (D = Dv); at Dv < D each warp group's
+        N = Dv / groups columns of dV, or, transposed, the first `dv_groups` groups' M = 64 rows of dV^T each.
         Built where it is used, not passed to the kernel: a tiled MMA is a kernel parameter of its own,
         and the D = Dv kernels keep theirs."""
-        if self.v_head_dim == self.head_dim or self.dkv_by_keys:
+        if self.v_head_dim == self.head_dim:
             return mma_dkv
         if self.dkv_transposed:
             return sm90_helpers.make_trivial_tiled_mma(
@@ -354,10 +329,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         v_layout = k_major_layout(self.dtype, self.tile_n, self.v_head_dim, None, value_atom)
         # P and dS as [rows, keys], keys contiguous: what the S accumulator writes pairwise, the
         # K-major A of dQ and (transposed) the MN-major A of dV / dK.
-        # With `dkv_by_keys` the atom must tile a group's 48 keys (16 columns, where 96 keys take 32).
-        pds_columns = self.tile_n // self.consumer_groups if self.dkv_by_keys else self.tile_n
         pds_layout = k_major_layout(self.dtype, self.tile_m, self.tile_n, self.pds_buffers,
-                                    swizzle_columns(pds_columns, 64))
+                                    swizzle_columns(self.tile_n, 64))
         return q_layout, do_layout, k_layout, v_layout, pds_layout
 
     @cute.jit
