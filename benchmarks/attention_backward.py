@@ -168,6 +168,11 @@ def _variants():
         "deterministic_plain_turns": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, rotated_turns=False), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "plain_turns"), masks=("full",)),
+        # Deterministic with a dQ writer warp per staging buffer (`Tuning(dq_writers=2)`; the shipped kernel
+        # has one, whose serial turn + completion + release per block the consumers wait for).
+        "deterministic_two_dq_writers": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_writers=small_heads.DQ_BUFFERS), True,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "two_dq_writers")),
         # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
         **{f"{prefix}query_rows_64": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),

@@ -13,6 +13,7 @@ The DSL reads CUTE_DSL_ARCH / CUTE_DSL_KEEP at import, so the cases compile in o
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import pytest
@@ -118,6 +119,18 @@ CASES = {
     "d128-gqa-lengths-deterministic-rotated-turns": dict(
         config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
         shape=[2, 256, 700, 8, 2, 128], head_splits=2),
+    # Two dQ writer warps, one per staging buffer (`Tuning(dq_writers=2)`, deterministic only): the rotated
+    # full-mask walk at D 128 with head splits and key lengths, the causal turns at D 64 (128 rows), and the
+    # tiled dQ staging at D 96.
+    "d128-gqa-lengths-deterministic-two-dq-writers": dict(
+        config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
+        shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(dq_writers=2)),
+    "d64-causal-deterministic-two-dq-writers": dict(
+        config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 333, 4, 4, 64],
+        tuning=dict(dq_writers=2)),
+    "d96-causal-gqa-deterministic-tiled-dq-two-dq-writers": dict(
+        config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
+        tuning=dict(flat_dq=False, dq_writers=2)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),
@@ -180,11 +193,12 @@ def _kernel(spec):
     return sm90_backward.Sm90BackwardKernel(sm90_backward.options(AttentionConfig(**spec["config"]), problem, tuning))
 
 
-def _bulk_reduce_count(head_dim, head_splits):
+def _bulk_reduce_count(head_dim, head_splits, dq_writers=1):
     """TMA reduce-adds in the PTX: one per 128-byte-swizzle-wide column block (fewer columns where the
-    width does not divide by them) of the dQ halves, and with head splits of dK and dV too."""
+    width does not divide by them) of the dQ halves in each dQ writer's loop, and with head splits of dK
+    and dV too."""
     dq_half = head_dim // 2
-    count = 2 * dq_half // swizzle_columns(dq_half, 32)
+    count = 2 * dq_half // swizzle_columns(dq_half, 32) * dq_writers
     if head_splits > 1:
         count += 2 * head_dim // swizzle_columns(head_dim, 32)
     return count
@@ -242,8 +256,13 @@ def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
             kernel.head_dim, 1), len(reduces)
     else:
         assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx, "no TMA reduce-add for dQ"
-        assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits), len(reduces)
+        assert len(reduces) == _bulk_reduce_count(kernel.head_dim, kernel.head_splits, kernel.dq_writers), \
+            len(reduces)
     assert not re.search(r"red(\.[a-z]+)*\.global(\.[a-z0-9]+)*\.add\.f32", ptx), "per-element dQ red.add"
+    if kernel.tuning.flat_dq:
+        # One dQ writer warp, or one per staging buffer (`Tuning.dq_writers`), each with its own writer loop.
+        dq_adds = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta[^;]*\.add\.f32", ptx)
+        assert len(dq_adds) == kernel.dq_writers, (len(dq_adds), kernel.dq_writers)
     # The dQ turns (ordered_reduction): an acquire spin and a release add, in deterministic mode only.
     deterministic = CASES[name]["config"].get("deterministic", False)
     assert bool(re.search(r"ld(\.[a-z]+)*\.acquire", ptx)) == deterministic
@@ -539,3 +558,20 @@ def test_rotated_turns_resolve_where_they_are_safe(extra, kv_len, expected):
         config = AttentionConfig(scale=0.1, deterministic=deterministic, **extra)
         resolved = backward.options(config, problem, tuning).tuning.rotated_turns
         assert resolved == (expected and deterministic), (extra, kv_len, deterministic)
+
+
+def test_dq_writers_resolve_to_one_without_determinism():
+    """`Tuning.dq_writers` (a writer warp per dQ staging buffer) shortens the deterministic turns only:
+    `options` resolves it to 1 elsewhere, and the kernel refuses a count other than 1 or DQ_BUFFERS."""
+    from fa4_jax.kernels.sm90 import backward
+
+    problem = host.Problem((2, 1024, 8, 128), (2, 1024, 8, 128), (2, 1024, 8, 128), "bfloat16")
+    tuning = dataclasses.replace(backward.DEFAULT_TUNING, dq_writers=backward.DQ_BUFFERS)
+    for deterministic, causal in itertools.product((True, False), (True, False)):
+        config = AttentionConfig(scale=0.1, deterministic=deterministic, causal=causal)
+        resolved = backward.options(config, problem, tuning)
+        assert resolved.tuning.dq_writers == (backward.DQ_BUFFERS if deterministic else 1)
+        backward.Sm90BackwardKernel(resolved)
+    config = AttentionConfig(scale=0.1, deterministic=True)
+    with pytest.raises(ValueError, match="dq_writers=3"):
+        backward.Sm90BackwardKernel(backward.options(config, problem, dataclasses.replace(tuning, dq_writers=3)))

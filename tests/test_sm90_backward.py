@@ -208,6 +208,34 @@ def test_rotated_turns_match_oracle(case: Case, head_splits, inputs):
     _check_against_oracle(case, tuning, inputs, deterministic=True)
 
 
+# Two dQ writer warps, one per staging buffer (`Tuning(dq_writers=2)`, deterministic only; a candidate): each
+# tile's adds keep their turns, so the gradients are one writer's bit for bit (the inputs are drawn once
+# per test: both runs see the same). The deterministic cases, the rotated walk's, head splits of 2, the
+# sanitizer shapes and the tiled dQ staging. Select with `-k two_dq_writers`.
+TWO_DQ_WRITER_CASES = ([case for case in CASES if case.name in DETERMINISTIC_CASES] + ROTATED_TURN_CASES
+                       + [Case(f"sanitizer-d{d}{'-causal' if causal else ''}", head_dim=d, batch=1, q_heads=2,
+                               kv_heads=2, q_len=200, kv_len=200, causal=causal)
+                          for d in (64, 128) for causal in (False, True)])
+
+
+@pytest.mark.parametrize("head_splits, flat_dq", [(1, True), (2, True), (1, False)],
+                         ids=["one-split", "head-splits-2", "tiled-dq"])
+@pytest.mark.parametrize("case", TWO_DQ_WRITER_CASES, ids=lambda case: case.name)
+def test_two_dq_writers_match_one_bit_for_bit(case: Case, head_splits, flat_dq, inputs):
+    if head_splits > 1 and case.q_heads == case.kv_heads:
+        pytest.skip("head splits need a GQA group")
+    one = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits, flat_dq=flat_dq)
+    two = dataclasses.replace(one, dq_writers=sm90_backward.DQ_BUFFERS)
+    state = inputs.generator.bit_generator.state
+    first = _check_against_oracle(case, one, inputs, deterministic=True)
+    inputs.generator.bit_generator.state = state   # the same draws again
+    second = _check_against_oracle(case, two, inputs, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), first, second):
+        if a is not None:
+            assert np.array_equal(np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))), \
+                f"{case.name} {name}: two writers differ from one"
+
+
 @pytest.mark.parametrize("tuning", sorted(WIDE_QUERY_TUNINGS))
 @pytest.mark.parametrize("deterministic", [False, True], ids=["unordered_dq", "deterministic"])
 @pytest.mark.parametrize("case", WIDE_QUERY_CASES, ids=lambda case: case.name)
@@ -217,7 +245,7 @@ def test_wide_query_blocks_match_oracle(case: Case, deterministic, tuning, input
 
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):
     """`kernel.run` (this module's kernel or its large-head twin) with `tuning` on the oracle's out and
-    LSE, against the oracle's gradients."""
+    LSE, against the oracle's gradients; returns the kernel's gradients."""
     query, key, value, d_out, d_lse, options, optional, config = _make_problem(case, inputs)
     config = config.replace(deterministic=deterministic)
     problem = host.Problem.of(query, key, value)
@@ -239,6 +267,7 @@ def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kerne
         actual = np.asarray(jnp.asarray(actual, jnp.float32))
         assert not np.any(np.isnan(actual)), f"{case.name} {name}: NaN"
         numpy_reference.assert_close(actual, expected[name], tolerance, f"{case.name} {name}")
+    return grads
 
 
 # Small shapes for compute-sanitizer (racecheck on shared memory, memcheck with one allocation per

@@ -141,6 +141,16 @@ class Tuning:
       deterministic full masks at 1k / 4k): D = 64 0.84 / 0.84 -> 0.97 / 0.97, D = 128 0.79 / 0.79 ->
       0.83 / 0.82 (docs/sm90_backward_tuning.md, "Deterministic dQ: rotated turns"). False: every key
       block walks from the first query block, the turns highest key block first.
+    dq_writers (deterministic): warps of the producer warp group that write dQ, 1 or DQ_BUFFERS. In
+      deterministic mode a writer holds its staging buffer through the tile's turn, the add's completion
+      in global memory and the release of the turn (~1.5-2 us a block at D = 128, against a block of
+      ~2.6 us), and one writer runs those chains one block after another, so the consumers, at most
+      DQ_BUFFERS blocks ahead, wait for a free buffer (ncu, an H100, rev c09cd79: their wait is 16 % of
+      the warp samples deterministic, 6 % default; docs/sm90_backward_tuning.md). With DQ_BUFFERS
+      writers, writer w takes the blocks i = w (mod DQ_BUFFERS), always in buffer w, so the chains of
+      consecutive blocks overlap. Each tile's adds keep their order (the turns), so dQ stays bitwise
+      reproducible; no wait is added (block i still needs only block i - DQ_BUFFERS's buffer back), so
+      the turns stay free of cycles. A candidate, resolved to 1 outside deterministic mode (`options`).
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -159,6 +169,7 @@ class Tuning:
     poly_exp2_every: int = 0
     dq_row_split: Optional[bool] = None
     rotated_turns: bool = True
+    dq_writers: int = 1
 
 
 DEFAULT_TUNING = Tuning()
@@ -235,6 +246,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             self.tma_dkv_store = False
             self.key_blocks_outer = False
         self.dq_buffers = DQ_BUFFERS
+        if tuning.dq_writers not in (1, self.dq_buffers) or (tuning.dq_writers > 1 and not self.deterministic):
+            raise ValueError(f"dq_writers={tuning.dq_writers}: one dQ writer warp, or {self.dq_buffers} (one per "
+                             "staging buffer) in deterministic mode")
+        self.dq_writers = tuning.dq_writers
         self.check_shared_memory()
         if self.head_splits != 1:
             self._check_head_splits()
@@ -506,9 +521,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
                               mLSE, mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head,
                               batch, m_lo, m_count, iterations, sequence)
-            if warp_idx == 1:
-                self._write_dq(dq_pipe, sdQ, tma_dq, mdQ_tma, mSemaphores, n_block, kv_head, batch, m_lo,
-                               m_count, iterations, kv_len, offset, q_start, sequence)
+            for writer in cutlass.range_constexpr(self.dq_writers):
+                if warp_idx == 1 + writer:
+                    self._write_dq(dq_pipe, sdQ, tma_dq, mdQ_tma, mSemaphores, n_block, kv_head, batch, m_lo,
+                                   m_count, iterations, kv_len, offset, q_start, sequence, writer)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             self._consume(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
@@ -769,17 +785,21 @@ class Sm90BackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def _write_dq(self, dq_pipe, sdQ, tma_dq, mdQ_tma, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
-                  iterations, kv_len, offset, q_start, sequence):
+                  iterations, kv_len, offset, q_start, sequence, writer: cutlass.Constexpr = 0):
         """The dQ writer warp: per query block, wait for the consumers' staged dQ, add it into the
         fp32 accumulator with two bulk tensor reduces (one per half of D), free the buffer once the
         copy engine has read it. Deterministic: in the tile's turn, highest key block first
         (`ordered_reduction`). Packed sequences: the tiles are the sequence's own, at its rows, and
-        their turn counters the scheduler's query slots (`tile_scheduler.packed_key_item`)."""
+        their turn counters the scheduler's query slots (`tile_scheduler.packed_key_item`). With
+        `Tuning.dq_writers` > 1, writer `writer` takes every dq_writers-th block from block `writer`."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.dq_buffers)
         m_start = self._first_query_block(n_block, m_lo, m_count)
         q_head, m_block = self._first_head(kv_head), m_start
-        for it in cutlass.range(iterations, unroll=1):
+        for _ in cutlass.range_constexpr(writer):
+            dq_state.advance()
+            q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
+        for it in cutlass.range((iterations - writer + self.dq_writers - 1) // self.dq_writers, unroll=1):
             tdQsdQ, tdQgdQ = None, None
             if const_expr(not self.tuning.flat_dq):
                 gdQ = cute.local_tile(self._sequence_rows(mdQ_tma[None, None, q_head, batch], sequence, 0),
@@ -815,8 +835,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             cute.arch.cp_async_bulk_commit_group()
             ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
-            dq_state.advance()
-            q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
+            for _ in cutlass.range_constexpr(self.dq_writers):
+                dq_state.advance()
+                q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
 
     @cute.jit
     def _add_dkv_partials(self, acc_dK, acc_dV, sQ, sK, tma_dk, mdK, tma_dv, mdV, thr_dkv, n_block,
@@ -918,7 +939,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         if reason is not None:
             raise ValueError(reason)
         packed_tuning = dataclasses.replace(tuning, head_splits=None, query_rows=query_rows, flat_dq=False,
-                                            dq_row_split=bool(tuning.dq_row_split), rotated_turns=False)
+                                            dq_row_split=bool(tuning.dq_row_split), rotated_turns=False,
+                                            dq_writers=tuning.dq_writers if config.deterministic else 1)
         return dataclasses.replace(BackwardOptions.of(config, problem, packed_tuning), num_sequences=problem.sequences)
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
@@ -945,9 +967,12 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         dq_row_split = query_rows == WIDE_QUERY_ROWS and tuning.flat_dq
     rotated_turns = tuning.rotated_turns and rotated_turns_reason(
         config, host.ceil_div(problem.kv_len, TILE_N), host.sm_count(DEFAULT_SM_COUNT)) is None
+    # A second dQ writer shortens the deterministic mode's serial turns only; without them one keeps up.
+    dq_writers = tuning.dq_writers if config.deterministic else 1
     return BackwardOptions.of(config, problem, dataclasses.replace(tuning, head_splits=None, query_rows=query_rows,
                                                                    dq_row_split=dq_row_split,
-                                                                   rotated_turns=rotated_turns), head_splits)
+                                                                   rotated_turns=rotated_turns,
+                                                                   dq_writers=dq_writers), head_splits)
 
 
 def rotated_turns_reason(config: AttentionConfig, key_blocks: int, sm_count: int) -> Optional[str]:
