@@ -196,12 +196,42 @@ def test_three_warpgroups_query_shards_match_oracle(case: Case, shards, variant,
     _check_query_shards(case, shards, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
+# The deterministic dQ writer candidates (`Tuning.dq_free_on_read`, and with it `dq_writers=2`): the buffer
+# freed once read and two writer warps change when adds are issued, not their order in each tile, so the
+# gradients are the default's bit for bit (same draws for both runs). D = 192 and 256 cases, the D = 192
+# three-warp-group ones (the default layout there) and MLA's 192 / 128. Select with `-k dq_writer`.
+DQ_WRITER_TUNINGS = {"dq_free_on_read": sm90_backward_large_heads.Tuning(dq_free_on_read=True),
+                     "two_dq_writers": sm90_backward_large_heads.Tuning(dq_free_on_read=True, dq_writers=2)}
+DQ_WRITER_CASES = [case for case in CASES if case.name in (
+    "plain-d256", "plain-d192", "causal-d256", "causal-cross-d192", "gqa-causal-d256", "window-causal-left-d192",
+    "sinks-causal-empty-rows-d192", "lengths-causal-d256", "gqa-long-d256")] + [
+    case for case in THREE_WARPGROUPS_CASES if case.name in ("aligned-d192", "causal-gqa-odd-d192",
+                                                             "gqa-long-d192")] + [
+    case for case in MLA_CASES if case.name in ("mla", "mla-causal-gqa-odd")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", list(DQ_WRITER_TUNINGS))
+@pytest.mark.parametrize("case", DQ_WRITER_CASES, ids=lambda case: case.name)
+def test_dq_writer_candidates_match_the_default_bit_for_bit(case: Case, tuning, inputs):
+    state = inputs.generator.bit_generator.state
+    first = _check_against_oracle(case, sm90_backward_large_heads.DEFAULT_TUNING, inputs, True,
+                                  kernel=sm90_backward_large_heads)
+    inputs.generator.bit_generator.state = state   # the same draws again
+    second = _check_against_oracle(case, DQ_WRITER_TUNINGS[tuning], inputs, True, kernel=sm90_backward_large_heads)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), first, second):
+        if a is not None:
+            assert np.array_equal(np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))), \
+                f"{case.name} {name}: {tuning} differs from the default"
+
+
 DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()
                          if deterministic}
 # Lowest key block first: D = 256's default order, D = 192's before diagonal-first became its default.
 DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.Tuning(diagonal_first=False)
 DETERMINISTIC_TUNINGS["three_warpgroups"] = sm90_backward_large_heads.Tuning(three_warpgroups=True)
 DETERMINISTIC_TUNINGS["prefetch_query"] = sm90_backward_large_heads.Tuning(prefetch_query=True)
+DETERMINISTIC_TUNINGS["two_dq_writers"] = DQ_WRITER_TUNINGS["two_dq_writers"]
 
 REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),
