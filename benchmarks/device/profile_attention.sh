@@ -9,6 +9,8 @@
 #   bash benchmarks/device/profile_attention.sh forward "2 8192 16/16 128"
 # LIBRARIES (environment; default "fa4_jax fa4peer") picks the profiled libraries; fa4_jax_deterministic is
 # fa4_jax with deterministic=True.
+# NCU_ARGS (environment) goes to ncu before the rest, e.g. "--replay-mode application": our forward's
+# process segfaulted under the default kernel replay at rev c09cd79 (an H100, B 2, S 8k, D 128), 9 s in.
 set -u
 PASS=$1
 shift
@@ -29,7 +31,8 @@ for shape in "$@"; do
     name="$OUT/${library}_${tag}"
     extra=$flag
     [ "$library" = fa4_jax_deterministic ] && { library=fa4_jax; extra="$flag --deterministic"; }
-    timeout 150 ncu --set full --import-source no "${SELECT[@]}" \
+    # shellcheck disable=SC2086  # NCU_ARGS: words meant to split
+    timeout 150 ncu ${NCU_ARGS:-} --set full --import-source no "${SELECT[@]}" \
       -f -o "$name" python3 benchmarks/profile_attention.py --pass "$PASS" --library "$library" --batch "$batch" \
       --seq "$seq" --heads "$heads" --head-dim "$head_dim" $extra --calls 1 > "$name.log" 2>&1
     echo "$(basename "$name"): ncu rc=$? after ${SECONDS} s"
