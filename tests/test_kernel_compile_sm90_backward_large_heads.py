@@ -121,17 +121,17 @@ CASES = {
     "d192-v128-prefetch-query-deterministic-causal-gqa": dict(
         config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 333, 8, 2, 192, 128],
         tuning=dict(prefetch_query=True)),
-    # The deterministic dQ writer candidates (`Tuning.dq_free_on_read`, `dq_writers=2`): D = 192's default
-    # layout causal GQA, D = 256 full, MLA causal.
-    "d192-deterministic-causal-gqa-two-dq-writers": dict(
+    # The deterministic dQ writer candidate (`Tuning.dq_free_on_read`): D = 192's default layout causal GQA,
+    # D = 256 full, MLA causal.
+    "d192-deterministic-causal-gqa-dq-free-on-read": dict(
         config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 333, 300, 8, 2, 192],
-        tuning=dict(dq_free_on_read=True, dq_writers=2)),
+        tuning=dict(dq_free_on_read=True)),
     "d256-deterministic-dq-free-on-read": dict(
         config=dict(scale=256 ** -0.5, deterministic=True), shape=[2, 256, 512, 8, 2, 256],
         tuning=dict(dq_free_on_read=True)),
-    "d192-v128-deterministic-causal-two-dq-writers": dict(
+    "d192-v128-deterministic-causal-dq-free-on-read": dict(
         config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 333, 8, 2, 192, 128],
-        tuning=dict(dq_free_on_read=True, dq_writers=2)),
+        tuning=dict(dq_free_on_read=True)),
 }
 
 
@@ -187,10 +187,10 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     deterministic = CASES[name]["config"].get("deterministic", False)
     assert bool(re.search(r"ld(\.[a-z]+)*\.acquire", ptx)) == deterministic
     assert bool(re.search(r"red(\.[a-z]+)*\.release", ptx)) == deterministic
-    # One bulk dQ add per writer warp (`Tuning.dq_writers`); deterministic, the buffer goes back on the copy
-    # engine's read only with `dq_free_on_read` (else after the add is complete).
+    # One bulk dQ add (the writer warp's); deterministic, the buffer goes back on the copy engine's read only
+    # with `dq_free_on_read` (else after the add is complete).
     dq_adds = [m.end() for m in re.finditer(r"cp\.reduce\.async\.bulk\.global\.shared::cta[^;]*\.add", ptx)]
-    assert len(dq_adds) == kernel.dq_writers
+    assert len(dq_adds) == 1
     for end in dq_adds:   # the writer's first wait after its add: on the read, or (ordered) on the completion
         wait = re.compile(r"cp\.async\.bulk\.wait_group(\.read)?\s").search(ptx, end)
         assert bool(wait.group(1)) == (kernel.dq_free_on_read or not deterministic), ptx[end:wait.end()][-200:]
@@ -313,7 +313,7 @@ INAPPLICABLE_TUNING = {
     parameter: (dict(config=dict(scale=256 ** -0.5, causal=True, deterministic=deterministic),
                      shape=[2, 300, 333, 8, 2, 256]), inapplicable)
     for parameter, deterministic, inapplicable in [("unordered_dq", False, dict(diagonal_first=False,
-                                                                                dq_free_on_read=True, dq_writers=2)),
+                                                                                dq_free_on_read=True)),
                                                    ("deterministic", True, dict(stagger=False))]}
 
 

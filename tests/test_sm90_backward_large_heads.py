@@ -196,12 +196,11 @@ def test_three_warpgroups_query_shards_match_oracle(case: Case, shards, variant,
     _check_query_shards(case, shards, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
-# The deterministic dQ writer candidates (`Tuning.dq_free_on_read`, and with it `dq_writers=2`): the buffer
-# freed once read and two writer warps change when adds are issued, not their order in each tile, so the
-# gradients are the default's bit for bit (same draws for both runs). D = 192 and 256 cases, the D = 192
-# three-warp-group ones (the default layout there) and MLA's 192 / 128. Select with `-k dq_writer`.
-DQ_WRITER_TUNINGS = {"dq_free_on_read": sm90_backward_large_heads.Tuning(dq_free_on_read=True),
-                     "two_dq_writers": sm90_backward_large_heads.Tuning(dq_free_on_read=True, dq_writers=2)}
+# The deterministic dQ writer candidate (`Tuning.dq_free_on_read`): the buffer freed once read changes
+# when adds are issued, not their order in each tile, so the gradients are the default's bit for bit (same
+# draws for both runs). D = 192 and 256 cases, the D = 192 three-warp-group ones (the default layout
+# there) and MLA's 192 / 128. Select with `-k dq_writer`.
+DQ_WRITER_TUNINGS = {"dq_free_on_read": sm90_backward_large_heads.Tuning(dq_free_on_read=True)}
 DQ_WRITER_CASES = [case for case in CASES if case.name in (
     "plain-d256", "plain-d192", "causal-d256", "causal-cross-d192", "gqa-causal-d256", "window-causal-left-d192",
     "sinks-causal-empty-rows-d192", "lengths-causal-d256", "gqa-long-d256")] + [
@@ -231,7 +230,7 @@ DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIA
 DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.Tuning(diagonal_first=False)
 DETERMINISTIC_TUNINGS["three_warpgroups"] = sm90_backward_large_heads.Tuning(three_warpgroups=True)
 DETERMINISTIC_TUNINGS["prefetch_query"] = sm90_backward_large_heads.Tuning(prefetch_query=True)
-DETERMINISTIC_TUNINGS["two_dq_writers"] = DQ_WRITER_TUNINGS["two_dq_writers"]
+DETERMINISTIC_TUNINGS["dq_free_on_read"] = DQ_WRITER_TUNINGS["dq_free_on_read"]
 
 REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),

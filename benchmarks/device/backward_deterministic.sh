@@ -5,9 +5,8 @@
 #          deterministic_two_dq_writers). GPU tests: two writers' gradients equal one writer's bit for bit
 #          (and the oracle) on the deterministic, rotated-walk and sanitizer cases, head splits, the tiled
 #          staging; then D 64 / 128, 1k / 4k, full and causal: default, deterministic, the candidate.
-#   large  backward_large_heads.py (one staging buffer): freed once read (`Tuning(dq_free_on_read=True)`),
-#          and with two writer warps on top; bit-for-bit tests against the default and the
-#          reproducibility runs, then D 192 / 256, 2k / 8k.
+#   large  backward_large_heads.py (one staging buffer): freed once read (`Tuning(dq_free_on_read=True)`);
+#          bit-for-bit tests against the default and the reproducibility runs, then D 192 / 256, 2k / 8k.
 # One call each (~6 min). Usage (device machine, repo root, bundle sourced):
 #   bash benchmarks/device/backward_deterministic.sh REV small|large
 set -u
@@ -18,8 +17,8 @@ case "${2:-}" in
            --variants default deterministic deterministic_two_dq_writers \
            --head-dims 64 128 --seq-lens 1024 4096 ;;
   large) exec bash "$HERE/backward_candidates.sh" "$1" backward_deterministic_large \
-           tests/test_sm90_backward_large_heads.py "dq_writer or (reproducible and (two_dq_writers or 1024x4x4))" \
-           --variants default deterministic deterministic_dq_free_on_read deterministic_large_two_dq_writers \
+           tests/test_sm90_backward_large_heads.py "dq_writer or (reproducible and (dq_free_on_read or 1024x4x4))" \
+           --variants default deterministic deterministic_dq_free_on_read \
            --head-dims 192 256 --seq-lens 2048 8192 ;;
   *) echo "usage: $0 REV small|large"; exit 2 ;;
 esac

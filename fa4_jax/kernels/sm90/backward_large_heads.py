@@ -154,16 +154,15 @@ class Tuning:
       at D = 192). With it the writer frees the buffer once the copy engine has read it, then waits for
       the completion and passes the turn: the order of each tile's adds, so the bits, are unchanged.
       backward.py measured the same a loss with two buffers (the consumers had one to spare there).
-      A candidate, resolved off outside deterministic mode (`resolved_tuning`).
-    dq_writers (deterministic, with dq_free_on_read): writer warps, 1 or 2; writer w takes the blocks
-      i = w (mod 2), so block i + 1's turn and add run while block i's add completes.
+      A candidate, resolved off outside deterministic mode (`resolved_tuning`). (backward.py's second
+      writer warp has no counterpart here: two writers taking turns on one buffer would wait on the same
+      mbarrier two phases apart, which its parity cannot tell apart.)
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
     prefetch_query: Optional[bool] = None
     dq_free_on_read: bool = False
-    dq_writers: int = 1
 
 
 DEFAULT_TUNING = Tuning()
@@ -190,7 +189,7 @@ def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False
     shorten the turns' chain only, go back to one writer that frees its buffer on read anyway."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     if not deterministic:
-        tuning = dataclasses.replace(tuning, dq_free_on_read=False, dq_writers=1)
+        tuning = dataclasses.replace(tuning, dq_free_on_read=False)
     if tuning.three_warpgroups is None:
         three = head_dim == THREE_WARPGROUPS_HEAD_DIM and (tuning.prefetch_query or not has_segment_ids)
         tuning = dataclasses.replace(tuning, three_warpgroups=three)
@@ -210,9 +209,6 @@ def tuning_reason(tuning: Tuning, head_dim: int) -> Optional[str]:
         return (f"Tuning(prefetch_query=True) changes the D = {THREE_WARPGROUPS_HEAD_DIM} three-warp-group layout "
                 f"(a second Q stage for one P / dS buffer): not at D = {head_dim}, not with "
                 f"three_warpgroups=False")
-    if tuning.dq_writers not in (1, 2) or (tuning.dq_writers == 2 and not tuning.dq_free_on_read):
-        return (f"Tuning(dq_writers={tuning.dq_writers}): 1, or 2 with dq_free_on_read=True (with one staging "
-                "buffer held through each add, a second writer would only wait)")
     return None
 
 
@@ -233,7 +229,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             raise ValueError(reason)
         tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids, self.v_head_dim,
                                  options.deterministic)
-        self.dq_free_on_read, self.dq_writers = tuning.dq_free_on_read, tuning.dq_writers
+        self.dq_free_on_read = tuning.dq_free_on_read
         three_warpgroups = tuning.three_warpgroups
         # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dQ, dK and dV,
         # and keys [g tile_n / groups, ...) of S and dP.
@@ -482,10 +478,9 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                 self._produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
                               None, None, None, None, query_pipe, key_pipe, n_block, kv_head, batch,
                               m_lo, m_count, iterations, do_pipe=do_pipe)
-            for writer in cutlass.range_constexpr(self.dq_writers):
-                if warp_idx == 1 + writer:
-                    self._write_dq(dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
-                                   iterations, kv_len, offset, q_start, writer)
+            if warp_idx == 1:
+                self._write_dq(dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
+                               iterations, kv_len, offset, q_start)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             consume = (mma_sdp, mma_dkv, self._dv_tiled_mma(mma_dkv), mma_dq, sQ, sdO, sK, sV, sP, sdS, sdQ,
@@ -701,20 +696,16 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def _write_dq(self, dq_pipe, sdQ, mdQacc, mSemaphores, n_block, kv_head, batch, m_lo, m_count,
-                  iterations, kv_len, offset, q_start, writer: cutlass.Constexpr = 0):
+                  iterations, kv_len, offset, q_start):
         """The dQ writer warp: per query block, wait for the staged dQ, add it into the fp32
         accumulator with one bulk reduce, free the buffer once the copy engine has read it.
         Deterministic: in the tile's turn (`ordered_reduction`), lowest key block first, or highest
         with `diagonal_first`; the buffer is freed once the add is complete, or on read with
-        `Tuning.dq_free_on_read`. With `Tuning.dq_writers` 2, writer `writer` takes every other block."""
+        `Tuning.dq_free_on_read`."""
         lane = cute.arch.lane_idx()
-        writers = self.dq_writers
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        for _ in cutlass.range_constexpr(writer):
-            dq_state.advance()
         tile_bytes = self.tile_m * self.head_dim * 4
-        for step in cutlass.range((iterations - writer + writers - 1) // writers, unroll=1):
-            it = step * writers + writer
+        for it in cutlass.range(iterations, unroll=1):
             q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             destination = mdQacc.iterator + cute.crd2idx((batch, q_head, m_block, 0), mdQacc.layout)
             dq_pipe.consumer_wait(dq_state)
@@ -737,8 +728,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             else:
                 ordered_reduction.finish_bulk_adds(flag, lane)
                 dq_pipe.consumer_release(dq_state)
-            for _ in cutlass.range_constexpr(writers):
-                dq_state.advance()
+            dq_state.advance()
 
 
 # ----------------------------------------------------------------------------------------------------
