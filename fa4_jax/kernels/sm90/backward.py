@@ -148,7 +148,8 @@ class Tuning:
       DQ_BUFFERS blocks ahead, wait for a free buffer (ncu, an H100, rev c09cd79: their wait is 16 % of
       the warp samples deterministic, 6 % default; docs/sm90_backward_tuning.md). With DQ_BUFFERS
       writers, writer w takes the blocks i = w (mod DQ_BUFFERS), always in buffer w, so the chains of
-      consecutive blocks overlap. Each tile's adds keep their order (the turns), so dQ stays bitwise
+      consecutive blocks overlap; each stage's mbarriers still pass between the consumers and one writer,
+      one phase at a time, as with a single writer. Each tile's adds keep their order (the turns), so dQ stays bitwise
       reproducible; no wait is added (block i still needs only block i - DQ_BUFFERS's buffer back), so
       the turns stay free of cycles. A candidate, resolved to 1 outside deterministic mode (`options`).
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
