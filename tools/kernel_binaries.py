@@ -26,14 +26,26 @@ there, unchanged) and passes it when the two trees produce a common cubin; the r
 variants each tree produced.
 
 Configurations are read from the tree's own test modules (imported with the tree and its tests/ first
-on sys.path), through the names those tests expose: `CONFIGS` and `_COMPILE` (tests/test_kernel_compile_sm90.py,
-one JSON dict of configurations on argv), `CASES` and `_COMPILE` (the two sm90 backward tests, one JSON
-spec on argv, as tests/ptx_checks.compile_batch passes it to each case), `CASES`, `GRID` and the module's
-`sm100_inspect` (`compile_kernels`, `REPORT_SPECS`) for sm100, and the `_LOWER*` scripts that lower a
-jitted call for CUDA (tests/test_compile_cache.py, tests/test_kernel_compile_sm100.py). Each
+on sys.path), through the names those tests expose: `CONFIGS` and `_COMPILE` (tests/test_kernel_compile_sm90.py
+and tests/test_kernel_compile_sm90_tangent.py, one JSON dict of configurations on argv, the forward's
+`PACKED_SEQUENCES` after it), `CASES` and
+`_COMPILE` (the two sm90 backward tests, one JSON spec on argv, as tests/ptx_checks.compile_batch passes
+it to each case), `CASES`, `GRID` and the module's `sm100_inspect` (`compile_kernels`, `REPORT_SPECS`)
+for sm100, and the `_LOWER*` scripts that lower a jitted call for CUDA (tests/test_compile_cache.py,
+tests/test_kernel_compile_sm100.py; tests/test_head_padding.py's `LOWERED_CASES` and `_LOWER_JVP`, and
+tests/test_warning_filters.py's `CASES`, whose lowerings compile several kernels each). Each
 configuration compiles in its own subprocess with its own empty dump directory; one that fails, or
 that leaves other than one PTX and one cubin, fails the manifest. A test module that compiles kernels
-but is not known here fails it too, so a new compile test cannot be left out unnoticed.
+but is not known here fails it too, so a new compile test cannot be left out unnoticed; the few that
+compile nothing worth hashing on a CPU are named, with the reason, in NOT_HASHED.
+
+A lowering that compiles several kernels (a forward and its backward or tangent; the decode kernel and
+its combine) is one job too. The DSL names a kernel's dump files after its arguments' types, cut to
+about 190 characters, so such kernels overwrite each other's files: the job runs its script under
+_SEPARATE_KERNELS, which moves each compile's PTX and cubin aside as it returns (and fails unless it
+left one of each). Its record's hashes are each the SHA-256 of its kernels' hashes, sorted (so neither
+the order they compiled in nor the file names count), and "kernels" lists the kernels' own records; a
+job of one kernel records that kernel's hashes themselves, as before.
 
 Keys are "<test module>::<collection>/<config name>", or "<test module>::<script>" for the lowering
 scripts.
@@ -62,8 +74,47 @@ KERNEL_NAME = re.compile(r"kernel_cutlass_\w+")
 ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
 LISTING = "KERNEL_BINARIES_JOBS "   # marks the line of `list --json` output among whatever imports print
 
-# What marks a test module as one that compiles kernels; each such module needs an entry in `_jobs_of`.
+# What marks a test module as one that compiles kernels; each such module needs an entry in `_jobs_of`,
+# or in NOT_HASHED.
 COMPILE_MARKERS = re.compile(r"_COMPILE\b|cute\.compile|compile_kernels|lowering_platforms|build_report")
+
+# Test modules that match COMPILE_MARKERS but build no configuration worth hashing here, knowingly left
+# out: module -> why. (tests/test_kernel_binaries_tool.py checks that each still exists and still matches.)
+NOT_HASHED = {
+    "test_kernel_binaries_tool": "this tool's own tests: their cute.compile is a stand-in DSL's, which writes "
+                                 "made-up dump files (the test of _SEPARATE_KERNELS); no kernel",
+    "test_sm100_protocol": "its compiles stop while tracing, on planted schedule mismatches: no binary",
+    "test_sm90_forward": "GPU-only: its kernels compile at run time on an H100 / H200 (every test that "
+                         "compiles or lowers is @gpu; `_kernel_calls` lowers inside those tests only); the "
+                         "CPU compile test of the same kernel and head dims (80, MLA's 192/128) is "
+                         "tests/test_kernel_compile_sm90.py",
+}
+
+# Runs a lowering script (argv[1], its arguments after it) that compiles several kernels in one process:
+# each compile's new PTX and cubin are moved aside as kernel<n>.ptx / .cubin the moment it returns, since
+# the next kernel's files may take the same name (see the docstring). Every kernel cutlass_call compiles
+# goes through cutlass.cute.compile, looked up at each call.
+_SEPARATE_KERNELS = r"""
+import glob, os, sys
+import cutlass.cute
+script, sys.argv = sys.argv[1], ["-c", *sys.argv[2:]]
+dump = os.environ["CUTE_DSL_DUMP_DIR"]
+original, kept = cutlass.cute.compile, set()
+
+def compile_apart(*arguments, **keywords):
+    result = original(*arguments, **keywords)
+    number = len(kept) // 2
+    for extension in ("ptx", "cubin"):
+        new = sorted(set(glob.glob(os.path.join(dump, "*." + extension))) - kept)
+        assert len(new) == 1, f"compile {number}: expected one new .{extension} file, found {new}"
+        path = os.path.join(dump, f"kernel{number}.{extension}")
+        os.replace(new[0], path)
+        kept.add(path)
+    return result
+
+cutlass.cute.compile = compile_apart
+exec(compile(script, "<lowering script>", "exec"), {"__name__": "__main__"})
+"""
 
 # Runs in the job's subprocess: the tree's own sm100 compile path, for one named spec.
 _SM100_COMPILE = r"""
@@ -87,15 +138,22 @@ def sha256(data: bytes) -> str:
 # --------------------------------------------------------------------------------------------------
 # Listing: the jobs a tree's compile tests make (runs with the tree on sys.path)
 
-def _script_job(key, arch, script, *arguments):
-    return {"key": key, "arch": arch, "kind": "script", "script": script, "arguments": list(arguments)}
+def _script_job(key, arch, script, *arguments, several_kernels=False):
+    """`python -c script arguments...`; with several_kernels, under _SEPARATE_KERNELS."""
+    return {"key": key, "arch": arch, "kind": "script", "script": script, "arguments": list(arguments),
+            "several_kernels": several_kernels}
 
 
 def _jobs_of(module_name: str, module) -> list:
     """One job per configuration the test module compiles: how to run it and for which arch."""
-    if module_name == "test_kernel_compile_sm90":
+    if module_name in NOT_HASHED:
+        return []
+    if module_name in ("test_kernel_compile_sm90", "test_kernel_compile_sm90_tangent"):
+        # The sm90 forward's script takes the packed configurations' sequence counts as a second argument
+        # (PACKED_SEQUENCES, since 36cddad); the tangent's, and the forward's before then, take none.
+        packed = [json.dumps(module.PACKED_SEQUENCES)] if hasattr(module, "PACKED_SEQUENCES") else []
         return [_script_job(f"{module_name}::CONFIGS/{name}", "sm_90a", module._COMPILE,
-                            json.dumps({name: config}))
+                            json.dumps({name: config}), *packed)
                 for name, config in module.CONFIGS.items()]
     if module_name in ("test_kernel_compile_sm90_backward", "test_kernel_compile_sm90_backward_large_heads"):
         jobs = [_script_job(f"{module_name}::CASES/{name}", "sm_90a", module._COMPILE,
@@ -118,8 +176,6 @@ def _jobs_of(module_name: str, module) -> list:
                  "kind": "sm100", "module": module_name, "name": name, "spec": spec}
                 for collection, specs in collections.items() for name, spec in specs.items()]
         return jobs + [_script_job(f"{module_name}::_LOWER", module.sm100_inspect.TARGET, module._LOWER)]
-    if module_name == "test_sm100_protocol":
-        return []  # its compiles stop while tracing, on planted schedule mismatches: no binary
     if module_name == "test_kernel_compile_sm100_backward":
         collections = {"CASES": module.CASES, "GRID": module.GRID,
                        "REPORT_SPECS": module.sm100_inspect.BACKWARD_REPORT_SPECS}
@@ -133,8 +189,32 @@ def _jobs_of(module_name: str, module) -> list:
     if module_name == "test_compile_cache":
         return [_script_job(f"{module_name}::{script}", "sm_90a", getattr(module, script))
                 for script in sorted(vars(module)) if script.startswith("_LOWER")]
+    if module_name == "test_head_padding":
+        return _head_padding_jobs(module_name, module)
+    if module_name == "test_warning_filters":
+        return _warning_filter_jobs(module_name, module)
     raise SystemExit(f"tests/{module_name}.py compiles kernels, but tools/kernel_binaries.py does not know "
-                     "how to build its configurations: add it to _jobs_of")
+                     "how to build its configurations: add it to _jobs_of (or, with the reason, to NOT_HASHED)")
+
+
+def _head_padding_jobs(module_name: str, module) -> list:
+    """The real kernels at padded head dims: each LOWERED_CASES lowering compiles a forward and a
+    backward, `_LOWER_JVP` the forward at 80 and the tangent at 128. The module's other kernel tests run
+    stand-ins on the CPU and compile nothing."""
+    jobs = [_script_job(f"{module_name}::LOWERED_CASES/{name}", arch, module._LOWER,
+                        json.dumps([head_dim, v_head_dim, capability]), several_kernels=True)
+            for name, (head_dim, v_head_dim, _, _, capability, arch) in module.LOWERED_CASES.items()]
+    return jobs + [_script_job(f"{module_name}::_LOWER_JVP", "sm_90a", module._LOWER_JVP, several_kernels=True)]
+
+
+def _warning_filter_jobs(module_name: str, module) -> list:
+    """Each case's lowering of its passes under warnings-as-errors, through the disk cache (the test's one
+    run without it compiles the same kernels in cutlass_call's own lowering): every kernel those passes
+    call (the decode case's combine kernel too)."""
+    return [_script_job(f"{module_name}::CASES/{name}", arch, module._LOWER,
+                        json.dumps({"capability": capability, "shape": shape, "options": options, "passes": passes}),
+                        several_kernels=True)
+            for name, (capability, arch, shape, options, passes) in module.CASES.items()]
 
 
 def list_jobs(tree: str) -> dict:
@@ -181,6 +261,8 @@ def _job_environment(tree: str, arch: str, directory: str) -> dict:
 
 
 def _command(tree: str, job: dict, directory: str) -> list:
+    if job["kind"] == "script" and job.get("several_kernels"):
+        return [sys.executable, "-c", _SEPARATE_KERNELS, job["script"], *job["arguments"]]
     if job["kind"] == "script":
         return [sys.executable, "-c", job["script"], *job["arguments"]]
     return [sys.executable, "-c", _SM100_COMPILE, os.path.join(tree, "tests"), job["module"],
@@ -203,27 +285,55 @@ def run_job(tree: str, job: dict, directory: str) -> dict:
     if process.returncode != 0:
         raise RuntimeError(f"{job['key']}: compile failed (exit {process.returncode})\n"
                            f"{process.stdout[-2000:]}\n{process.stderr[-3000:]}")
-    dump = os.path.join(directory, "dump")
-    ptx_files = sorted(glob.glob(os.path.join(dump, "*.ptx")))
-    cubin_files = sorted(glob.glob(os.path.join(dump, "*.cubin")))
-    if len(ptx_files) != 1 or len(cubin_files) != 1:
-        raise RuntimeError(f"{job['key']}: expected one PTX and one cubin in {dump}, found "
-                           f"{[os.path.basename(path) for path in ptx_files + cubin_files]}")
-    with open(ptx_files[0], "rb") as handle:
-        ptx = handle.read()
-    with open(cubin_files[0], "rb") as handle:
-        cubin = handle.read()
+    record = hash_dump(os.path.join(directory, "dump"), job.get("several_kernels", False), job["key"])
+    return {"arch": job["arch"], **record, "compile_seconds": round(seconds, 2)}
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def _kernel_record(ptx: bytes, cubin: bytes) -> dict:
     text = ptx.decode()
     return {
-        "arch": job["arch"],
         "ptx_sha256": sha256(ptx),
         "cubin_sha256": sha256(cubin),
         "ptx_normalized_sha256": sha256(normalized_ptx(text).encode()),
         "ptx_bytes": len(ptx),
         "cubin_bytes": len(cubin),
         "entries": ENTRY.findall(text),
-        "compile_seconds": round(seconds, 2),
     }
+
+
+def _combined_record(kernels: list) -> dict:
+    """One record for several kernels: each hash over the kernels' hashes sorted, so it depends on what
+    they compiled to and on nothing else (not the order, not the file names)."""
+    fields = ("ptx_sha256", "cubin_sha256", "ptx_normalized_sha256")
+    return {
+        **{field: sha256("\n".join(sorted(kernel[field] for kernel in kernels)).encode()) for field in fields},
+        "ptx_bytes": sum(kernel["ptx_bytes"] for kernel in kernels),
+        "cubin_bytes": sum(kernel["cubin_bytes"] for kernel in kernels),
+        "entries": sorted(entry for kernel in kernels for entry in kernel["entries"]),
+        "kernels": sorted(kernels, key=lambda kernel: (kernel["entries"], kernel["ptx_sha256"])),
+    }
+
+
+def hash_dump(dump: str, several_kernels: bool, key: str) -> dict:
+    """The record of what a job left in `dump`, or RuntimeError: one PTX and one cubin (a compile script
+    may have renamed the PTX), or, for a job of several kernels, PTX and cubin files in pairs of one name
+    (_SEPARATE_KERNELS's kernel<n>), at least one."""
+    ptx_files = sorted(glob.glob(os.path.join(dump, "*.ptx")))
+    cubin_files = sorted(glob.glob(os.path.join(dump, "*.cubin")))
+    found = [os.path.basename(path) for path in ptx_files + cubin_files]
+    if not several_kernels:
+        if len(ptx_files) != 1 or len(cubin_files) != 1:
+            raise RuntimeError(f"{key}: expected one PTX and one cubin in {dump}, found {found}")
+        return _kernel_record(_read(ptx_files[0]), _read(cubin_files[0]))
+    stems = [os.path.splitext(path)[0] for path in ptx_files]
+    if not stems or stems != [os.path.splitext(path)[0] for path in cubin_files]:
+        raise RuntimeError(f"{key}: expected PTX and cubin files in pairs of one name in {dump}, found {found}")
+    return _combined_record([_kernel_record(_read(stem + ".ptx"), _read(stem + ".cubin")) for stem in stems])
 
 
 def _tree_revision(tree: str) -> dict:
