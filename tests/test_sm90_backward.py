@@ -226,14 +226,21 @@ def test_two_dq_writers_match_one_bit_for_bit(case: Case, head_splits, flat_dq, 
         pytest.skip("head splits need a GQA group")
     one = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits, flat_dq=flat_dq)
     two = dataclasses.replace(one, dq_writers=sm90_backward.DQ_BUFFERS)
+    _check_same_bits_deterministic(case, one, two, inputs)
+
+
+def _check_same_bits_deterministic(case: Case, tuning, other, inputs, kernel=sm90_backward):
+    """Deterministic `kernel.run` with `tuning` and with `other` on the same draws: each against the oracle,
+    and the gradients of the two equal bit for bit (candidates that change when dQ adds are issued, not
+    their order in a tile)."""
     state = inputs.generator.bit_generator.state
-    first = _check_against_oracle(case, one, inputs, deterministic=True)
+    first = _check_against_oracle(case, tuning, inputs, deterministic=True, kernel=kernel)
     inputs.generator.bit_generator.state = state   # the same draws again
-    second = _check_against_oracle(case, two, inputs, deterministic=True)
+    second = _check_against_oracle(case, other, inputs, deterministic=True, kernel=kernel)
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), first, second):
         if a is not None:
             assert np.array_equal(np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))), \
-                f"{case.name} {name}: two writers differ from one"
+                f"{case.name} {name}: {other} differs from {tuning}"
 
 
 @pytest.mark.parametrize("tuning", sorted(WIDE_QUERY_TUNINGS))

@@ -24,7 +24,7 @@ pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Li
 from fa4_jax import reference  # noqa: E402
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm90 import backward_large_heads as sm90_backward_large_heads  # noqa: E402
-from test_sm90_backward import _check_against_oracle, _check_query_shards  # noqa: E402
+from test_sm90_backward import _check_against_oracle, _check_query_shards, _check_same_bits_deterministic  # noqa: E402
 
 VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
@@ -213,15 +213,8 @@ DQ_WRITER_CASES = [case for case in CASES if case.name in (
 @pytest.mark.parametrize("tuning", list(DQ_WRITER_TUNINGS))
 @pytest.mark.parametrize("case", DQ_WRITER_CASES, ids=lambda case: case.name)
 def test_dq_writer_candidates_match_the_default_bit_for_bit(case: Case, tuning, inputs):
-    state = inputs.generator.bit_generator.state
-    first = _check_against_oracle(case, sm90_backward_large_heads.DEFAULT_TUNING, inputs, True,
-                                  kernel=sm90_backward_large_heads)
-    inputs.generator.bit_generator.state = state   # the same draws again
-    second = _check_against_oracle(case, DQ_WRITER_TUNINGS[tuning], inputs, True, kernel=sm90_backward_large_heads)
-    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), first, second):
-        if a is not None:
-            assert np.array_equal(np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32))), \
-                f"{case.name} {name}: {tuning} differs from the default"
+    _check_same_bits_deterministic(case, sm90_backward_large_heads.DEFAULT_TUNING, DQ_WRITER_TUNINGS[tuning], inputs,
+                                   kernel=sm90_backward_large_heads)
 
 
 DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()

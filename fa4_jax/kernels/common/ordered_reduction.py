@@ -75,14 +75,21 @@ def wait_for_turn(counters: cute.Tensor, tile, turn, lane):
 
 
 @cute.jit
+def wait_for_bulk_reads():
+    """Hold the warp until the copy engine has read the source of every bulk copy its threads committed
+    (the adds may still be landing): their staging buffers may be refilled from here."""
+    cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.sync_warp()
+
+
+@cute.jit
 def finish_bulk_adds(flag, lane):
     """After the writer warp commits its bulk adds: with `flag` (from `wait_for_turn`), wait until
     they are complete in global memory, not just read, and pass the tile's turn to the next visitor;
     with `flag` None (no ordering), wait only until the copy engine has read the staging buffer, so
     it can be refilled while the adds land."""
     if const_expr(flag is None):
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.sync_warp()
+        wait_for_bulk_reads()
     else:
         cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.sync_warp()

@@ -185,8 +185,8 @@ def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False
     """`tuning` with the measured choices in place of None: three warp groups at D = 192 except with
     segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block) unless
     `prefetch_query` asks for them, two otherwise; `prefetch_query` where the three groups run at
-    D = Dv = 192 (v_head_dim None: Dv = D). Outside deterministic mode the dQ writer's choices, which
-    shorten the turns' chain only, go back to one writer that frees its buffer on read anyway."""
+    D = Dv = 192 (v_head_dim None: Dv = D). Outside deterministic mode `dq_free_on_read` is resolved off:
+    it shortens the turns' chain only, and there the writer frees its buffer on read anyway."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     if not deterministic:
         tuning = dataclasses.replace(tuning, dq_free_on_read=False)
@@ -721,8 +721,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                     type=primitives.CpReduceType.F32)
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.dq_free_on_read):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
+                ordered_reduction.wait_for_bulk_reads()
                 dq_pipe.consumer_release(dq_state)
                 ordered_reduction.finish_bulk_adds(flag, lane)   # complete in global memory, then the turn
             else:
