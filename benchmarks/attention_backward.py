@@ -168,10 +168,10 @@ def _variants():
         "deterministic_plain_turns": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, rotated_turns=False), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "plain_turns"), masks=("full",)),
-        # Deterministic with a dQ writer warp per staging buffer (`Tuning(dq_writers=2)`; the shipped kernel
-        # has one, whose serial turn + completion + release per block the consumers wait for).
-        "deterministic_two_dq_writers": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_writers=small_heads.DQ_BUFFERS), True,
+        # Deterministic with one dQ writer warp (the shipped kernel has one per staging buffer,
+        # `Tuning.dq_writers`: one runs each block's turn + completion + release serially).
+        "deterministic_one_dq_writer": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_writers=1), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "two_dq_writers")),
         # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
         **{f"{prefix}query_rows_64": Variant(
@@ -241,8 +241,8 @@ SHAPE_SETS = {"gqa": GQA_SHAPES, "d192": D192_SHAPES, "mla": MLA_SHAPES}
 
 def variants_passing(test_log: str):
     """The variants to time after the GPU tests in `test_log` (pytest -rA or -v, -q or not, with
-    xdist or not): the shipped ones, and each candidate with at least one test of its id in its
-    test file passed and none failed or errored, in a run that reached its summary line. A run cut
+    xdist or not): the shipped ones, and each candidate with at least one test of its id (in the test's
+    name or one of its parameter ids) in its test file passed and none failed or errored, in a run that reached its summary line. A run cut
     short (a hang, a time limit) leaves only the shipped ones."""
     with open(test_log) as handle:
         lines = handle.read().splitlines()
@@ -252,8 +252,8 @@ def variants_passing(test_log: str):
     def outcomes(test_file, test_id):
         found = set()
         for line in lines:
-            test = re.search(rf"\b{re.escape(test_file)}::\w+\[([^\]]*)\]", line)
-            if test and test_id in test.group(1).split("-"):
+            test = re.search(rf"\b{re.escape(test_file)}::(\w+)\[([^\]]*)\]", line)
+            if test and (test_id in test.group(1) or test_id in test.group(2).split("-")):
                 found.update(re.findall(r"\b(PASSED|FAILED|ERROR)\b", line))
         return found
 

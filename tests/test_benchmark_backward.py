@@ -87,6 +87,19 @@ PASSED {LARGE}[poly_exp2_6-plain-d256]
     assert _kept(benchmark, tmp_path, log) == [*SHIPPED, *UNSPLIT]
 
 
+def test_a_candidate_may_be_named_by_its_test_function(benchmark, tmp_path):
+    """deterministic_one_dq_writer is tested by test_two_dq_writers_match_one_bit_for_bit, whose
+    parameter ids name shapes, not the variant."""
+    test = "tests/test_sm90_backward.py::test_two_dq_writers_match_one_bit_for_bit"
+    log = f"""[gw0] [ 50%] PASSED {test}[plain-d64-tiled-dq]
+[gw1] [100%] PASSED {test}[causal-cross-one-split]
+2 passed in 5.00s
+"""
+    assert _kept(benchmark, tmp_path, log) == [*SHIPPED, *UNSPLIT[:1], "deterministic_one_dq_writer", *UNSPLIT[1:]]
+    failed = log.replace("PASSED", "FAILED", 1).replace("2 passed", "1 failed, 1 passed")
+    assert _kept(benchmark, tmp_path, failed) == [*SHIPPED, *UNSPLIT]
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
     shape = dict(batch=1, seq_len=1024, heads=8, head_dim=head_dim, causal=False)
@@ -97,7 +110,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
             if head_dim == 64 else []
         # Every 4th exp2 on the FMA pipe spills at D = 64's 128 rows: every 6th only there.
         poly = ["poly_exp2_6"] if head_dim == 64 else ["poly_exp2_4", "poly_exp2_6"]
-        rotated = ["deterministic_plain_turns", "deterministic_two_dq_writers"]   # a full mask, 8 key blocks
+        rotated = ["deterministic_plain_turns", "deterministic_one_dq_writer"]   # a full mask, 8 key blocks
         assert runs == [*SHIPPED, *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
                         "deterministic_ds_plain_store", *rotated, *wide, *UNSPLIT[1:], "key_blocks_outer",
                         "key_blocks_outer_head_splits_1"]
