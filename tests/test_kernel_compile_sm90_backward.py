@@ -119,18 +119,18 @@ CASES = {
     "d128-gqa-lengths-deterministic-rotated-turns": dict(
         config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
         shape=[2, 256, 700, 8, 2, 128], head_splits=2),
-    # Two dQ writer warps, one per staging buffer (`Tuning(dq_writers=2)`, deterministic only): the rotated
-    # full-mask walk at D 128 with head splits and key lengths, the causal turns at D 64 (128 rows), and the
-    # tiled dQ staging at D 96.
-    "d128-gqa-lengths-deterministic-two-dq-writers": dict(
+    # One dQ writer warp (`Tuning(dq_writers=1)`; deterministic mode's default has one per staging buffer):
+    # the rotated full-mask walk at D 128 with head splits and key lengths, the causal turns at D 64 (128
+    # rows), and the tiled dQ staging at D 96.
+    "d128-gqa-lengths-deterministic-one-dq-writer": dict(
         config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
-        shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(dq_writers=2)),
-    "d64-causal-deterministic-two-dq-writers": dict(
+        shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(dq_writers=1)),
+    "d64-causal-deterministic-one-dq-writer": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 333, 4, 4, 64],
-        tuning=dict(dq_writers=2)),
-    "d96-causal-gqa-deterministic-tiled-dq-two-dq-writers": dict(
+        tuning=dict(dq_writers=1)),
+    "d96-causal-gqa-deterministic-tiled-dq-one-dq-writer": dict(
         config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
-        tuning=dict(flat_dq=False, dq_writers=2)),
+        tuning=dict(flat_dq=False, dq_writers=1)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),

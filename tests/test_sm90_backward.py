@@ -208,10 +208,10 @@ def test_rotated_turns_match_oracle(case: Case, head_splits, inputs):
     _check_against_oracle(case, tuning, inputs, deterministic=True)
 
 
-# Two dQ writer warps, one per staging buffer (`Tuning(dq_writers=2)`, deterministic only; a candidate): each
-# tile's adds keep their turns, so the gradients are one writer's bit for bit (the inputs are drawn once
-# per test: both runs see the same). The deterministic cases, the rotated walk's, head splits of 2, the
-# sanitizer shapes and the tiled dQ staging. Select with `-k two_dq_writers`.
+# Two dQ writer warps, one per staging buffer (deterministic mode's default, `Tuning.dq_writers`): each tile's
+# adds keep their turns, so the gradients are one writer's bit for bit (the inputs are drawn once per test:
+# both runs see the same). The deterministic cases, the rotated walk's, head splits of 2, the sanitizer
+# shapes and the tiled dQ staging. Select with `-k two_dq_writers`.
 TWO_DQ_WRITER_CASES = ([case for case in CASES if case.name in DETERMINISTIC_CASES] + ROTATED_TURN_CASES
                        + [Case(f"sanitizer-d{d}{'-causal' if causal else ''}", head_dim=d, batch=1, q_heads=2,
                                kv_heads=2, q_len=200, kv_len=200, causal=causal)
@@ -224,8 +224,9 @@ TWO_DQ_WRITER_CASES = ([case for case in CASES if case.name in DETERMINISTIC_CAS
 def test_two_dq_writers_match_one_bit_for_bit(case: Case, head_splits, flat_dq, inputs):
     if head_splits > 1 and case.q_heads == case.kv_heads:
         pytest.skip("head splits need a GQA group")
-    one = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits, flat_dq=flat_dq)
-    two = dataclasses.replace(one, dq_writers=sm90_backward.DQ_BUFFERS)
+    two = dataclasses.replace(sm90_backward.DEFAULT_TUNING, head_splits=head_splits, flat_dq=flat_dq)
+    assert two.dq_writers == sm90_backward.DQ_BUFFERS
+    one = dataclasses.replace(two, dq_writers=1)
     _check_same_bits_deterministic(case, one, two, inputs)
 
 

@@ -141,17 +141,20 @@ class Tuning:
       deterministic full masks at 1k / 4k): D = 64 0.84 / 0.84 -> 0.97 / 0.97, D = 128 0.79 / 0.79 ->
       0.83 / 0.82 (docs/sm90_backward_tuning.md, "Deterministic dQ: rotated turns"). False: every key
       block walks from the first query block, the turns highest key block first.
-    dq_writers (deterministic): warps of the producer warp group that write dQ, 1 or DQ_BUFFERS. In
+    dq_writers (deterministic): warps of the producer warp group that write dQ, 1 or DQ_BUFFERS (2). In
       deterministic mode a writer holds its staging buffer through the tile's turn, the add's completion
       in global memory and the release of the turn (~1.5-2 us a block at D = 128, against a block of
-      ~2.6 us), and one writer runs those chains one block after another, so the consumers, at most
+      ~2.6 us); one writer runs those chains one block after another, so the consumers, at most
       DQ_BUFFERS blocks ahead, wait for a free buffer (ncu, an H100, rev c09cd79: their wait is 16 % of
-      the warp samples deterministic, 6 % default; docs/sm90_backward_tuning.md). With DQ_BUFFERS
-      writers, writer w takes the blocks i = w (mod DQ_BUFFERS), always in buffer w, so the chains of
-      consecutive blocks overlap; each stage's mbarriers still pass between the consumers and one writer,
-      one phase at a time, as with a single writer. Each tile's adds keep their order (the turns), so dQ stays bitwise
-      reproducible; no wait is added (block i still needs only block i - DQ_BUFFERS's buffer back), so
-      the turns stay free of cycles. A candidate, resolved to 1 outside deterministic mode (`options`).
+      the warp samples deterministic, 6 % default). With DQ_BUFFERS writers, writer w takes the blocks
+      i = w (mod DQ_BUFFERS), always in buffer w, so the chains of consecutive blocks overlap; each
+      stage's mbarriers still pass between the consumers and one writer, one phase at a time. Each
+      tile's adds keep their order (the turns), so dQ is one writer's bit for bit; no wait is added
+      (block i still needs only block i - DQ_BUFFERS's buffer back), so the turns stay free of cycles.
+      Measured on an H100 (rev ceba8e5, cuDNN ms / ours, deterministic 1k / 4k): D = 128 full 0.82 /
+      0.80 -> 0.96 / 0.92, causal 0.88 / 0.88 -> 1.02 / 1.09; D = 64 full 0.96 / 0.98 -> 0.98 / 0.97,
+      causal 1.07 / 1.08 -> 1.08 / 1.13 (docs/sm90_backward_tuning.md). Resolved to 1 outside
+      deterministic mode (`options`), where one writer keeps up.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -170,7 +173,7 @@ class Tuning:
     poly_exp2_every: int = 0
     dq_row_split: Optional[bool] = None
     rotated_turns: bool = True
-    dq_writers: int = 1
+    dq_writers: int = 2   # DQ_BUFFERS
 
 
 DEFAULT_TUNING = Tuning()
