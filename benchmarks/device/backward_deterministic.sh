@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Device calls for the deterministic backward's dQ writer candidates (docs/sm90_backward_tuning.md,
-# "Deterministic D = 128 full: where the 0.80 goes"; issue 12 asks deterministic >= 0.85x of the default).
+# Device call for the deterministic backward's dQ writers (docs/sm90_backward_tuning.md, "Deterministic
+# D = 128 full: where the 0.80 goes"; issue 12 asks deterministic >= 0.85x of the default).
 #   small  backward.py: a dQ writer warp per staging buffer (`Tuning.dq_writers`, deterministic mode's
 #          default since rev ceba8e5's measurement; deterministic_one_dq_writer is the former one).
 #          GPU tests: two writers' gradients equal one writer's bit for bit
 #          (and the oracle) on the deterministic, rotated-walk and sanitizer cases, head splits, the tiled
-#          staging; then D 64 / 128, 1k / 4k, full and causal: default, deterministic, the candidate.
-#   large  backward_large_heads.py (one staging buffer): freed once read (`Tuning(dq_free_on_read=True)`);
-#          bit-for-bit tests against the default and the reproducibility runs, then D 192 / 256, 2k / 8k.
-# One call each (~6 min). Usage (device machine, repo root, bundle sourced):
-#   bash benchmarks/device/backward_deterministic.sh REV small|large
+#          staging; then D 64 / 128, 1k / 4k, full and causal: default, deterministic, one writer.
+# (The `large` mode timed backward_large_heads.py's one-staging-buffer candidate; measured a miss on an
+# H100 at rev ceba8e5, it was deleted with the candidate: docs/sm90_backward_tuning.md, "The large-head
+# kernel: one staging buffer".)
+# One call (~6 min). Usage (device machine, repo root, bundle sourced):
+#   bash benchmarks/device/backward_deterministic.sh REV small
 set -u
 HERE=$(dirname "$0")
 case "${2:-}" in
@@ -17,9 +18,5 @@ case "${2:-}" in
            "two_dq_writers or reproducible" \
            --variants default deterministic deterministic_one_dq_writer \
            --head-dims 64 128 --seq-lens 1024 4096 ;;
-  large) exec bash "$HERE/backward_candidates.sh" "$1" backward_deterministic_large \
-           tests/test_sm90_backward_large_heads.py "dq_writer or (reproducible and (dq_free_on_read or 1024x4x4))" \
-           --variants default deterministic deterministic_dq_free_on_read \
-           --head-dims 192 256 --seq-lens 2048 8192 ;;
-  *) echo "usage: $0 REV small|large"; exit 2 ;;
+  *) echo "usage: $0 REV small"; exit 2 ;;
 esac
