@@ -212,11 +212,6 @@ def _variants():
             (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
             ("test_sm90_backward_large_heads.py", f"{prefix}one_query_stage"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
-        # Deterministic D = 192 / 256 with the dQ staging buffer freed once read (`Tuning.dq_free_on_read`);
-        # the shipped kernel holds it through each add.
-        "deterministic_dq_free_on_read": Variant(
-            large_heads, large_heads.Tuning(dq_free_on_read=True), True, large_heads.SUPPORTED_HEAD_DIMS,
-            ("test_sm90_backward_large_heads.py", "dq_free_on_read")),
         "deterministic_head_splits_1": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=1), True,
             small_heads.SUPPORTED_HEAD_DIMS),

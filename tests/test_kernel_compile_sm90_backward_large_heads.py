@@ -121,17 +121,6 @@ CASES = {
     "d192-v128-prefetch-query-deterministic-causal-gqa": dict(
         config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 333, 8, 2, 192, 128],
         tuning=dict(prefetch_query=True)),
-    # The deterministic dQ writer candidate (`Tuning.dq_free_on_read`): D = 192's default layout causal GQA,
-    # D = 256 full, MLA causal.
-    "d192-deterministic-causal-gqa-dq-free-on-read": dict(
-        config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 333, 300, 8, 2, 192],
-        tuning=dict(dq_free_on_read=True)),
-    "d256-deterministic-dq-free-on-read": dict(
-        config=dict(scale=256 ** -0.5, deterministic=True), shape=[2, 256, 512, 8, 2, 256],
-        tuning=dict(dq_free_on_read=True)),
-    "d192-v128-deterministic-causal-dq-free-on-read": dict(
-        config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 333, 8, 2, 192, 128],
-        tuning=dict(dq_free_on_read=True)),
 }
 
 
@@ -187,13 +176,13 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     deterministic = CASES[name]["config"].get("deterministic", False)
     assert bool(re.search(r"ld(\.[a-z]+)*\.acquire", ptx)) == deterministic
     assert bool(re.search(r"red(\.[a-z]+)*\.release", ptx)) == deterministic
-    # One bulk dQ add (the writer warp's); deterministic, the buffer goes back on the copy engine's read only
-    # with `dq_free_on_read` (else after the add is complete).
+    # One bulk dQ add (the writer warp's); the buffer goes back once the copy engine has read it, or in
+    # deterministic mode once the add is complete.
     dq_adds = [m.end() for m in re.finditer(r"cp\.reduce\.async\.bulk\.global\.shared::cta[^;]*\.add", ptx)]
     assert len(dq_adds) == 1
-    for end in dq_adds:   # the writer's first wait after its add: on the read, or (ordered) on the completion
-        wait = re.compile(r"cp\.async\.bulk\.wait_group(\.read)?\s").search(ptx, end)
-        assert bool(wait.group(1)) == (kernel.dq_free_on_read or not deterministic), ptx[end:wait.end()][-200:]
+    # The writer's first wait after its add: on the read, or (ordered) on the completion.
+    wait = re.compile(r"cp\.async\.bulk\.wait_group(\.read)?\s").search(ptx, dq_adds[0])
+    assert bool(wait.group(1)) == (not deterministic), ptx[dq_adds[0]:wait.end()][-200:]
     # Diagonal first (the default) reverses the launch order (key block = grid - 1 - blockIdx.x), in
     # deterministic mode only.
     assert ("%nctaid.x" in ptx) == kernel.diagonal_first
@@ -312,8 +301,7 @@ def test_prefetch_query_takes_the_defaults_shared_memory(v_head_dim, segments):
 INAPPLICABLE_TUNING = {
     parameter: (dict(config=dict(scale=256 ** -0.5, causal=True, deterministic=deterministic),
                      shape=[2, 300, 333, 8, 2, 256]), inapplicable)
-    for parameter, deterministic, inapplicable in [("unordered_dq", False, dict(diagonal_first=False,
-                                                                                dq_free_on_read=True)),
+    for parameter, deterministic, inapplicable in [("unordered_dq", False, dict(diagonal_first=False)),
                                                    ("deterministic", True, dict(stagger=False))]}
 
 

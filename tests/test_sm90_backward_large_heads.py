@@ -24,7 +24,7 @@ pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Li
 from fa4_jax import reference  # noqa: E402
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm90 import backward_large_heads as sm90_backward_large_heads  # noqa: E402
-from test_sm90_backward import _check_against_oracle, _check_query_shards, _check_same_bits_deterministic  # noqa: E402
+from test_sm90_backward import _check_against_oracle, _check_query_shards  # noqa: E402
 
 VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
@@ -196,34 +196,12 @@ def test_three_warpgroups_query_shards_match_oracle(case: Case, shards, variant,
     _check_query_shards(case, shards, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
-# The deterministic dQ writer candidate (`Tuning.dq_free_on_read`): the buffer freed once read changes
-# when adds are issued, not their order in each tile, so the gradients are the default's bit for bit (same
-# draws for both runs). D = 192 and 256 cases, the D = 192 three-warp-group ones (the default layout
-# there) and MLA's 192 / 128. Select with `-k dq_writer`.
-DQ_WRITER_TUNINGS = {"dq_free_on_read": sm90_backward_large_heads.Tuning(dq_free_on_read=True)}
-DQ_WRITER_CASES = [case for case in CASES if case.name in (
-    "plain-d256", "plain-d192", "causal-d256", "causal-cross-d192", "gqa-causal-d256", "window-causal-left-d192",
-    "sinks-causal-empty-rows-d192", "lengths-causal-d256", "gqa-long-d256")] + [
-    case for case in THREE_WARPGROUPS_CASES if case.name in ("aligned-d192", "causal-gqa-odd-d192",
-                                                             "gqa-long-d192")] + [
-    case for case in MLA_CASES if case.name in ("mla", "mla-causal-gqa-odd")]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tuning", list(DQ_WRITER_TUNINGS))
-@pytest.mark.parametrize("case", DQ_WRITER_CASES, ids=lambda case: case.name)
-def test_dq_writer_candidates_match_the_default_bit_for_bit(case: Case, tuning, inputs):
-    _check_same_bits_deterministic(case, sm90_backward_large_heads.DEFAULT_TUNING, DQ_WRITER_TUNINGS[tuning], inputs,
-                                   kernel=sm90_backward_large_heads)
-
-
 DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()
                          if deterministic}
 # Lowest key block first: D = 256's default order, D = 192's before diagonal-first became its default.
 DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.Tuning(diagonal_first=False)
 DETERMINISTIC_TUNINGS["three_warpgroups"] = sm90_backward_large_heads.Tuning(three_warpgroups=True)
 DETERMINISTIC_TUNINGS["prefetch_query"] = sm90_backward_large_heads.Tuning(prefetch_query=True)
-DETERMINISTIC_TUNINGS["dq_free_on_read"] = DQ_WRITER_TUNINGS["dq_free_on_read"]
 
 REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# Device calls for the deterministic backward's dQ writer candidates (docs/sm90_backward_tuning.md,
-# "Deterministic D = 128 full: where the 0.80 goes"; issue 12 asks deterministic >= 0.85x of the default).
+# Device calls for the deterministic backward (docs/sm90_backward_tuning.md, "Deterministic D = 128 full:
+# where the 0.80 goes" and "D = 64 full: a tile's turn chain has one block to fit in"; issue 12 asks
+# deterministic >= 0.85x of the default).
 #   small  backward.py: a dQ writer warp per staging buffer (`Tuning.dq_writers`, deterministic mode's
 #          default since rev ceba8e5's measurement; deterministic_one_dq_writer is the former one).
 #          GPU tests: two writers' gradients equal one writer's bit for bit
 #          (and the oracle) on the deterministic, rotated-walk and sanitizer cases, head splits, the tiled
-#          staging; then D 64 / 128, 1k / 4k, full and causal: default, deterministic, the candidate.
+#          staging; then D 64 / 128, 1k / 4k, full and causal: default, deterministic, one writer.
 #   turns  backward.py's turn candidates: the turn passed by a relaxed red after the fence
 #          (`Tuning.relaxed_turn_pass`: bits equal the default's) and two dQ chains a tile
 #          (`Tuning.dq_chains`: the oracle, ten-run reproducibility, sanitizer shapes); D 64 / 128, 1k / 4k.
-#   large  backward_large_heads.py (one staging buffer): freed once read (`Tuning(dq_free_on_read=True)`);
-#          bit-for-bit tests against the default and the reproducibility runs, then D 192 / 256, 2k / 8k.
+# (A `large` mode timed backward_large_heads.py's one-staging-buffer candidate; measured a miss on an
+# H100 at rev ceba8e5, it was deleted with the candidate: docs/sm90_backward_tuning.md, "The large-head
+# kernel: one staging buffer".)
 # One call each (~6 min). Usage (device machine, repo root, bundle sourced):
-#   bash benchmarks/device/backward_deterministic.sh REV small|turns|large
+#   bash benchmarks/device/backward_deterministic.sh REV small|turns
 set -u
 HERE=$(dirname "$0")
 case "${2:-}" in
@@ -24,9 +26,5 @@ case "${2:-}" in
            "relaxed_turn_pass or dq_chains_2" \
            --variants default deterministic deterministic_relaxed_turn_pass deterministic_dq_chains_2 \
            --head-dims 64 128 --seq-lens 1024 4096 ;;
-  large) exec bash "$HERE/backward_candidates.sh" "$1" backward_deterministic_large \
-           tests/test_sm90_backward_large_heads.py "dq_writer or (reproducible and (dq_free_on_read or 1024x4x4))" \
-           --variants default deterministic deterministic_dq_free_on_read \
-           --head-dims 192 256 --seq-lens 2048 8192 ;;
-  *) echo "usage: $0 REV small|turns|large"; exit 2 ;;
+  *) echo "usage: $0 REV small|turns"; exit 2 ;;
 esac

@@ -148,21 +148,11 @@ class Tuning:
       one buffer). Measured on an H100 (rev 6f403c6, cuDNN ms / ours, 2k / 8k): full 1.36 / 1.45 ->
       1.45 / 1.69, causal 1.27 / 1.37 -> 1.34 / 1.41; deterministic 1.04 / 1.34 -> 1.08 / 1.34 full,
       1.13 / 1.14 -> 1.13 / 1.15 causal (docs/sm90_backward_tuning.md, "D = 192: a second Q stage").
-    dq_free_on_read (deterministic): this kernel has one dQ staging buffer, and its writer warp holds it
-      through the tile's turn, the add's completion in global memory and the turn's release, so the
-      consumers wait for that whole chain every block (deterministic full rows: 0.74-0.79 of the default
-      at D = 192). With it the writer frees the buffer once the copy engine has read it, then waits for
-      the completion and passes the turn: the order of each tile's adds, so the bits, are unchanged.
-      backward.py measured the same a loss with two buffers (the consumers had one to spare there).
-      A candidate, resolved off outside deterministic mode (`resolved_tuning`). (backward.py's second
-      writer warp has no counterpart here: two writers taking turns on one buffer would wait on the same
-      mbarrier two phases apart, which its parity cannot tell apart.)
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
     prefetch_query: Optional[bool] = None
-    dq_free_on_read: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -181,15 +171,12 @@ def query_stages(head_dim: int, tile_n: int = TILE_N) -> int:
 
 
 def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False,
-                    v_head_dim: Optional[int] = None, deterministic: bool = True) -> Tuning:
+                    v_head_dim: Optional[int] = None) -> Tuning:
     """`tuning` with the measured choices in place of None: three warp groups at D = 192 except with
     segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block) unless
     `prefetch_query` asks for them, two otherwise; `prefetch_query` where the three groups run at
-    D = Dv = 192 (v_head_dim None: Dv = D). Outside deterministic mode `dq_free_on_read` is resolved off:
-    it shortens the turns' chain only, and there the writer frees its buffer on read anyway."""
+    D = Dv = 192 (v_head_dim None: Dv = D)."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    if not deterministic:
-        tuning = dataclasses.replace(tuning, dq_free_on_read=False)
     if tuning.three_warpgroups is None:
         three = head_dim == THREE_WARPGROUPS_HEAD_DIM and (tuning.prefetch_query or not has_segment_ids)
         tuning = dataclasses.replace(tuning, three_warpgroups=three)
@@ -227,9 +214,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         reason = tuning_reason(options.tuning, self.head_dim)
         if reason is not None:
             raise ValueError(reason)
-        tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids, self.v_head_dim,
-                                 options.deterministic)
-        self.dq_free_on_read = tuning.dq_free_on_read
+        tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids, self.v_head_dim)
         three_warpgroups = tuning.three_warpgroups
         # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dQ, dK and dV,
         # and keys [g tile_n / groups, ...) of S and dP.
@@ -700,8 +685,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         """The dQ writer warp: per query block, wait for the staged dQ, add it into the fp32
         accumulator with one bulk reduce, free the buffer once the copy engine has read it.
         Deterministic: in the tile's turn (`ordered_reduction`), lowest key block first, or highest
-        with `diagonal_first`; the buffer is freed once the add is complete, or on read with
-        `Tuning.dq_free_on_read`."""
+        with `diagonal_first`; the buffer is freed once the add is complete."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         tile_bytes = self.tile_m * self.head_dim * 4
@@ -720,13 +704,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                     destination, sdQ.iterator, tile_bytes, op=primitives.CpReduceOp.ADD,
                     type=primitives.CpReduceType.F32)
             cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.dq_free_on_read):
-                ordered_reduction.wait_for_bulk_reads()
-                dq_pipe.consumer_release(dq_state)
-                ordered_reduction.finish_bulk_adds(flag, lane)   # complete in global memory, then the turn
-            else:
-                ordered_reduction.finish_bulk_adds(flag, lane)
-                dq_pipe.consumer_release(dq_state)
+            ordered_reduction.finish_bulk_adds(flag, lane)
+            dq_pipe.consumer_release(dq_state)
             dq_state.advance()
 
 
@@ -754,7 +733,7 @@ def dq_reader(tuning: Tuning):
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
     """The static kernel configuration for one call (`tuning`: this kernel's speed choices)."""
     return BackwardOptions.of(config, problem, resolved_tuning(tuning, problem.head_dim, config.has_segment_ids,
-                                                               problem.v_head_dim, config.deterministic))
+                                                               problem.v_head_dim))
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
