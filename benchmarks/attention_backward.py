@@ -173,11 +173,7 @@ def _variants():
         "deterministic_one_dq_writer": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_writers=1), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "two_dq_writers")),
-        # Deterministic turns' critical path: the turn passed by a relaxed red after the fence
-        # (`Tuning.relaxed_turn_pass`), and two dQ chains a tile (`Tuning.dq_chains`).
-        "deterministic_relaxed_turn_pass": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, relaxed_turn_pass=True), True,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "relaxed_turn_pass")),
+        # Deterministic with two dQ chains a tile (`Tuning.dq_chains`).
         "deterministic_dq_chains_2": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_chains=2), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "dq_chains_2")),

@@ -133,17 +133,16 @@ CASES = {
     "d96-causal-gqa-deterministic-tiled-dq-one-dq-writer": dict(
         config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
         tuning=dict(flat_dq=False, dq_writers=1)),
-    # Deterministic candidates for the turns' critical path: two dQ chains a tile (`Tuning.dq_chains`) on the
-    # rotated full-mask walk at D 64 (128 rows) and D 128 with head splits and key lengths, and on the causal
-    # turns; the turn passed by a relaxed red after the fence (`Tuning.relaxed_turn_pass`), with and without.
+    # Two dQ chains a tile (`Tuning.dq_chains`, a deterministic candidate) on the rotated full-mask walk at D
+    # 64 (128 rows), at D 128 with head splits and key lengths, and on the causal turns.
     "d64-deterministic-dq-chains-2": dict(
         config=dict(scale=0.125, deterministic=True), shape=[2, 300, 333, 4, 4, 64], tuning=dict(dq_chains=2)),
-    "d128-gqa-lengths-deterministic-dq-chains-2-relaxed-turn-pass": dict(
+    "d128-gqa-lengths-deterministic-dq-chains-2": dict(
         config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
-        shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(dq_chains=2, relaxed_turn_pass=True)),
-    "d64-causal-deterministic-relaxed-turn-pass": dict(
+        shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(dq_chains=2)),
+    "d64-causal-deterministic-dq-chains-2": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 333, 4, 4, 64],
-        tuning=dict(relaxed_turn_pass=True)),
+        tuning=dict(dq_chains=2)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),
@@ -276,15 +275,13 @@ def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
         # One dQ writer warp, or one per staging buffer (`Tuning.dq_writers`), each with its own writer loop.
         dq_adds = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta[^;]*\.add\.f32", ptx)
         assert len(dq_adds) == kernel.dq_writers, (len(dq_adds), kernel.dq_writers)
-    # The dQ turns (ordered_reduction): an acquire spin and a release add, in deterministic mode only.
+    # The dQ turns (ordered_reduction), in deterministic mode only: an acquire spin, and the pass as a fence
+    # then a relaxed add (a release pattern without a release red's second fence).
     deterministic = CASES[name]["config"].get("deterministic", False)
     assert bool(re.search(r"ld(\.[a-z]+)*\.acquire", ptx)) == deterministic
-    # The turn passes with a release red, or after the same fence a relaxed one (`Tuning.relaxed_turn_pass`).
-    relaxed = kernel.tuning.relaxed_turn_pass
-    assert bool(re.search(r"red(\.[a-z]+)*\.release", ptx)) == (deterministic and not relaxed)
-    assert bool(re.search(r"red\.relaxed\.gpu\.global\.add\.s32", ptx)) == (deterministic and relaxed)
-    if deterministic:
-        assert "fence.acq_rel.gpu" in ptx, "no fence before the turn's pass"
+    assert bool(re.search(r"red\.relaxed\.gpu\.global\.add\.s32", ptx)) == deterministic
+    assert not re.search(r"red(\.[a-z]+)*\.release", ptx), "the turn's pass fenced twice"
+    assert ("fence.acq_rel.gpu" in ptx) == deterministic
     if deterministic and not kernel.rotated_turns:
         # The dQ turn order is highest key block first, launched in that order (rotated turns: the
         # arrival order of walks that start at the key block's own index, launched lowest first).
@@ -595,19 +592,17 @@ def test_dq_writers_resolve_to_one_without_determinism():
         backward.Sm90BackwardKernel(backward.options(config, problem, dataclasses.replace(tuning, dq_writers=3)))
 
 
-def test_turn_candidates_resolve_off_outside_their_modes():
-    """`Tuning.dq_chains` and `Tuning.relaxed_turn_pass` concern deterministic dQ turns only, the chains
-    the flat dQ staging only: `options` resolves them off elsewhere (packed sequences stage dQ tiled),
-    and the kernel refuses chains it cannot take."""
+def test_dq_chains_resolve_off_outside_their_mode():
+    """`Tuning.dq_chains` concerns deterministic dQ turns with the flat dQ staging only: `options` resolves
+    it off elsewhere (packed sequences stage dQ tiled), and the kernel refuses chains it cannot take."""
     from fa4_jax.kernels.sm90 import backward
 
     problem = host.Problem((2, 1024, 8, 128), (2, 1024, 8, 128), (2, 1024, 8, 128), "bfloat16")
-    tuning = dataclasses.replace(backward.DEFAULT_TUNING, dq_chains=2, relaxed_turn_pass=True)
+    tuning = dataclasses.replace(backward.DEFAULT_TUNING, dq_chains=2)
     for deterministic, flat_dq in itertools.product((True, False), (True, False)):
         config = AttentionConfig(scale=0.1, deterministic=deterministic)
         resolved = backward.options(config, problem, dataclasses.replace(tuning, flat_dq=flat_dq)).tuning
         assert resolved.dq_chains == (2 if deterministic and flat_dq else 1)
-        assert resolved.relaxed_turn_pass == deterministic
     packed = host.Problem((1, 1024, 8, 128), (1, 1024, 8, 128), (1, 1024, 8, 128), "bfloat16", sequences=3)
     config = AttentionConfig(scale=0.1, deterministic=True, has_cu_seqlens=True)
     assert backward.options(config, packed, tuning).tuning.dq_chains == 1

@@ -70,7 +70,6 @@ TUNINGS = {
     "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
     "plain_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=False),
     "dq_chains_2": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_chains=2),
-    "relaxed_turn_pass": dataclasses.replace(sm90_backward.DEFAULT_TUNING, relaxed_turn_pass=True),
 }
 # Rotated turns beyond the shared cases: more key blocks than query blocks (several key blocks reach a
 # tile at the same step of their walks), query and key lengths, each also with head splits of 2.
@@ -232,15 +231,9 @@ def test_two_dq_writers_match_one_bit_for_bit(case: Case, head_splits, flat_dq, 
     _check_same_bits_deterministic(case, one, two, inputs)
 
 
-# Candidates for the deterministic turns' critical path (`Tuning.relaxed_turn_pass`, `Tuning.dq_chains`): the
-# relaxed pass changes no add's order, so its gradients are the default's bit for bit; two chains a tile sum
-# in another order, so they are checked against the oracle (and for reproducibility with the TUNINGS above).
-# The cases of the dQ writers' test. Select with `-k relaxed_turn_pass` or `-k dq_chains_2`.
-@pytest.mark.parametrize("case", TWO_DQ_WRITER_CASES, ids=lambda case: case.name)
-def test_relaxed_turn_pass_matches_the_default_bit_for_bit(case: Case, inputs):
-    _check_same_bits_deterministic(case, sm90_backward.DEFAULT_TUNING, TUNINGS["relaxed_turn_pass"], inputs)
-
-
+# Two dQ chains a tile (`Tuning.dq_chains`, a deterministic candidate) sum in another order than one chain,
+# so they are checked against the oracle (and for reproducibility with the TUNINGS above) on the cases of
+# the dQ writers' test. Select with `-k dq_chains_2`.
 @pytest.mark.parametrize("head_splits", [1, 2], ids=["one-split", "head-splits-2"])
 @pytest.mark.parametrize("case", TWO_DQ_WRITER_CASES, ids=lambda case: case.name)
 def test_dq_chains_2_match_the_oracle(case: Case, head_splits, inputs):

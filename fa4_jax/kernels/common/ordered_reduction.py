@@ -16,7 +16,6 @@ ints in the unit tests and on `cutlass.Int32` inside the kernels.
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
@@ -84,18 +83,18 @@ def wait_for_bulk_reads():
 
 
 @cute.jit
-def finish_bulk_adds(flag, lane, relaxed_pass: cutlass.Constexpr = False):
+def finish_bulk_adds(flag, lane):
     """After the writer warp commits its bulk adds: with `flag` (from `wait_for_turn`), wait until
     they are complete in global memory, not just read, and pass the tile's turn to the next visitor;
     with `flag` None (no ordering), wait only until the copy engine has read the staging buffer, so
     it can be refilled while the adds land.
 
-    The turn passes as a fence.acq_rel.gpu, then the counter's add: `red.release.gpu`, or with
-    `relaxed_pass` `red.relaxed.gpu`. The fence followed by a strong write is already a release
-    pattern in the PTX memory model, so both publish the completed adds to the acquiring poller; the
-    release red compiles to a second MEMBAR.GPU + ERRBAR on the turn's critical path (ncu, an H100, rev
-    7fe710b, D = 64 deterministic: ~1,900 of a writer's ~10,100 samples from its add's issue to the
-    pass; the add's completion ~5,000, the fence ~2,800)."""
+    The turn passes as a fence.acq_rel.gpu, then a relaxed red of the counter: a fence followed by a
+    strong write is a release pattern in the PTX memory model, so the poller's acquire sees the
+    completed adds, as after a release red; but a release red after the fence compiles to a second
+    MEMBAR.GPU + ERRBAR on every tile's turn chain. Measured on an H100 (rev a546978, deterministic,
+    B*S = 16k): D = 64 full +11 / +12 % at 1k / 4k, D = 128 full +5 / +8 %, causal +1 to +8 %, the
+    same bits (docs/sm90_backward_tuning.md, "D = 64 full: a tile's turn chain")."""
     if const_expr(flag is None):
         wait_for_bulk_reads()
     else:
@@ -103,8 +102,7 @@ def finish_bulk_adds(flag, lane, relaxed_pass: cutlass.Constexpr = False):
         cute.arch.sync_warp()
         if lane == 0:
             cute.arch.fence_acq_rel_gpu()
-            cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="relaxed" if relaxed_pass else "release",
-                          scope="gpu")
+            cute.arch.red(flag, Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu")
 
 
 @cute.jit

@@ -155,10 +155,6 @@ class Tuning:
       0.80 -> 0.96 / 0.92, causal 0.88 / 0.88 -> 1.02 / 1.09; D = 64 full 0.96 / 0.98 -> 0.98 / 0.97,
       causal 1.07 / 1.08 -> 1.08 / 1.13 (docs/sm90_backward_tuning.md). Resolved to 1 outside
       deterministic mode (`options`), where one writer keeps up.
-    relaxed_turn_pass (deterministic): pass a tile's dQ turn with the fence, then a relaxed red of the
-      counter, instead of the fence and a release red (`ordered_reduction.finish_bulk_adds`: the same
-      release pattern in the PTX memory model, one MEMBAR.GPU + ERRBAR less on the turn's path). A
-      candidate.
     dq_chains (deterministic, flat dQ): split each query tile's ordered adds into this many chains by
       turn (turn t adds into accumulator copy t mod C, after turn t - C; its own counter per copy), the
       copies summed in a fixed order when dQ is read back (`run`). Why: a tile's adds are one serial
@@ -190,7 +186,6 @@ class Tuning:
     dq_row_split: Optional[bool] = None
     rotated_turns: bool = True
     dq_writers: int = 2   # DQ_BUFFERS
-    relaxed_turn_pass: bool = False
     dq_chains: int = 1
 
 
@@ -869,7 +864,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 for half in cutlass.range_constexpr(2):
                     cute.copy(tma_dq, tdQsdQ[None, half], tdQgdQ[None, half])
             cute.arch.cp_async_bulk_commit_group()
-            ordered_reduction.finish_bulk_adds(flag, lane, self.tuning.relaxed_turn_pass)
+            ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
             for _ in cutlass.range_constexpr(self.dq_writers):
                 dq_state.advance()
@@ -977,7 +972,6 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         packed_tuning = dataclasses.replace(tuning, head_splits=None, query_rows=query_rows, flat_dq=False,
                                             dq_row_split=bool(tuning.dq_row_split), rotated_turns=False,
                                             dq_writers=tuning.dq_writers if config.deterministic else 1,
-                                            relaxed_turn_pass=tuning.relaxed_turn_pass and config.deterministic,
                                             dq_chains=1)
         return dataclasses.replace(BackwardOptions.of(config, problem, packed_tuning), num_sequences=problem.sequences)
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
@@ -1005,12 +999,11 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         dq_row_split = query_rows == WIDE_QUERY_ROWS and tuning.flat_dq
     rotated_turns = tuning.rotated_turns and rotated_turns_reason(
         config, host.ceil_div(problem.kv_len, TILE_N), host.sm_count(DEFAULT_SM_COUNT)) is None
-    # A second dQ writer, the turn's pass and the chains concern the deterministic mode's turns only.
+    # A second dQ writer and the chains concern the deterministic mode's turns only.
     deterministic = config.deterministic
     return BackwardOptions.of(config, problem, dataclasses.replace(
         tuning, head_splits=None, query_rows=query_rows, dq_row_split=dq_row_split, rotated_turns=rotated_turns,
         dq_writers=tuning.dq_writers if deterministic else 1,
-        relaxed_turn_pass=tuning.relaxed_turn_pass and deterministic,
         dq_chains=tuning.dq_chains if deterministic and tuning.flat_dq else 1), head_splits)
 
 
