@@ -3,7 +3,7 @@
 # only form since rev a546978's measurement, where backward.py's candidate passed its tests): the
 # large-head kernel's deterministic oracle and ten-run reproducibility cases and the packed sequences'
 # deterministic backward, both sanitizers over every sanitizer case in one process, then D 256
-# default / deterministic 2k / 8k (against ceba8e5's 0.72-0.80 of cuDNN, logs/session_ceba8e5_h100).
+# default / deterministic 2k / 8k (against ceba8e5's 0.72-0.80 of cuDNN, logs/session_ceba8e5_h100.tar.xz).
 # ~4 min. Usage (device machine, repo root, bundle sourced; carry .dev/cute):
 #   bash benchmarks/device/turn_pass_checks.sh REV
 REV=$1

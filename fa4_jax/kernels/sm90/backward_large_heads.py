@@ -115,7 +115,7 @@ class Tuning:
       1.9x faster at D = 192 (cuDNN ms / ours 0.64 / 0.70 -> 1.26 / 1.32 at 2k / 8k; rev d94ae72,
       benchmarks/results/backward_d192_diagonal_first_h200.json) and 1.6-1.8x at D = 256 (0.50 / 0.43
       -> 0.82 / 0.77 at 1k / 4k on an H100, rev 9938702,
-      benchmarks/results/logs/next_sweeps_9938702_h100/), full rows unchanged. False: lowest first.
+      benchmarks/results/logs/next_sweeps_9938702_h100.tar.xz/), full rows unchanged. False: lowest first.
     stagger: key block n starts its walk n query blocks in, so the CTAs running together add into
       different dQ tiles (ignored in deterministic mode, which walks in plain order). Whether it pays
       here is open: backward.py walks without one (docs/sm90_backward_tuning.md has its measurement).
