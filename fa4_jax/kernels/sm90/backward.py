@@ -165,8 +165,10 @@ class Tuning:
       wait for dQ buffers that the writers hold through the turn (ncu, an H100, rev 7fe710b: 20k
       samples against the default's 6k at D = 64, unchanged by a second writer). With C chains a
       visitor waits only for the one C turns earlier. Costs C - 1 more zeroed fp32 dQ accumulators
-      and their reads. A candidate; resolved to 1 outside deterministic mode and with the tiled dQ
-      staging (packed sequences) in `options`.
+      and their reads. Measured on an H100 (rev a546978, with the release-red pass since replaced):
+      +15 / +10 % on D = 64 / 128 full 4k, +3 / -11 % at 1k, causal +1 to -25 %. A candidate, to time
+      again on the relaxed pass; resolved to 1 outside deterministic mode and with the tiled dQ staging
+      (packed sequences) in `options`.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
