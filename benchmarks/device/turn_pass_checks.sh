@@ -4,7 +4,7 @@
 # large-head kernel's deterministic oracle and ten-run reproducibility cases and the packed sequences'
 # deterministic backward, both sanitizers over every sanitizer case in one process, then D 256
 # default / deterministic 2k / 8k (against ceba8e5's 0.72-0.80 of cuDNN, logs/session_ceba8e5_h100.tar.xz).
-# ~4 min. Usage (device machine, repo root, bundle sourced; carry .dev/cute):
+# ~7 min (at rev 3338a91 a 110-s limit cut the tests after 30 of 46). Usage (device machine, repo root, bundle sourced; carry .dev/cute):
 #   bash benchmarks/device/turn_pass_checks.sh REV
 REV=$1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$RE
 B="--variants default deterministic --head-dims 256 --seq-lens 2048 8192 --iterations 10"
 JAX_PLATFORMS=cpu timeout 100 python3 benchmarks/attention_backward.py --precompile-only --precompile-workers 4 $B \
   > "$OUT/precompile.log" 2>&1 &
-timeout 110 python3 -m pytest -q -rA -n 12 -p no:cacheprovider -m gpu --timeout 100 \
+timeout 260 python3 -m pytest -q -rA -n 12 -p no:cacheprovider -m gpu --timeout 240 \
   tests/test_sm90_backward_large_heads.py tests/test_sm90_varlen.py \
   -k "test_deterministic_is_bitwise_reproducible or (test_backward_matches_oracle and deterministic) or test_deterministic_backward" \
   > "$OUT/turn_pass_tests.log" 2>&1
