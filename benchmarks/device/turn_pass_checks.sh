@@ -4,7 +4,8 @@
 # large-head kernel's deterministic oracle and ten-run reproducibility cases and the packed sequences'
 # deterministic backward, both sanitizers over every sanitizer case in one process, then D 256
 # default / deterministic 2k / 8k (against ceba8e5's 0.72-0.80 of cuDNN, logs/session_ceba8e5_h100.tar.xz).
-# ~7 min (at rev 3338a91 a 110-s limit cut the tests after 30 of 46). Usage (device machine, repo root, bundle sourced; carry .dev/cute):
+# ~7 min (at rev 3338a91 a 110-s limit cut the tests after 30 of 46).
+# Usage (device machine, repo root, bundle sourced; carry .dev/cute):
 #   bash benchmarks/device/turn_pass_checks.sh REV
 REV=$1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
