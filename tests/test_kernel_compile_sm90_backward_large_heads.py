@@ -172,10 +172,13 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "no producer/consumer register split"
     assert re.search(r"cp\.reduce\.async\.bulk[^;]*\.add", ptx), "no bulk reduce-add for dQ"
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx), "no TMA store of dK / dV"
-    # The dQ turns (ordered_reduction): an acquire spin and a release add, in deterministic mode only.
+    # The dQ turns (ordered_reduction), in deterministic mode only: an acquire spin, and the pass as a fence
+    # then a relaxed add (a release pattern without a release red's second fence).
     deterministic = CASES[name]["config"].get("deterministic", False)
     assert bool(re.search(r"ld(\.[a-z]+)*\.acquire", ptx)) == deterministic
-    assert bool(re.search(r"red(\.[a-z]+)*\.release", ptx)) == deterministic
+    assert bool(re.search(r"red\.relaxed\.gpu\.global\.add\.s32", ptx)) == deterministic
+    assert not re.search(r"red(\.[a-z]+)*\.release", ptx), "the turn's pass fenced twice"
+    assert ("fence.acq_rel.gpu" in ptx) == deterministic
     # One bulk dQ add (the writer warp's); the buffer goes back once the copy engine has read it, or in
     # deterministic mode once the add is complete.
     dq_adds = [m.end() for m in re.finditer(r"cp\.reduce\.async\.bulk\.global\.shared::cta[^;]*\.add", ptx)]
