@@ -70,6 +70,23 @@ def _median_ms(function, arguments, iterations):
     return outputs, statistics.median(times)
 
 
+def per_kernel_us(function, arguments, iterations):
+    """({"index:name": median us}, their sum) of every kernel one call of `function` launches (CUPTI;
+    the names cut to 48 characters, times rounded to ns)."""
+    import collections
+
+    from jax.experimental.mosaic.gpu import profiler
+    _, runs = profiler.measure(function, aggregate=False, iterations=iterations)(*arguments)
+    if runs and isinstance(runs[0], tuple):   # one iteration: one list, not a list of them
+        runs = [runs]
+    times = collections.defaultdict(list)
+    for run in runs:
+        for index, (kernel, ms) in enumerate(run):
+            times[f"{index}:{kernel[:48]}"].append(ms * 1e3)
+    kernels = {kernel: round(statistics.median(us), 3) for kernel, us in times.items()}
+    return kernels, round(sum(kernels.values()), 3)
+
+
 def forward_section(shape, arguments, args):
     """fa4_jax (implementation='cute'), cuDNN and XLA forward on the same q, k, v."""
     import jax

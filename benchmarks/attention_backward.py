@@ -241,8 +241,8 @@ SHAPE_SETS = {"gqa": GQA_SHAPES, "d192": D192_SHAPES, "mla": MLA_SHAPES}
 def variants_passing(test_log: str):
     """The variants to time after the GPU tests in `test_log` (pytest -rA or -v, -q or not, with
     xdist or not): the shipped ones, and each candidate with at least one test of its id (in the test's
-    name or one of its parameter ids) in its test file passed and none failed or errored, in a run that reached its summary line. A run cut
-    short (a hang, a time limit) leaves only the shipped ones."""
+    name or one of its parameter ids) in its test file passed and none failed or errored, in a run that
+    reached its summary line. A run cut short (a hang, a time limit) leaves only the shipped ones."""
     with open(test_log) as handle:
         lines = handle.read().splitlines()
     # pytest's last line, "=== 60 passed, 3 failed in 99.0s ===" (bare under -q).

@@ -609,7 +609,8 @@ def test_dq_chains_resolve_off_outside_their_mode():
     config = AttentionConfig(scale=0.1, deterministic=True)
     for chains in (0, backward.MAX_DQ_CHAINS + 1):
         with pytest.raises(ValueError, match=f"dq_chains={chains}"):
-            backward.Sm90BackwardKernel(backward.options(config, problem, dataclasses.replace(tuning, dq_chains=chains)))
+            backward.Sm90BackwardKernel(
+                backward.options(config, problem, dataclasses.replace(tuning, dq_chains=chains)))
 
 
 def test_dq_chains_are_summed_in_order_when_read_back():

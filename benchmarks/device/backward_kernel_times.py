@@ -11,37 +11,20 @@ Usage (device machine, repo root; carry .dev/cute and .dev/peer, or what cute_en
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import re
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hopper_vs_peers as peers  # noqa: E402  (shapes, the libraries, the pullback being timed)
-from benchmarks import attention  # noqa: E402
+import attention  # noqa: E402  (the same module hopper_vs_peers uses: CUPTI helpers, versions)
 
 ROWS = [peers.Shape(4, 4096, 16, 16, 128, False), peers.Shape(4, 4096, 32, 32, 64, False),
         peers.Shape(8, 2048, 16, 16, 128, True), peers.Shape(2, 8192, 16, 2, 128, True),
         peers.Shape(2, 8192, 16, 16, 128, False)]
-
-
-def per_kernel_us(function, arguments, iterations):
-    """{index:name: median us} of every kernel one call of `function` launches, and their sum."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    _, runs = profiler.measure(function, aggregate=False, iterations=iterations)(*arguments)
-    if runs and isinstance(runs[0], tuple):   # one iteration: one list, not a list of them
-        runs = [runs]
-    times = collections.defaultdict(list)
-    for run in runs:
-        for index, (kernel, ms) in enumerate(run):
-            times[f"{index}:{kernel[:60]}"].append(ms * 1e3)
-    kernels = {kernel: round(statistics.median(us), 2) for kernel, us in times.items()}
-    return kernels, round(sum(kernels.values()), 2)
 
 
 def main():
@@ -67,7 +50,7 @@ def main():
             record = dict(row=row.name, library=name)
             try:
                 function, arguments = peers.timed_function("backward", factory(shape), inputs)
-                record["kernels_us"], record["total_us"] = per_kernel_us(function, arguments, args.iterations)
+                record["kernels_us"], record["total_us"] = attention.per_kernel_us(function, arguments, args.iterations)
             except Exception as error:   # a library that cannot run the row: recorded, the others go on
                 record["error"] = peers.short_error(error)
             report["rows"].append(record)

@@ -10,10 +10,8 @@ Usage: python benchmarks/device/decode_kernel_times.py --out times.json [--itera
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -35,8 +33,6 @@ def main():
     variants = {name: VARIANTS[name] for name in (args.variants.split(",") if args.variants else VARIANTS)}
 
     import jax
-    from jax.experimental.mosaic.gpu import profiler
-
     import fa4_jax
     from benchmarks import attention
     from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, decode as decode_kernel
@@ -52,15 +48,8 @@ def main():
             else:
                 options = decode._options(row, DEFAULT_SM_COUNT, **overrides)
                 call = jax.jit(lambda *a, options=options: decode_kernel.run(options, *a))
-            _, runs = profiler.measure(call, aggregate=False, iterations=args.iterations)(*arguments)
-            if runs and isinstance(runs[0], tuple):   # one iteration: one list, not a list of them
-                runs = [runs]
-            per_kernel = collections.defaultdict(list)
-            for run in runs:
-                for index, (kernel, ms) in enumerate(run):
-                    per_kernel[f"{index}:{kernel[:48]}"].append(ms * 1e3)
-            kernels = {kernel: round(statistics.median(us), 3) for kernel, us in per_kernel.items()}
-            record = dict(row, variant=name, kernels_us=kernels, total_us=round(sum(kernels.values()), 3))
+            kernels, total = attention.per_kernel_us(call, arguments, args.iterations)
+            record = dict(row, variant=name, kernels_us=kernels, total_us=total)
             report["rows"].append(record)
             print(f"B={row['batch']} ctx={row['context']} q={row['q_len']} {name:15s} total {record['total_us']:7.2f} us  "
                   + "  ".join(f"{k} {v:.2f}" for k, v in kernels.items()), flush=True)
