@@ -27,6 +27,7 @@ from fa4_jax.config import AttentionConfig
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm90 import backward as sm90_backward  # noqa: E402
+from fa4_jax.kernels.sm90 import backward_common  # noqa: E402
 from fa4_jax.kernels.sm90.wgmma import swizzle_columns  # noqa: E402
 from tools.sm100_inspect import find_ptxas  # noqa: E402
 
@@ -143,6 +144,16 @@ CASES = {
     "d64-causal-deterministic-dq-chains-2": dict(
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 333, 4, 4, 64],
         tuning=dict(dq_chains=2)),
+    # 80 query rows at D = 128 (`Tuning.query_rows=80`, a candidate: dQ^T, one dQ staging buffer): lengths
+    # that are no multiple of 80 with Sq != Sk, causal GQA (unsplit), key lengths with a window, fp16.
+    "d128-query-rows-80": dict(config=dict(scale=128 ** -0.5), shape=[2, 300, 333, 4, 4, 128],
+                               tuning=dict(query_rows=80)),
+    "d128-causal-gqa-query-rows-80": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 300, 500, 8, 2, 128],
+                                          tuning=dict(query_rows=80)),
+    "d128-lengths-window-query-rows-80-fp16": dict(
+        config=dict(scale=128 ** -0.5, window_left=100, window_right=20, has_q_seq_lengths=True,
+                    has_kv_seq_lengths=True),
+        shape=[2, 300, 333, 4, 4, 128], dtype="float16", tuning=dict(query_rows=80)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),
@@ -291,8 +302,14 @@ def test_compiles_to_wgmma_tma_and_reductions(compiled, name):
     # has its own; this kernel has none else).
     stmatrix = re.findall(r"stmatrix\.sync\.aligned[.\w]*", ptx)
     assert set(stmatrix) == ({"stmatrix.sync.aligned.m8n8.x4.shared.b16"} if kernel.tuning.ds_stmatrix else set())
-    # dQ's wgmmas: N = D / 2 (warp groups split the head dim), or N = D with the row split.
+    # dQ's wgmmas: N = D / 2 (warp groups split the head dim), or N = D with the row split; dQ^T at 80
+    # rows: N = the query rows, as S^T and dP^T, so no N = D / 2 at all.
     dq_columns = kernel.head_dim if kernel.tuning.dq_row_split else kernel.head_dim // 2
+    if kernel.dq_transposed:
+        dq_columns = kernel.tile_m
+        assert not re.search(rf"m64n{kernel.head_dim // 2}k16", ptx), "dQ not transposed"
+        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{kernel.tile_m}k16", ptx)) == \
+            3 * kernel.tile_n // 16, "S^T, dP^T (K = D = 128) and dQ^T (K = 128 keys): 8 k-steps each"
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dq_columns}k16", ptx), "no dQ wgmma"
     if kernel.tuning.dq_row_split:
         assert not re.search(rf"m64n{kernel.head_dim // 2}k16", ptx), "dQ still split by columns"
@@ -340,6 +357,29 @@ def test_the_resolved_split_is_the_compile_key():
     assert chosen.head_splits > 1 and chosen.tuning.head_splits is None
     assert sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=chosen.head_splits)) == chosen
     assert sm90_backward.options(config, problem, sm90_backward.Tuning(head_splits=1)).head_splits == 1
+
+
+@pytest.mark.parametrize("head_dim,extra,tuning,match", [
+    (64, dict(), dict(), "head dims"), (96, dict(), dict(), "head dims"),
+    (128, dict(deterministic=True), dict(), "one dQ staging buffer"),
+    (128, dict(), dict(flat_dq=False), "register order"),
+    (128, dict(softcap=5.0), dict(), "softcap or segment ids"),
+    (128, dict(), dict(head_splits=2), "head_splits"),
+    (128, dict(), dict(dq_row_split=True), "needs 128 query rows")])
+def test_80_query_rows_are_refused_where_dq_transposed_cannot_run(head_dim, extra, tuning, match):
+    """80 query rows compute dQ^T with the head dim split into two warp groups' 64 rows (D = 128 only),
+    stage it in the register order only, and leave room for one dQ staging buffer (not deterministic
+    mode's); the 64-row rules about softcap and head splits hold too. Taken where none of these apply."""
+    config = AttentionConfig(scale=head_dim ** -0.5, **extra)
+    with pytest.raises(ValueError, match=match):
+        sm90_backward.options(config, _problem([1, 256, 256, 8, 2, head_dim]),
+                              sm90_backward.Tuning(query_rows=80, **tuning))
+    taken = sm90_backward.options(AttentionConfig(scale=128 ** -0.5, causal=True), _problem([1, 256, 256, 8, 2, 128]),
+                                  sm90_backward.Tuning(query_rows=80))
+    assert taken.tuning.query_rows == 80 and taken.head_splits == 1
+    kernel = sm90_backward.Sm90BackwardKernel(taken)
+    assert kernel.dq_transposed and kernel.dq_buffers == 1
+    assert kernel.shared_memory_bytes() <= backward_common.SHARED_MEMORY_BYTES
 
 
 @pytest.mark.parametrize("head_dim,extra,match", [
@@ -463,11 +503,11 @@ print("DS_STORE " + json.dumps(found))
 """
 
 
-@pytest.mark.parametrize("head_dim,query_rows,rows", [(128, None, 64), (64, None, 128)])
+@pytest.mark.parametrize("head_dim,query_rows,rows", [(128, None, 64), (64, None, 128), (128, 80, 80)])
 def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, query_rows, rows, tmp_path):
     """`Tuning.ds_stmatrix` changes how dS^T reaches shared memory, not where each value goes: for every
     consumer thread and register value, stmatrix (as the PTX ISA defines it) writes it at the plain
-    store's coordinate, and the values cover the [keys, queries] tile once (64 and 128 query rows).
+    store's coordinate, and the values cover the [keys, queries] tile once (64, 80 and 128 query rows).
     The compile test checks that the copy is the non-transposed x4 form this models."""
     found = _trace(_DS_STORE_CHECK, {"head_dim": head_dim, "dtype": "bfloat16", "query_rows": query_rows},
                    tmp_path, "DS_STORE")
@@ -496,7 +536,7 @@ def _trace(script_text, spec, tmp_path, tag):
 # Where `_stage_dq` (flat_dq) puts each consumer thread's dQ values: register value v of consumer thread
 # t (warp group t // 128) at ((g K + v // 4) 128 + t % 128) 4 + v % 4 of the block, K = values / 4,
 # the value being dQ at the (query, head-dim) coordinate the kernel's own dQ tiled MMA gives it
-# (partition_C of an identity tensor over (rows, D)).
+# (partition_C of an identity tensor over (rows, D), or over (D, rows) where it computes dQ^T).
 _DQ_STAGING_TRACE = r"""
 import json, sys
 import cutlass, cutlass.cute as cute
@@ -514,13 +554,15 @@ placed = {}
 @cute.jit
 def trace():
     _, _, mma_dq = kernel._tiled_mmas()
-    coordinates = cute.make_identity_tensor((kernel.tile_m, head_dim))
+    transposed = kernel.dq_transposed
+    coordinates = cute.make_identity_tensor((head_dim, kernel.tile_m) if transposed else (kernel.tile_m, head_dim))
     for t in cutlass.range_constexpr(kernel.consumer_threads):
         values = mma_dq.get_slice(t).partition_C(coordinates)
         chunks = cute.size(values) // 4
         for v in cutlass.range_constexpr(cute.size(values)):
             position = (((t // 128) * chunks + v // 4) * 128 + t % 128) * 4 + v % 4
-            placed.setdefault(position, []).append(tuple(values[v]))
+            coordinate = tuple(values[v])
+            placed.setdefault(position, []).append(coordinate[::-1] if transposed else coordinate)
 
 trace()
 print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m,
@@ -528,12 +570,13 @@ print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m,
 """
 
 
-@pytest.mark.parametrize("head_dim,query_rows,row_split", [(128, 64, False), (64, 128, False), (64, 128, True)])
+@pytest.mark.parametrize("head_dim,query_rows,row_split",
+                         [(128, 64, False), (64, 128, False), (64, 128, True), (128, 80, None)])
 def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_split, tmp_path):
     """The dQ staging order and its reader agree through the kernel's own dQ tiled MMA: every position
     of a block holds one dQ element, and `backward_common.dq_from_fragments` (with one column group
-    where `dq_row_split` gives each warp group whole rows) puts each at its (query, head-dim) place (64
-    and 128 query rows).
+    where `dq_row_split` gives each warp group whole rows; `dq_from_transposed_fragments` at 80 rows, whose
+    MMA computes dQ^T) puts each at its (query, head-dim) place (64, 80 and 128 query rows).
     tests/test_kernel_building_blocks.py checks the reader against the PTX ISA's fragment layout instead."""
     import numpy as np
 
@@ -547,8 +590,10 @@ def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_sp
     flat = np.zeros(query_rows * head_dim, np.float32)
     for position, (row, column) in found["placed"]:
         flat[position] = row * head_dim + column
-    rows = np.asarray(backward_common.dq_from_fragments(query_rows, column_groups=1 if row_split else 2)(
-        flat.reshape(1, 1, 1, -1), query_rows))
+    reader = backward_common.dq_from_fragments(query_rows, column_groups=1 if row_split else 2)
+    if query_rows == sm90_backward.TRANSPOSED_DQ_ROWS:
+        reader = backward_common.dq_from_transposed_fragments(query_rows)
+    rows = np.asarray(reader(flat.reshape(1, 1, 1, -1), query_rows))
     np.testing.assert_array_equal(rows[0, :, 0], np.arange(query_rows * head_dim).reshape(query_rows, head_dim))
 
 

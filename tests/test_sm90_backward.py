@@ -114,6 +114,16 @@ WIDE_QUERY_TUNINGS["dq_column_split"] = dataclasses.replace(
     sm90_backward.DEFAULT_TUNING, dq_row_split=False, query_rows=sm90_backward.WIDE_QUERY_ROWS)
 
 
+# 80 query rows per block at D = 128 (`Tuning.query_rows=80`, a candidate: dQ computed transposed, one
+# dQ staging buffer), outside deterministic mode and without softcap or segment ids (refused there): the
+# cases at D = 128, those of other head dims whose lengths or masks differ, moved to D = 128 (lengths
+# off the 80-row blocks everywhere), GQA unsplit. Select with `-k query_rows_80`.
+ROWS_80_CASES = [case if case.head_dim == 128 else dataclasses.replace(case, name=f"{case.name}-d128", head_dim=128)
+                 for case in CASES if case.softcap is None and not case.segments
+                 and case.name not in ("plain-d64", "causal-d64", "plain-d96")]
+ROWS_80 = dataclasses.replace(sm90_backward.DEFAULT_TUNING, query_rows=80)
+
+
 def _head_split_parameters(cases, splits=HEAD_SPLITS):
     """(case, head_splits) for every split that divides the case's group; ids `split<n>-<case>`."""
     return [pytest.param(case, head_splits, id=f"split{head_splits}-{case.name}")
@@ -265,6 +275,11 @@ def _check_same_bits_deterministic(case: Case, tuning, other, inputs, kernel=sm9
 @pytest.mark.parametrize("case", WIDE_QUERY_CASES, ids=lambda case: case.name)
 def test_wide_query_blocks_match_oracle(case: Case, deterministic, tuning, inputs):
     _check_against_oracle(case, WIDE_QUERY_TUNINGS[tuning], inputs, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("case", ROWS_80_CASES, ids=lambda case: case.name)
+def test_query_rows_80_match_oracle(case: Case, inputs):
+    _check_against_oracle(case, ROWS_80, inputs)
 
 
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):

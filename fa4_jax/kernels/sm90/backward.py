@@ -102,6 +102,14 @@ class Tuning:
       128 where registers and shared memory allow it (D = 64 without softcap, segment ids or head
       splits), which halves the per-block fixed costs (barrier hand-offs, pipeline waits, row
       statistics) per FLOP. None: `query_rows_for` chooses (in `options`).
+      80 (TRANSPOSED_DQ_ROWS, D = 128, a candidate): 80 is no multiple of wgmma's M = 64, so dQ is
+      computed transposed, dQ^T = K^T dS^T, the warp groups splitting the head dim (M) and the query
+      rows N; S^T and dP^T are m64n80 (40 registers each beside dK, dV's 128) and shared memory holds
+      one dQ staging buffer (two dS buffers, Q / dO rings of 80 rows: 227 KiB, the whole budget).
+      Why: per 64 query rows the 64-row kernel issues 256 wgmma instructions and its fixed per-block
+      work (barriers, descriptors, row statistics); 80 rows take 272 per 80 (ncu, an H100, rev
+      aea2164: FA4's D = 128 kernel runs this shape, 5 % fewer instructions and 6 % fewer cycles than
+      ours; docs/sm90_backward_tuning.md, "80 query rows").
     flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
       by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
       takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
@@ -214,6 +222,8 @@ DS_READY_BARRIER = 1
 DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
 MAX_DQ_CHAINS = 4          # `Tuning.dq_chains`: fp32 dQ accumulator copies (each as large as dQ x 2)
 WGMMA_M = 64               # wgmma's M per warp group: the query rows are N of S^T, M of dQ
+TRANSPOSED_DQ_ROWS = 80    # `Tuning.query_rows` whose dQ is computed transposed (M = head dim)
+TRANSPOSED_DQ_HEAD_DIMS = (128,)   # two warp groups x wgmma's M = 64 head-dim rows of dQ^T
 DETERMINISTIC_HEAD_SPLITS = 2   # fp32 partial sums that add onto zero in an order-free way
 
 
@@ -234,10 +244,12 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         register_bound = options.softcap is not None or options.has_segment_ids
         self.tile_m = tuning.query_rows or backward_common.TILE_M
         masked = options.causal or options.window_left is not None or options.window_right is not None
-        reason = (query_rows_reason(self.tile_m, self.head_dim, options.head_splits, register_bound)
+        reason = (query_rows_reason(self.tile_m, self.head_dim, options.head_splits, register_bound,
+                                    options.deterministic, tuning.flat_dq)
                   or dq_row_split_reason(tuning, self.tile_m))
         if reason is not None:
             raise ValueError(reason)
+        self.dq_transposed = self.tile_m == TRANSPOSED_DQ_ROWS
         # At 128 query rows S^T, dP^T, dK and dV take 192 registers already: early dV's live P^T
         # operand on top makes ptxas serialize the wgmmas (and spill), so it waits for dS there.
         self.early_dv = tuning.early_dv and not register_bound and self.tile_m == backward_common.TILE_M
@@ -265,8 +277,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             self.staged_row_stats = False
             self.tma_dkv_store = False
             self.key_blocks_outer = False
-        self.dq_buffers = DQ_BUFFERS
-        if tuning.dq_writers not in (1, self.dq_buffers) or (tuning.dq_writers > 1 and not self.deterministic):
+        # 80 query rows fill shared memory with one dQ staging buffer (`Tuning.query_rows`).
+        self.dq_buffers = 1 if self.dq_transposed else DQ_BUFFERS
+        if tuning.dq_writers not in (1, DQ_BUFFERS) or (tuning.dq_writers > 1 and not self.deterministic):
             raise ValueError(f"dq_writers={tuning.dq_writers}: one dQ writer warp, or {self.dq_buffers} (one per "
                              "staging buffer) in deterministic mode")
         self.dq_writers = tuning.dq_writers
@@ -336,6 +349,11 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         if const_expr(self.tuning.dq_row_split):
             mma_dq = sm90_helpers.make_trivial_tiled_mma(
                 self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (WGMMA_M, d))
+        if const_expr(self.dq_transposed):
+            # dQ^T = K^T dS^T: A = K^T (head dim contiguous), B = dS^T read with the queries contiguous;
+            # warp group g computes head-dim rows 64 g ... for all the block's queries.
+            mma_dq = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (WGMMA_M, self.tile_m))
         return mma_sdp, mma_dkv, mma_dq
 
     def _smem_layouts(self):
@@ -583,9 +601,14 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         tdPrdO = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sdO))
         tdVrdO = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sdO)))
         tdKrQ = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sQ)))
-        tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
-        tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
-        shape_dq = (self.tile_m, d)
+        if const_expr(self.dq_transposed):
+            tdQrK = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(transpose_view(sK)))
+            tdQrdS = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(sdS))
+            shape_dq = (d, self.tile_m)
+        else:
+            tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
+            tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
+            shape_dq = (self.tile_m, d)
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
         if const_expr(self.tuning.ds_stmatrix):
             ds_store = self._ds_store_copy(mma_sdp)
@@ -693,7 +716,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             cute.arch.fence_view_async_shared()
             ds_barrier.arrive_and_wait()
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(shape_dq), Float32)
-            gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
+            if const_expr(self.dq_transposed):
+                gemm(mma_dq, acc_dq, tdQrK, tdQrdS[None, None, None, ds_stage], True)
+            else:
+                gemm(mma_dq, acc_dq, tdQrdS[None, None, None, ds_stage], tdQrK, True)
             warpgroup.commit_group()
             if const_expr(self.stage_dq_under_dk):
                 # dK after dQ, so that dQ is staged for the writer warp while the tensor cores compute
@@ -992,7 +1018,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     query_rows = tuning.query_rows
     if query_rows is None:
         query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
-    reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound)
+    reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, config.deterministic,
+                                tuning.flat_dq)
               or dq_row_split_reason(tuning, query_rows))
     if reason is not None:
         raise ValueError(reason)
@@ -1042,7 +1069,7 @@ def packed_reason(head_splits: int, query_rows: int, flat_dq: bool) -> Optional[
 
 
 WIDE_QUERY_ROWS = 128
-QUERY_ROWS = (backward_common.TILE_M, WIDE_QUERY_ROWS)
+QUERY_ROWS = (backward_common.TILE_M, TRANSPOSED_DQ_ROWS, WIDE_QUERY_ROWS)
 WIDE_QUERY_HEAD_DIMS = (64,)     # where 128 query rows fit: [128 x 128] S^T and dP^T beside dK, dV
 
 
@@ -1055,10 +1082,20 @@ def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int
     return backward_common.TILE_M
 
 
-def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool) -> Optional[str]:
+def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool,
+                      deterministic: bool = False, flat_dq: bool = True) -> Optional[str]:
     """Why the kernel cannot take `query_rows` query rows per block, or None."""
     if query_rows not in QUERY_ROWS:
         return f"query_rows={query_rows} must be one of {QUERY_ROWS}"
+    if query_rows == TRANSPOSED_DQ_ROWS:
+        if head_dim not in TRANSPOSED_DQ_HEAD_DIMS:
+            return (f"query_rows={query_rows} computes dQ^T with the head dim split into the warp groups' 64 "
+                    f"rows: head dims {TRANSPOSED_DQ_HEAD_DIMS} only (got {head_dim})")
+        if deterministic:
+            return (f"query_rows={query_rows} leaves shared memory for one dQ staging buffer: deterministic "
+                    "mode's ordered adds hold theirs through the turn, and take 64 rows")
+        if not flat_dq:
+            return f"query_rows={query_rows} stages dQ^T in the register order only (flat_dq=True)"
     if query_rows != backward_common.TILE_M and register_bound:
         return (f"query_rows={query_rows} does not combine with softcap or segment ids: their per-row "
                 "statistics in registers make ptxas spill (D = 64: 352 bytes)")
@@ -1180,6 +1217,8 @@ def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, opt
         accumulator_shape = _chained(backward_common.flat_dq_accumulator_shape(kernel.tile_m), chains)
         column_groups = 1 if options.tuning.dq_row_split else 2
         dq_rows = backward_common.dq_from_fragments(kernel.tile_m, column_groups=column_groups)
+        if kernel.dq_transposed:
+            dq_rows = backward_common.dq_from_transposed_fragments(kernel.tile_m)
         if chains > 1:
             dq_rows = _summed_chains(dq_rows, chains)
     return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,

@@ -293,3 +293,19 @@ def dq_from_fragments(tile_m, column_groups=2):
         rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
         return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
     return rows
+
+
+def dq_from_transposed_fragments(tile_m):
+    """The reader of the flat accumulator when the kernel computes dQ^T = K^T dS^T (backward.py's 80 query
+    rows): the same staging order as `dq_from_fragments`, of a [D, tile_m] fragment. Warp group g holds
+    head-dim rows 64 g ...; its thread t = 32 w + 4 q + r's chunk j (queries 8 j ...) sits at ((g K + j) 128
+    + t) 4, K = tile_m / 8, with values (h, c) = (0, 0), (0, 1), (1, 0), (1, 1) at head dim 64 g + 16 w + 8 h
+    + q and query 8 j + 2 r + c of the block (the wgmma D fragment with rows and columns swapped)."""
+    def rows(dq_accum, q_len: int):
+        batch, heads, blocks, flat = dq_accum.shape
+        head_dim = flat // tile_m
+        fragments = dq_accum.reshape(batch, heads, blocks, head_dim // 64, tile_m // 8, 4, 8, 4, 2, 2)
+        # axes: 0 batch, 1 heads, 2 blocks, 3 g, 4 j, 5 w, 6 q, 7 r, 8 h, 9 c
+        rows_columns = fragments.transpose(0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
+        return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
+    return rows
