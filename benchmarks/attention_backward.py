@@ -430,6 +430,8 @@ def backward_row(shape, arguments, args):
         outputs[name] = grads
         row[f"{name}_ms"] = milliseconds
         row[f"{name}_tflops"] = backward_flops(shape) / (milliseconds * 1e-3) / 1e12
+        if getattr(args, "per_kernel", False):
+            row[f"{name}_kernels_us"], _ = attention.per_kernel_us(function, function_arguments, args.iterations)
     # The first variant timed again last: the spread between its two timings is the row's noise.
     first = next((name for name in candidates if name != "cudnn" and name in outputs), None)
     if first is not None:
@@ -542,6 +544,8 @@ def main(argv=None):
                         help="in this order (a run cut short has measured the first ones whole)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=list(attention.SEQUENCE_LENGTHS))
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--per-kernel", action="store_true",
+                        help="also record each variant's per-kernel CUPTI times (<variant>_kernels_us)")
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
     parser.add_argument("--shapes", choices=("grid", *SHAPE_SETS), default="grid",
                         help="grid: B*S = 16k tokens, H*D = 2048; gqa: the GQA / MQA rows (GQA_SHAPES); "
