@@ -534,15 +534,16 @@ def _trace(script_text, spec, tmp_path, tag):
 
 
 # Where `_stage_dq` (flat_dq) puts each consumer thread's dQ values: register value v of consumer thread
-# t (warp group t // 128) at ((g K + v // 4) 128 + t % 128) 4 + v % 4 of the block, K = values / 4,
-# the value being dQ at the (query, head-dim) coordinate the kernel's own dQ tiled MMA gives it
-# (partition_C of an identity tensor over (rows, D), or over (D, rows) where it computes dQ^T).
+# t (warp group t // 128) at ((g K + v // 4) 128 + t % 128) 4 + v % 4 of the block, K = values / 4, or
+# where it computes dQ^T at `backward_common.transposed_dq_staging`'s offset + layout(v); the value
+# being dQ at the (query, head-dim) coordinate the kernel's own dQ tiled MMA gives it (partition_C of an
+# identity tensor over (rows, D), or over (D, rows) for dQ^T).
 _DQ_STAGING_TRACE = r"""
 import json, sys
 import cutlass, cutlass.cute as cute
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.sm90 import backward as sm90_backward
+from fa4_jax.kernels.sm90 import backward as sm90_backward, backward_common
 spec = json.loads(sys.argv[1])
 head_dim = spec["head_dim"]
 query = (1, 256, 4, head_dim)
@@ -559,8 +560,11 @@ def trace():
     for t in cutlass.range_constexpr(kernel.consumer_threads):
         values = mma_dq.get_slice(t).partition_C(coordinates)
         chunks = cute.size(values) // 4
+        staging = backward_common.transposed_dq_staging(t, head_dim, kernel.tile_m) if transposed else None
         for v in cutlass.range_constexpr(cute.size(values)):
             position = (((t // 128) * chunks + v // 4) * 128 + t % 128) * 4 + v % 4
+            if cutlass.const_expr(transposed):
+                position = staging[0] + staging[1](v)
             coordinate = tuple(values[v])
             placed.setdefault(position, []).append(coordinate[::-1] if transposed else coordinate)
 

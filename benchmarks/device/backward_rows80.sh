@@ -10,12 +10,12 @@ REV=$1
 HERE=$(dirname "$0")
 OUT=${OUT:-/tmp/out}
 bash "$HERE/backward_candidates.sh" "$REV" rows80 tests/test_sm90_backward.py "query_rows_80" \
-  --variants default query_rows_80 --head-dims 128 --seq-lens 1024 4096
+  --variants default query_rows_80 --head-dims 128 --seq-lens 1024 4096 --per-kernel
 timeout 120 python3 benchmarks/attention_backward.py --out "$OUT/rows80_gqa.json" --shapes gqa \
-  --variants default query_rows_80 --head-dims 128 --iterations 10 > "$OUT/rows80_gqa.log" 2>&1
+  --variants default query_rows_80 --head-dims 128 --iterations 10 --per-kernel > "$OUT/rows80_gqa.log" 2>&1
 echo "gqa bench rc=$?"; tail -8 "$OUT/rows80_gqa.log"
 for tool in racecheck memcheck; do
-  timeout 100 compute-sanitizer --tool $tool --print-limit 12 python3 -m pytest -q -p no:cacheprovider -p no:xdist \
+  timeout 100 compute-sanitizer --tool $tool --report-api-errors no --print-limit 12 python3 -m pytest -q -p no:cacheprovider -p no:xdist \
     tests/test_sm90_backward.py -k "query_rows_80 and (causal-cross or gqa-long)" > "$OUT/rows80_$tool.log" 2>&1
   echo "$tool rc=$?: $(grep -E 'SUMMARY|passed|failed' "$OUT/rows80_$tool.log" | tr '\n' ' ')"
 done

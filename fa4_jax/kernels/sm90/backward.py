@@ -764,7 +764,12 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         """Stage this block's dQ for the writer warp; wait only for a free buffer. The two
         [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2)."""
         dq_pipe.producer_acquire(dq_state)
-        if const_expr(self.tuning.flat_dq):
+        if const_expr(self.dq_transposed):
+            offset, layout = backward_common.transposed_dq_staging(
+                cute.arch.thread_idx()[0] - WARP_GROUP, self.head_dim, self.tile_m)
+            staging = cute.make_tensor(sdQ[None, dq_state.index].iterator + offset, layout)
+            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(layout.shape)), staging)
+        elif const_expr(self.tuning.flat_dq):
             chunks = cute.size(acc_dq) // 4
             staging = backward_common.register_order_staging(
                 sdQ[None, dq_state.index].iterator, cute.arch.thread_idx()[0] - WARP_GROUP, chunks)
