@@ -362,24 +362,27 @@ def test_the_resolved_split_is_the_compile_key():
 @pytest.mark.parametrize("head_dim,extra,tuning,match", [
     (64, dict(), dict(), "head dims"), (96, dict(), dict(), "head dims"),
     (128, dict(deterministic=True), dict(), "one dQ staging buffer"),
-    (128, dict(), dict(flat_dq=False), "register order"),
     (128, dict(softcap=5.0), dict(), "softcap or segment ids"),
     (128, dict(), dict(head_splits=2), "head_splits"),
     (128, dict(), dict(dq_row_split=True), "needs 128 query rows")])
 def test_80_query_rows_are_refused_where_dq_transposed_cannot_run(head_dim, extra, tuning, match):
-    """80 query rows compute dQ^T with the head dim split into two warp groups' 64 rows (D = 128 only),
-    stage it in the register order only, and leave room for one dQ staging buffer (not deterministic
-    mode's); the 64-row rules about softcap and head splits hold too. Taken where none of these apply."""
+    """80 query rows compute dQ^T with the head dim split into two warp groups' 64 rows (D = 128 only) and
+    leave room for one dQ staging buffer (not deterministic mode's); the 64-row rules about softcap and
+    head splits hold too. Taken where none of these apply, with the tiled dQ staging (flat_dq resolved
+    off; the kernel refuses the register order given directly)."""
     config = AttentionConfig(scale=head_dim ** -0.5, **extra)
     with pytest.raises(ValueError, match=match):
         sm90_backward.options(config, _problem([1, 256, 256, 8, 2, head_dim]),
                               sm90_backward.Tuning(query_rows=80, **tuning))
     taken = sm90_backward.options(AttentionConfig(scale=128 ** -0.5, causal=True), _problem([1, 256, 256, 8, 2, 128]),
                                   sm90_backward.Tuning(query_rows=80))
-    assert taken.tuning.query_rows == 80 and taken.head_splits == 1
+    assert taken.tuning.query_rows == 80 and taken.head_splits == 1 and not taken.tuning.flat_dq
     kernel = sm90_backward.Sm90BackwardKernel(taken)
     assert kernel.dq_transposed and kernel.dq_buffers == 1
     assert kernel.shared_memory_bytes() <= backward_common.SHARED_MEMORY_BYTES
+    flat = dataclasses.replace(taken, tuning=dataclasses.replace(taken.tuning, flat_dq=True))
+    with pytest.raises(ValueError, match="swizzled"):
+        sm90_backward.Sm90BackwardKernel(flat)
 
 
 @pytest.mark.parametrize("head_dim,extra,match", [
@@ -534,16 +537,15 @@ def _trace(script_text, spec, tmp_path, tag):
 
 
 # Where `_stage_dq` (flat_dq) puts each consumer thread's dQ values: register value v of consumer thread
-# t (warp group t // 128) at ((g K + v // 4) 128 + t % 128) 4 + v % 4 of the block, K = values / 4, or
-# where it computes dQ^T at `backward_common.transposed_dq_staging`'s offset + layout(v); the value
-# being dQ at the (query, head-dim) coordinate the kernel's own dQ tiled MMA gives it (partition_C of an
-# identity tensor over (rows, D), or over (D, rows) for dQ^T).
+# t (warp group t // 128) at ((g K + v // 4) 128 + t % 128) 4 + v % 4 of the block, K = values / 4,
+# the value being dQ at the (query, head-dim) coordinate the kernel's own dQ tiled MMA gives it
+# (partition_C of an identity tensor over (rows, D)).
 _DQ_STAGING_TRACE = r"""
 import json, sys
 import cutlass, cutlass.cute as cute
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.sm90 import backward as sm90_backward, backward_common
+from fa4_jax.kernels.sm90 import backward as sm90_backward
 spec = json.loads(sys.argv[1])
 head_dim = spec["head_dim"]
 query = (1, 256, 4, head_dim)
@@ -555,18 +557,13 @@ placed = {}
 @cute.jit
 def trace():
     _, _, mma_dq = kernel._tiled_mmas()
-    transposed = kernel.dq_transposed
-    coordinates = cute.make_identity_tensor((head_dim, kernel.tile_m) if transposed else (kernel.tile_m, head_dim))
+    coordinates = cute.make_identity_tensor((kernel.tile_m, head_dim))
     for t in cutlass.range_constexpr(kernel.consumer_threads):
         values = mma_dq.get_slice(t).partition_C(coordinates)
         chunks = cute.size(values) // 4
-        staging = backward_common.transposed_dq_staging(t, head_dim, kernel.tile_m) if transposed else None
         for v in cutlass.range_constexpr(cute.size(values)):
             position = (((t // 128) * chunks + v // 4) * 128 + t % 128) * 4 + v % 4
-            if cutlass.const_expr(transposed):
-                position = staging[0] + staging[1](v)
-            coordinate = tuple(values[v])
-            placed.setdefault(position, []).append(coordinate[::-1] if transposed else coordinate)
+            placed.setdefault(position, []).append(tuple(values[v]))
 
 trace()
 print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m,
@@ -574,13 +571,12 @@ print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m,
 """
 
 
-@pytest.mark.parametrize("head_dim,query_rows,row_split",
-                         [(128, 64, False), (64, 128, False), (64, 128, True), (128, 80, None)])
+@pytest.mark.parametrize("head_dim,query_rows,row_split", [(128, 64, False), (64, 128, False), (64, 128, True)])
 def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_split, tmp_path):
     """The dQ staging order and its reader agree through the kernel's own dQ tiled MMA: every position
     of a block holds one dQ element, and `backward_common.dq_from_fragments` (with one column group
-    where `dq_row_split` gives each warp group whole rows; `dq_from_transposed_fragments` at 80 rows, whose
-    MMA computes dQ^T) puts each at its (query, head-dim) place (64, 80 and 128 query rows).
+    where `dq_row_split` gives each warp group whole rows) puts each at its (query, head-dim) place (64
+    and 128 query rows).
     tests/test_kernel_building_blocks.py checks the reader against the PTX ISA's fragment layout instead."""
     import numpy as np
 
@@ -594,10 +590,8 @@ def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_sp
     flat = np.zeros(query_rows * head_dim, np.float32)
     for position, (row, column) in found["placed"]:
         flat[position] = row * head_dim + column
-    reader = backward_common.dq_from_fragments(query_rows, column_groups=1 if row_split else 2)
-    if query_rows == sm90_backward.TRANSPOSED_DQ_ROWS:
-        reader = backward_common.dq_from_transposed_fragments(query_rows)
-    rows = np.asarray(reader(flat.reshape(1, 1, 1, -1), query_rows))
+    rows = np.asarray(backward_common.dq_from_fragments(query_rows, column_groups=1 if row_split else 2)(
+        flat.reshape(1, 1, 1, -1), query_rows))
     np.testing.assert_array_equal(rows[0, :, 0], np.arange(query_rows * head_dim).reshape(query_rows, head_dim))
 
 

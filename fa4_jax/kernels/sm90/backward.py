@@ -105,7 +105,9 @@ class Tuning:
       80 (TRANSPOSED_DQ_ROWS, D = 128, a candidate): 80 is no multiple of wgmma's M = 64, so dQ is
       computed transposed, dQ^T = K^T dS^T, the warp groups splitting the head dim (M) and the query
       rows N; S^T and dP^T are m64n80 (40 registers each beside dK, dV's 128) and shared memory holds
-      one dQ staging buffer (two dS buffers, Q / dO rings of 80 rows: 227 KiB, the whole budget).
+      one dQ staging buffer (two dS buffers, Q / dO rings of 80 rows: 227 KiB, the whole budget). dQ^T
+      goes through the tiled staging (`options` resolves flat_dq off): in the register order its head
+      dims lie 16 floats apart and the read-back took 147 us against 70.
       Why: per 64 query rows the 64-row kernel issues 256 wgmma instructions and its fixed per-block
       work (barriers, descriptors, row statistics); 80 rows take 272 per 80 (ncu, an H100, rev
       aea2164: FA4's D = 128 kernel runs this shape, 5 % fewer instructions and 6 % fewer cycles than
@@ -764,18 +766,18 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         """Stage this block's dQ for the writer warp; wait only for a free buffer. The two
         [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2)."""
         dq_pipe.producer_acquire(dq_state)
-        if const_expr(self.dq_transposed):
-            offset, layout = backward_common.transposed_dq_staging(
-                cute.arch.thread_idx()[0] - WARP_GROUP, self.head_dim, self.tile_m)
-            staging = cute.make_tensor(sdQ[None, dq_state.index].iterator + offset, layout)
-            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(layout.shape)), staging)
-        elif const_expr(self.tuning.flat_dq):
+        if const_expr(self.tuning.flat_dq):
             chunks = cute.size(acc_dq) // 4
             staging = backward_common.register_order_staging(
                 sdQ[None, dq_state.index].iterator, cute.arch.thread_idx()[0] - WARP_GROUP, chunks)
             cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, chunks))), staging)
         else:
             staging = cute.group_modes(sdQ[None, None, None, dq_state.index], 1, 3)
+            if const_expr(self.dq_transposed):
+                # dQ^T's value (dim, query) at (query, dim): a warp's 32-bit stores of one register hit 8
+                # consecutive dims of 4 queries 2 apart, whose 16-byte chunks the 128-byte swizzle (row % 8)
+                # spreads over all banks: one wavefront each.
+                staging = transpose_view(staging)
             cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
         cute.arch.fence_proxy("async.shared", space="cta")
         dq_pipe.producer_commit(dq_state)
@@ -1023,6 +1025,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     query_rows = tuning.query_rows
     if query_rows is None:
         query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
+    # 80 rows stage dQ^T in the tiled form only (`query_rows_reason`).
+    tuning = dataclasses.replace(tuning, flat_dq=tuning.flat_dq and query_rows != TRANSPOSED_DQ_ROWS)
     reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, config.deterministic,
                                 tuning.flat_dq)
               or dq_row_split_reason(tuning, query_rows))
@@ -1099,8 +1103,10 @@ def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register
         if deterministic:
             return (f"query_rows={query_rows} leaves shared memory for one dQ staging buffer: deterministic "
                     "mode's ordered adds hold theirs through the turn, and take 64 rows")
-        if not flat_dq:
-            return f"query_rows={query_rows} stages dQ^T in the register order only (flat_dq=True)"
+        if flat_dq:
+            return (f"query_rows={query_rows} stages dQ^T as a swizzled [rows, D] tile (flat_dq=False): in the "
+                    "register order its head dims lie 16 floats apart, and reading them back cost more than "
+                    "the 80 rows saved")
     if query_rows != backward_common.TILE_M and register_bound:
         return (f"query_rows={query_rows} does not combine with softcap or segment ids: their per-row "
                 "statistics in registers make ptxas spill (D = 64: 352 bytes)")
@@ -1222,8 +1228,6 @@ def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, opt
         accumulator_shape = _chained(backward_common.flat_dq_accumulator_shape(kernel.tile_m), chains)
         column_groups = 1 if options.tuning.dq_row_split else 2
         dq_rows = backward_common.dq_from_fragments(kernel.tile_m, column_groups=column_groups)
-        if kernel.dq_transposed:
-            dq_rows = backward_common.dq_from_transposed_fragments(kernel.tile_m)
         if chains > 1:
             dq_rows = _summed_chains(dq_rows, chains)
     return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,

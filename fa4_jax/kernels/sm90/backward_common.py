@@ -293,32 +293,3 @@ def dq_from_fragments(tile_m, column_groups=2):
         rows_columns = fragments.transpose(0, 2, 4, 6, 9, 7, 1, 3, 5, 8, 10)
         return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
     return rows
-
-
-def transposed_dq_staging(consumer_tidx, head_dim: int, tile_m: int):
-    """(offset, layout) of where consumer thread `consumer_tidx` stages its dQ^T accumulator ((2, 2,
-    tile_m / 8) values: query pair c, head-dim half h, query chunk j) when the kernel computes dQ^T (backward.py's
-    80 query rows): value (c, h, j) of thread t = 32 w + 4 q + r of warp group g, which is dQ at query 8 j + 2 r + c
-    and head dim 64 g + 16 w + 8 h + q (the wgmma D fragment, rows and columns swapped), goes to ((j D +
-    dim) 8 + 2 r + c: per 8-query chunk a [D, 8] fp32 tile. A warp's 64-bit stores of one (j, h) then take
-    the two shared-memory wavefronts 256 bytes need (lanes 0-15 hit banks 8 q + 2 r + {0, 1}, distinct),
-    and `dq_from_transposed_fragments` reads the accumulator back with one [D, 8] -> [8, D] transpose per
-    chunk. (The register order of `register_order_staging` puts consecutive head dims 16 floats apart:
-    its reader ran 147 us against 70 at B 4, S 4k, H 16, an H100.)"""
-    group, t = consumer_tidx // 128, consumer_tidx % 128
-    warp, lane = t // 32, t % 32
-    dim = 64 * group + 16 * warp + lane // 4
-    offset = dim * 8 + 2 * (lane % 4)
-    return offset, cute.make_layout((2, 2, tile_m // 8), stride=(1, 64, 8 * head_dim))
-
-
-def dq_from_transposed_fragments(tile_m):
-    """The reader of the accumulator `transposed_dq_staging` fills: [B, Hq, query block, tile_m x D] as
-    [B, q_len, Hq, D], each block's [tile_m / 8, D, 8] chunks transposed to [tile_m / 8, 8, D]."""
-    def rows(dq_accum, q_len: int):
-        batch, heads, blocks, flat = dq_accum.shape
-        head_dim = flat // tile_m
-        chunks = dq_accum.reshape(batch, heads, blocks, tile_m // 8, head_dim, 8)
-        rows_columns = chunks.transpose(0, 2, 3, 5, 1, 4)
-        return rows_columns.reshape(batch, blocks * tile_m, heads, head_dim)[:, :q_len]
-    return rows
