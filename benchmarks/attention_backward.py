@@ -177,14 +177,15 @@ def _variants():
         "deterministic_dq_chains_2": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_chains=2), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "dq_chains_2")),
-        # 80 query rows per block at D = 128 (`Tuning.query_rows=80`: dQ^T, one dQ staging buffer; the
-        # default takes 64 there); not deterministic, which it refuses.
+        # 80 query rows per block at D = 128 forced (`Tuning.query_rows=80`: dQ^T, one dQ staging buffer; the
+        # default takes them without a mask, 64 causal); not deterministic, which it refuses.
         "query_rows_80": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=80), False, (128,),
             ("test_sm90_backward.py", "query_rows_80")),
-        # 64 query rows per block at D = 64 (the default takes 128 there), default and deterministic.
+        # 64 query rows per block forced at D = 64 (the default takes 128 there) and D = 128 (80 without a
+        # mask), default and deterministic.
         **{f"{prefix}query_rows_64": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64,),
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64, 128),
             ("test_sm90_backward.py", "query_rows_64"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
         # dQ split between the warp groups by head-dim columns at D = 64's 128 rows (m64n32 wgmmas where

@@ -5,7 +5,8 @@
 Each case runs `fa4_jax.attention(implementation="cute")` once (forward, or forward and gradient) on
 shapes small enough for the sanitizer, chosen to reach every code path that synchronises differently:
 the default configuration of each head dim (three consumer warp groups at D = 64, the Q double buffer
-and TMA-store epilogue at D = 128, ping-pong at D = 256), ragged tiles, GQA, masks that skip blocks,
+and TMA-store epilogue at D = 128, ping-pong at D = 256; the backward's 80 query rows at D = 128 without a
+mask), ragged tiles, GQA, masks that skip blocks,
 the deterministic backward, and the large-head backward (D = 192, 256).
 """
 
@@ -37,6 +38,7 @@ BACKWARD_CASES = [
     ("d64", 1, 200, 200, 2, 2, 64, {}),
     ("d64-causal-gqa", 1, 333, 257, 4, 2, 64, {"causal": True}),
     ("d128-causal", 1, 300, 300, 2, 1, 128, {"causal": True}),
+    ("d128-gqa", 1, 300, 333, 4, 2, 128, {}),      # 80 query rows, dQ^T (full mask, unsplit)
     ("d128-deterministic", 1, 300, 300, 2, 2, 128, {"deterministic": True}),
     ("d128-causal-deterministic", 1, 257, 300, 2, 2, 128, {"causal": True, "deterministic": True}),
     ("d96-window", 1, 200, 200, 2, 2, 96, {"window": (64, 0)}),

@@ -437,11 +437,14 @@ def test_dq_row_split_resolves_where_128_rows_are_chosen(shape, tuning, expected
 @pytest.mark.parametrize("shape,extra,rows", [
     ([2, 1024, 1024, 8, 8, 64], dict(), 128), ([2, 1024, 1024, 8, 8, 64], dict(deterministic=True), 128),
     ([2, 1024, 1024, 8, 8, 64], dict(softcap=5.0), 64), ([2, 1024, 1024, 8, 8, 64], dict(has_segment_ids=True), 64),
-    ([2, 1024, 1024, 8, 8, 128], dict(), 64), ([2, 1024, 1024, 8, 8, 96], dict(), 64),
-    ([1, 2048, 2048, 16, 1, 64], dict(causal=True), None)])
+    ([2, 1024, 1024, 8, 8, 128], dict(), 80), ([2, 4096, 4096, 64, 8, 128], dict(), 80),
+    ([2, 1024, 1024, 8, 8, 128], dict(causal=True), 64), ([2, 1024, 1024, 8, 8, 128], dict(window_left=100), 64),
+    ([2, 1024, 1024, 8, 8, 128], dict(deterministic=True), 64), ([2, 1024, 1024, 8, 8, 128], dict(softcap=5.0), 64),
+    ([2, 1024, 1024, 8, 8, 96], dict(), 64), ([1, 2048, 2048, 16, 1, 64], dict(causal=True), None)])
 def test_query_rows_default(shape, extra, rows):
     """`options` takes 128 query rows wherever the kernel can (D = 64 without softcap, segment ids or a
-    head split), else 64; a head split chosen by head_splits_for (MQA here) keeps 64."""
+    head split), 80 at D = 128 without a mask, determinism, softcap or segment ids (where it measured
+    faster), else 64; a head split chosen by head_splits_for (MQA here) keeps 64."""
     config = AttentionConfig(scale=shape[-1] ** -0.5, **extra)
     options = sm90_backward.options(config, _problem(shape))
     if rows is None:

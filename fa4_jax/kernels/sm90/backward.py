@@ -102,16 +102,16 @@ class Tuning:
       128 where registers and shared memory allow it (D = 64 without softcap, segment ids or head
       splits), which halves the per-block fixed costs (barrier hand-offs, pipeline waits, row
       statistics) per FLOP. None: `query_rows_for` chooses (in `options`).
-      80 (TRANSPOSED_DQ_ROWS, D = 128, a candidate): 80 is no multiple of wgmma's M = 64, so dQ is
-      computed transposed, dQ^T = K^T dS^T, the warp groups splitting the head dim (M) and the query
-      rows N; S^T and dP^T are m64n80 (40 registers each beside dK, dV's 128) and shared memory holds
-      one dQ staging buffer (two dS buffers, Q / dO rings of 80 rows: 227 KiB, the whole budget). dQ^T
-      goes through the tiled staging (`options` resolves flat_dq off): in the register order its head
-      dims lie 16 floats apart and the read-back took 147 us against 70.
-      Why: per 64 query rows the 64-row kernel issues 256 wgmma instructions and its fixed per-block
-      work (barriers, descriptors, row statistics); 80 rows take 272 per 80 (ncu, an H100, rev
-      aea2164: FA4's D = 128 kernel runs this shape, 5 % fewer instructions and 6 % fewer cycles than
-      ours; docs/sm90_backward_tuning.md, "80 query rows").
+      80 (TRANSPOSED_DQ_ROWS; the default at D = 128 without a mask, head splits or determinism): 80 is
+      no multiple of wgmma's M = 64, so dQ is computed transposed, dQ^T = K^T dS^T, the warp groups
+      splitting the head dim (M) and the query rows N; S^T and dP^T are m64n80 (40 registers each
+      beside dK, dV's 128) and shared memory holds one dQ staging buffer (two dS buffers, Q / dO rings
+      of 80 rows: 227 KiB, the whole budget). dQ^T goes through the tiled staging (`options` resolves
+      flat_dq off): in the register order its head dims lie 16 floats apart, and the read-back took
+      147 us against 70. Why: per 64 query rows the 64-row kernel issues 256 wgmma instructions and
+      its fixed per-block work (barriers, descriptors, row statistics); 80 rows take 272 per 80 (ncu,
+      an H100, rev aea2164: FA4's D = 128 kernel runs this shape, 5 % fewer instructions and 6 % fewer
+      cycles than ours; docs/sm90_backward_tuning.md, "80 query rows").
     flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
       by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
       takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
@@ -1024,7 +1024,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     register_bound = config.softcap is not None or config.has_segment_ids
     query_rows = tuning.query_rows
     if query_rows is None:
-        query_rows = query_rows_for(problem.head_dim, head_splits, register_bound)
+        query_rows = query_rows_for(problem.head_dim, head_splits, register_bound, config.deterministic,
+                                    config.causal or config.has_window)
     # 80 rows stage dQ^T in the tiled form only (`query_rows_reason`).
     tuning = dataclasses.replace(tuning, flat_dq=tuning.flat_dq and query_rows != TRANSPOSED_DQ_ROWS)
     reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, config.deterministic,
@@ -1082,12 +1083,19 @@ QUERY_ROWS = (backward_common.TILE_M, TRANSPOSED_DQ_ROWS, WIDE_QUERY_ROWS)
 WIDE_QUERY_HEAD_DIMS = (64,)     # where 128 query rows fit: [128 x 128] S^T and dP^T beside dK, dV
 
 
-def query_rows_for(head_dim: int, head_splits: int, register_bound: bool) -> int:
-    """Query rows per block when `Tuning.query_rows` is None (`register_bound`: softcap or segment ids):
-    128 wherever the kernel takes it (measured 1.07-1.11x the 64-row kernel at D = 64 on the H200,
-    deterministic 1.2-1.3x; docs/sm90_backward_tuning.md), else 64."""
+def query_rows_for(head_dim: int, head_splits: int, register_bound: bool, deterministic: bool = False,
+                   masked: bool = False) -> int:
+    """Query rows per block when `Tuning.query_rows` is None (`register_bound`: softcap or segment ids;
+    `masked`: causal or a window): 128 wherever the kernel takes it (measured 1.07-1.11x the 64-row kernel
+    at D = 64 on the H200, deterministic 1.2-1.3x; docs/sm90_backward_tuning.md); 80 (dQ^T) where it takes
+    those and no mask: measured +1.2 to +2.8 % on the full-mask D = 128 rows, MHA and GQA / MQA, but -1.3
+    to -4.3 % causal, where an 80-row block straddles the diagonal with more masked scores (an H100, rev
+    458b42a, docs/sm90_backward_tuning.md, "80 query rows"); else 64."""
     if query_rows_reason(WIDE_QUERY_ROWS, head_dim, head_splits, register_bound) is None:
         return WIDE_QUERY_ROWS
+    if not masked and query_rows_reason(TRANSPOSED_DQ_ROWS, head_dim, head_splits, register_bound,
+                                        deterministic, flat_dq=False) is None:
+        return TRANSPOSED_DQ_ROWS
     return backward_common.TILE_M
 
 
