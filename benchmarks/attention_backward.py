@@ -173,10 +173,6 @@ def _variants():
         "deterministic_one_dq_writer": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_writers=1), True,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "two_dq_writers")),
-        # Deterministic with two dQ chains a tile (`Tuning.dq_chains`).
-        "deterministic_dq_chains_2": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_chains=2), True,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "dq_chains_2")),
         # 80 query rows per block at D = 128 forced (`Tuning.query_rows=80`: dQ^T, one dQ staging buffer; the
         # default takes them without a mask, 64 causal); not deterministic, which it refuses.
         "query_rows_80": Variant(

@@ -16,8 +16,6 @@ import dataclasses
 import itertools
 import re
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import ptx_checks
@@ -51,7 +49,7 @@ tuning = sm90_backward.Tuning(**spec.get("tuning", {}), head_splits=spec.get("he
 kernel = sm90_backward.Sm90BackwardKernel(sm90_backward.options(config, problem, tuning))
 cute.compile(kernel.__call__, make_fake_stream(),
              *sm90_backward.fake_arguments(config, spec["shape"], spec["dtype"], kernel.head_splits, kernel.tile_m,
-                                           kernel.tuning.flat_dq, problem.sequences, kernel.dq_chains))
+                                           kernel.tuning.flat_dq, problem.sequences))
 """
 
 # The default tuning everywhere: D 64 / 96 / 128, causal, GQA, deterministic, and the configurations
@@ -134,18 +132,9 @@ CASES = {
     "d96-causal-gqa-deterministic-tiled-dq-one-dq-writer": dict(
         config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
         tuning=dict(flat_dq=False, dq_writers=1)),
-    # Two dQ chains a tile (`Tuning.dq_chains`, a deterministic candidate) on the rotated full-mask walk at D
-    # 64 (128 rows), at D 128 with head splits and key lengths, and on the causal turns.
-    "d64-deterministic-dq-chains-2": dict(
-        config=dict(scale=0.125, deterministic=True), shape=[2, 300, 333, 4, 4, 64], tuning=dict(dq_chains=2)),
-    "d128-gqa-lengths-deterministic-dq-chains-2": dict(
-        config=dict(scale=128 ** -0.5, deterministic=True, has_kv_seq_lengths=True),
-        shape=[2, 256, 700, 8, 2, 128], head_splits=2, tuning=dict(dq_chains=2)),
-    "d64-causal-deterministic-dq-chains-2": dict(
-        config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 333, 4, 4, 64],
-        tuning=dict(dq_chains=2)),
-    # 80 query rows at D = 128 (`Tuning.query_rows=80`, a candidate: dQ^T, one dQ staging buffer): lengths
-    # that are no multiple of 80 with Sq != Sk, causal GQA (unsplit), key lengths with a window, fp16.
+    # 80 query rows at D = 128 (`Tuning.query_rows=80`: dQ^T, one dQ staging buffer; the default without a
+    # mask): lengths that are no multiple of 80 with Sq != Sk, causal GQA (unsplit), key lengths with a window,
+    # fp16.
     "d128-query-rows-80": dict(config=dict(scale=128 ** -0.5), shape=[2, 300, 333, 4, 4, 128],
                                tuning=dict(query_rows=80)),
     "d128-causal-gqa-query-rows-80": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 300, 500, 8, 2, 128],
@@ -636,46 +625,3 @@ def test_dq_writers_resolve_to_one_without_determinism():
     config = AttentionConfig(scale=0.1, deterministic=True)
     with pytest.raises(ValueError, match="dq_writers=3"):
         backward.Sm90BackwardKernel(backward.options(config, problem, dataclasses.replace(tuning, dq_writers=3)))
-
-
-def test_dq_chains_resolve_off_outside_their_mode():
-    """`Tuning.dq_chains` concerns deterministic dQ turns with the flat dQ staging only: `options` resolves
-    it off elsewhere (packed sequences stage dQ tiled), and the kernel refuses chains it cannot take."""
-    from fa4_jax.kernels.sm90 import backward
-
-    problem = host.Problem((2, 1024, 8, 128), (2, 1024, 8, 128), (2, 1024, 8, 128), "bfloat16")
-    tuning = dataclasses.replace(backward.DEFAULT_TUNING, dq_chains=2)
-    for deterministic, flat_dq in itertools.product((True, False), (True, False)):
-        config = AttentionConfig(scale=0.1, deterministic=deterministic)
-        resolved = backward.options(config, problem, dataclasses.replace(tuning, flat_dq=flat_dq)).tuning
-        assert resolved.dq_chains == (2 if deterministic and flat_dq else 1)
-    packed = host.Problem((1, 1024, 8, 128), (1, 1024, 8, 128), (1, 1024, 8, 128), "bfloat16", sequences=3)
-    config = AttentionConfig(scale=0.1, deterministic=True, has_cu_seqlens=True)
-    assert backward.options(config, packed, tuning).tuning.dq_chains == 1
-    config = AttentionConfig(scale=0.1, deterministic=True)
-    for chains in (0, backward.MAX_DQ_CHAINS + 1):
-        with pytest.raises(ValueError, match=f"dq_chains={chains}"):
-            backward.Sm90BackwardKernel(
-                backward.options(config, problem, dataclasses.replace(tuning, dq_chains=chains)))
-
-
-def test_dq_chains_are_summed_in_order_when_read_back():
-    """The chained accumulator holds chain c of query block m at block C m + c; the reader adds chain 0,
-    then 1, ... and hands the sum to the unchained reader."""
-    from fa4_jax.kernels.sm90 import backward
-
-    chains, batch, heads, blocks, flat = 3, 2, 2, 4, 8
-    shape = backward._chained(lambda b, rows, h, d: (b, h, rows // 64, 64 * d), chains)(batch, 256, heads, 1)
-    assert shape == (batch, heads, blocks * chains, 64)
-    accum = np.random.default_rng().normal(size=(batch, heads, blocks * chains, flat)).astype(np.float32)
-    seen = {}
-
-    def reader(total, q_len):
-        seen["total"], seen["q_len"] = np.asarray(total), q_len
-        return total
-
-    backward._summed_chains(reader, chains)(jnp.asarray(accum), 100)
-    copies = accum.reshape(batch, heads, blocks, chains, flat)
-    expected = (copies[:, :, :, 0] + copies[:, :, :, 1]) + copies[:, :, :, 2]
-    assert seen["q_len"] == 100
-    np.testing.assert_array_equal(seen["total"], expected)

@@ -69,7 +69,6 @@ TUNINGS = {
     "poly_exp2_4": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=4),
     "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
     "plain_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=False),
-    "dq_chains_2": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_chains=2),
 }
 # Rotated turns beyond the shared cases: more key blocks than query blocks (several key blocks reach a
 # tile at the same step of their walks), query and key lengths, each also with head splits of 2.
@@ -240,21 +239,6 @@ def test_two_dq_writers_match_one_bit_for_bit(case: Case, head_splits, flat_dq, 
     assert two.dq_writers == sm90_backward.DQ_BUFFERS
     one = dataclasses.replace(two, dq_writers=1)
     _check_same_bits_deterministic(case, one, two, inputs)
-
-
-# Two dQ chains a tile (`Tuning.dq_chains`, a deterministic candidate) sum in another order than one chain,
-# so they are checked against the oracle (and for reproducibility with the TUNINGS above) on the cases of
-# the dQ writers' test. Select with `-k dq_chains_2`.
-@pytest.mark.parametrize("head_splits", [1, 2], ids=["one-split", "head-splits-2"])
-@pytest.mark.parametrize("case", TWO_DQ_WRITER_CASES, ids=lambda case: case.name)
-def test_dq_chains_2_match_the_oracle(case: Case, head_splits, inputs):
-    if head_splits > 1 and case.q_heads == case.kv_heads:
-        pytest.skip("head splits need a GQA group")
-    tuning = dataclasses.replace(TUNINGS["dq_chains_2"], head_splits=head_splits)
-    query, key, value, *_, config = _make_problem(case, inputs)
-    options = sm90_backward.options(config.replace(deterministic=True), host.Problem.of(query, key, value), tuning)
-    assert options.tuning.dq_chains == 2, "resolved off: the case would not test the chains"
-    _check_against_oracle(case, tuning, inputs, deterministic=True)
 
 
 def _check_same_bits_deterministic(case: Case, tuning, other, inputs, kernel=sm90_backward):

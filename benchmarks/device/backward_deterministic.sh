@@ -7,14 +7,13 @@
 #          GPU tests: two writers' gradients equal one writer's bit for bit
 #          (and the oracle) on the deterministic, rotated-walk and sanitizer cases, head splits, the tiled
 #          staging; then D 64 / 128, 1k / 4k, full and causal: default, deterministic, one writer.
-#   turns  backward.py's two dQ chains a tile (`Tuning.dq_chains`: the oracle, ten-run reproducibility,
-#          sanitizer shapes); D 64 / 128, 1k / 4k. (At rev a546978 it also timed the turn passed by a
-#          relaxed red after the fence, the default since.)
-# (A `large` mode timed backward_large_heads.py's one-staging-buffer candidate; measured a miss on an
-# H100 at rev ceba8e5, it was deleted with the candidate: docs/sm90_backward_tuning.md, "The large-head
-# kernel: one staging buffer".)
-# One call each (~6 min). Usage (device machine, repo root, bundle sourced):
-#   bash benchmarks/device/backward_deterministic.sh REV small|turns
+# (A `turns` mode timed backward.py's two dQ chains a tile, and at rev a546978 the relaxed turn pass, the
+# default since; the chains, measured a loss on an H100 at rev aea2164, were deleted with the mode:
+# docs/sm90_backward_tuning.md, "dq_chains on the relaxed pass". A `large` mode timed
+# backward_large_heads.py's one-staging-buffer candidate; measured a miss on an H100 at rev ceba8e5, it
+# was deleted with the candidate: docs/sm90_backward_tuning.md, "The large-head kernel: one staging buffer".)
+# One call (~6 min). Usage (device machine, repo root, bundle sourced):
+#   bash benchmarks/device/backward_deterministic.sh REV small
 set -u
 HERE=$(dirname "$0")
 case "${2:-}" in
@@ -22,9 +21,5 @@ case "${2:-}" in
            "two_dq_writers or reproducible" \
            --variants default deterministic deterministic_one_dq_writer \
            --head-dims 64 128 --seq-lens 1024 4096 ;;
-  turns) exec bash "$HERE/backward_candidates.sh" "$1" backward_turns tests/test_sm90_backward.py \
-           "dq_chains_2" \
-           --variants default deterministic deterministic_dq_chains_2 \
-           --head-dims 64 128 --seq-lens 1024 4096 ;;
-  *) echo "usage: $0 REV small|turns"; exit 2 ;;
+  *) echo "usage: $0 REV small"; exit 2 ;;
 esac

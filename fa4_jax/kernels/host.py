@@ -393,8 +393,7 @@ def _fake_optional(name, batch, q_len, kv_len, num_sequences=None):
 
 
 def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_accumulator_shape, tile_m,
-                            fp32_dkv: bool = False, num_sequences: Optional[int] = None,
-                            counters_per_tile: int = 1) -> list:
+                            fp32_dkv: bool = False, num_sequences: Optional[int] = None) -> list:
     """Fake tensors in a backward launcher's order (after the stream: query, key, value, dO, LSE, dPsum,
     `optional_inputs` by name, the fp32 dQ accumulator of `dq_accumulator_shape(batch, padded rows,
     q_heads, head_dim)`, the semaphores, then dK, dV in the input type, or with `fp32_dkv` the one fp32
@@ -422,7 +421,7 @@ def backward_fake_arguments(config, shape, dtype_name: str, optional_inputs, dq_
         *(_fake_optional(name, batch, q_len, kv_len, num_sequences) if present[name] else None
           for name in optional_inputs),
         fake(Float32, dq_accumulator_shape(batch, padded, q_heads, head_dim)),
-        (fake(cutlass.Int32, (batch, q_heads, backward_query_tiles(q_len, tile_m, num_sequences) * counters_per_tile))
+        (fake(cutlass.Int32, (batch, q_heads, backward_query_tiles(q_len, tile_m, num_sequences)))
          if config.deterministic else None),
         *((fake(Float32, (2, *key_shape)), None) if fp32_dkv
           else (fake(element, key_shape), fake(element, value_shape))),
@@ -441,22 +440,20 @@ def backward_query_tiles(q_len, tile_m, num_sequences=None):
 
 
 def run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional: dict, optional_inputs,
-                 dq_accumulator_shape, dq_rows, tile_m, num_sequences: Optional[int] = None,
-                 counters_per_tile: int = 1):
+                 dq_accumulator_shape, dq_rows, tile_m, num_sequences: Optional[int] = None):
     """(dq, dk, dv, dsinks or None): the preprocess, `kernel` through `launch_backward` (its inputs
     after dPsum are `optional_inputs` by name), then dQ read back from the kernel's fp32 accumulator
     layout by `dq_rows(accumulator, q_len)` as [B, Sq, Hq, D], scaled and cast, and the sinks gradient.
     With `options.head_splits` > 1 the kernel adds dK and dV into zeroed fp32 accumulators, cast here.
-    With packed sequences (B = 1, `num_sequences` N) the turn counters are per query slot; deterministic,
-    `counters_per_tile` of them a tile (the sm90 backward's `Tuning.dq_chains`).
+    With packed sequences (B = 1, `num_sequences` N) the turn counters are per query slot.
     `options` (the kernel's compile key) has `scale`, `deterministic`, `has_sinks` and `head_splits`."""
     batch, q_len, q_heads, head_dim = query.shape
     d_out = d_out.astype(query.dtype)
     dpsum, lse_log2 = backward_preprocess(out, lse, d_out, d_lse, tile_m)
     padded = dpsum.shape[-1]
     dq_accum = jnp.zeros(dq_accumulator_shape(batch, padded, q_heads, head_dim), jnp.float32)
-    semaphores = (jnp.zeros((batch, q_heads, backward_query_tiles(q_len, tile_m, num_sequences) * counters_per_tile),
-                            jnp.int32) if options.deterministic else None)
+    semaphores = (jnp.zeros((batch, q_heads, backward_query_tiles(q_len, tile_m, num_sequences)), jnp.int32)
+                  if options.deterministic else None)
     inputs = (query, key, value, d_out, lse_log2, dpsum, *(optional.get(name) for name in optional_inputs),
               dq_accum, semaphores)
     dq_accum, d_key, d_value = launch_backward(kernel, options, inputs, key, value, query.dtype,

@@ -165,20 +165,6 @@ class Tuning:
       0.80 -> 0.96 / 0.92, causal 0.88 / 0.88 -> 1.02 / 1.09; D = 64 full 0.96 / 0.98 -> 0.98 / 0.97,
       causal 1.07 / 1.08 -> 1.08 / 1.13 (docs/sm90_backward_tuning.md). Resolved to 1 outside
       deterministic mode (`options`), where one writer keeps up.
-    dq_chains (deterministic, flat dQ): split each query tile's ordered adds into this many chains by
-      turn (turn t adds into accumulator copy t mod C, after turn t - C; its own counter per copy), the
-      copies summed in a fixed order when dQ is read back (`run`). Why: a tile's adds are one serial
-      chain, each waiting for the previous add's completion, fence and turn (L, ~1.5-3 us), so a tile
-      takes at least (its visitors) x L. A full mask at D = 64 walks its N = Sk / 128 key blocks over
-      only Sq / 128 query blocks, so the rotated walk brings a tile its next visitor every block (~2.6
-      us at B*S = 16k): L has one block to fit in (at D = 128, 64-row blocks: two), and the consumers
-      wait for dQ buffers that the writers hold through the turn (ncu, an H100, rev 7fe710b: 20k
-      samples against the default's 6k at D = 64, unchanged by a second writer). With C chains a
-      visitor waits only for the one C turns earlier. Costs C - 1 more zeroed fp32 dQ accumulators
-      and their reads. Measured on an H100 (rev a546978, with the release-red pass since replaced):
-      +15 / +10 % on D = 64 / 128 full 4k, +3 / -11 % at 1k, causal +1 to -25 %. A candidate, to time
-      again on the relaxed pass; resolved to 1 outside deterministic mode and with the tiled dQ staging
-      (packed sequences) in `options`.
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -198,7 +184,6 @@ class Tuning:
     dq_row_split: Optional[bool] = None
     rotated_turns: bool = True
     dq_writers: int = 2   # DQ_BUFFERS
-    dq_chains: int = 1
 
 
 DEFAULT_TUNING = Tuning()
@@ -222,7 +207,6 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
 
 DS_READY_BARRIER = 1
 DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
-MAX_DQ_CHAINS = 4          # `Tuning.dq_chains`: fp32 dQ accumulator copies (each as large as dQ x 2)
 WGMMA_M = 64               # wgmma's M per warp group: the query rows are N of S^T, M of dQ
 TRANSPOSED_DQ_ROWS = 80    # `Tuning.query_rows` whose dQ is computed transposed (M = head dim)
 TRANSPOSED_DQ_HEAD_DIMS = (128,)   # two warp groups x wgmma's M = 64 head-dim rows of dQ^T
@@ -285,11 +269,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             raise ValueError(f"dq_writers={tuning.dq_writers}: one dQ writer warp, or {self.dq_buffers} (one per "
                              "staging buffer) in deterministic mode")
         self.dq_writers = tuning.dq_writers
-        if not 1 <= tuning.dq_chains <= MAX_DQ_CHAINS or (
-                tuning.dq_chains > 1 and not (self.deterministic and tuning.flat_dq and not self.packed)):
-            raise ValueError(f"dq_chains={tuning.dq_chains}: 1, or up to {MAX_DQ_CHAINS} in deterministic mode "
-                             "with the flat dQ staging (not with packed sequences)")
-        self.dq_chains = tuning.dq_chains
         self.check_shared_memory()
         if self.head_splits != 1:
             self._check_head_splits()
@@ -868,7 +847,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                     cute.group_modes(gdQ, 0, 2))
             dq_pipe.consumer_wait(dq_state)
             flag = None
-            accumulator_block = m_block
             if const_expr(self.deterministic):
                 if const_expr(self.rotated_turns):
                     # A full mask: every key block [0, N) visits every query block [m_lo, m_lo + m_count).
@@ -881,17 +859,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 tile = m_block
                 if const_expr(self.packed):
                     tile = sequence[2] + m_block
-                if const_expr(self.dq_chains > 1):
-                    # Chain c of the tile: its accumulator copy and counter at block C m + c.
-                    chain = turn % self.dq_chains
-                    turn = turn // self.dq_chains
-                    tile = tile * self.dq_chains + chain
-                    accumulator_block = m_block * self.dq_chains + chain
                 flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, tile), turn, lane)
             if const_expr(self.tuning.flat_dq):
                 if lane == 0:
-                    destination = mdQ_tma.iterator + cute.crd2idx((batch, q_head, accumulator_block, 0),
-                                                                  mdQ_tma.layout)
+                    destination = mdQ_tma.iterator + cute.crd2idx((batch, q_head, m_block, 0), mdQ_tma.layout)
                     primitives.cp_reduce_async_bulk_global_shared_cta(
                         destination, sdQ[None, dq_state.index].iterator, self.tile_m * self.head_dim * 4,
                         op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32)
@@ -1006,8 +977,7 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
             raise ValueError(reason)
         packed_tuning = dataclasses.replace(tuning, head_splits=None, query_rows=query_rows, flat_dq=False,
                                             dq_row_split=bool(tuning.dq_row_split), rotated_turns=False,
-                                            dq_writers=tuning.dq_writers if config.deterministic else 1,
-                                            dq_chains=1)
+                                            dq_writers=tuning.dq_writers if config.deterministic else 1)
         return dataclasses.replace(BackwardOptions.of(config, problem, packed_tuning), num_sequences=problem.sequences)
     key_blocks_outer = tuning.key_blocks_outer and not config.deterministic   # as the kernel applies it
     head_splits = tuning.head_splits
@@ -1038,12 +1008,11 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         dq_row_split = query_rows == WIDE_QUERY_ROWS and tuning.flat_dq
     rotated_turns = tuning.rotated_turns and rotated_turns_reason(
         config, host.ceil_div(problem.kv_len, TILE_N), host.sm_count(DEFAULT_SM_COUNT)) is None
-    # A second dQ writer and the chains concern the deterministic mode's turns only.
-    deterministic = config.deterministic
+    # A second dQ writer shortens the deterministic mode's serial turns only; without them one keeps up.
+    dq_writers = tuning.dq_writers if config.deterministic else 1
     return BackwardOptions.of(config, problem, dataclasses.replace(
         tuning, head_splits=None, query_rows=query_rows, dq_row_split=dq_row_split, rotated_turns=rotated_turns,
-        dq_writers=tuning.dq_writers if deterministic else 1,
-        dq_chains=tuning.dq_chains if deterministic and tuning.flat_dq else 1), head_splits)
+        dq_writers=dq_writers), head_splits)
 
 
 def rotated_turns_reason(config: AttentionConfig, key_blocks: int, sm_count: int) -> Optional[str]:
@@ -1196,48 +1165,22 @@ def head_splits_for(batch, kv_heads, group, q_len, kv_len, sm_count, determinist
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str, head_splits: int = 1,
                    query_rows: int = backward_common.TILE_M, flat_dq: bool = True,
-                   num_sequences: Optional[int] = None, dq_chains: int = 1) -> list:
+                   num_sequences: Optional[int] = None) -> list:
     """Fake tensors in the launcher's order (dK, dV fp32 accumulators with head splits), for compiling
     without a GPU. shape = (B, Sq, Sk, Hq, Hkv, D); with packed sequences B = 1 and `num_sequences`
     sizes the offsets."""
-    accumulator_shape = (_chained(backward_common.flat_dq_accumulator_shape(query_rows), dq_chains) if flat_dq
-                         else dq_accumulator_shape)
+    accumulator_shape = backward_common.flat_dq_accumulator_shape(query_rows) if flat_dq else dq_accumulator_shape
     return host.backward_fake_arguments(config, shape, dtype_name, OPTIONAL_INPUTS, accumulator_shape, query_rows,
-                                        fp32_dkv=head_splits > 1, num_sequences=num_sequences,
-                                        counters_per_tile=dq_chains)
-
-
-def _chained(flat_shape, chains: int):
-    """The flat dQ accumulator with `Tuning.dq_chains` copies: chain c of query block m at block C m + c."""
-    def shape(batch, padded_rows, q_heads, head_dim):
-        batch, heads, blocks, flat = flat_shape(batch, padded_rows, q_heads, head_dim)
-        return batch, heads, blocks * chains, flat
-    return shape
-
-
-def _summed_chains(dq_rows, chains: int):
-    """`dq_rows` of the chains' sum, added chain 0 first, 1, ... (a fixed order: dQ stays reproducible)."""
-    def rows(dq_accum, q_len: int):
-        batch, heads, blocks, flat = dq_accum.shape
-        copies = dq_accum.reshape(batch, heads, blocks // chains, chains, flat)
-        total = copies[:, :, :, 0]
-        for chain in range(1, chains):
-            total = total + copies[:, :, :, chain]
-        return dq_rows(total, q_len)
-    return rows
+                                        fp32_dkv=head_splits > 1, num_sequences=num_sequences)
 
 
 def run(options: BackwardOptions, query, key, value, out, lse, d_out, d_lse, optional: dict):
     """(dq, dk, dv, dsinks or None) for one attention call; traceable JAX."""
     kernel = Sm90BackwardKernel(options)
     accumulator_shape, dq_rows = dq_accumulator_shape, _dq_rows
-    chains = kernel.dq_chains
     if options.tuning.flat_dq:
-        accumulator_shape = _chained(backward_common.flat_dq_accumulator_shape(kernel.tile_m), chains)
+        accumulator_shape = backward_common.flat_dq_accumulator_shape(kernel.tile_m)
         column_groups = 1 if options.tuning.dq_row_split else 2
         dq_rows = backward_common.dq_from_fragments(kernel.tile_m, column_groups=column_groups)
-        if chains > 1:
-            dq_rows = _summed_chains(dq_rows, chains)
     return host.run_backward(kernel, options, query, key, value, out, lse, d_out, d_lse, optional, OPTIONAL_INPUTS,
-                             accumulator_shape, dq_rows, kernel.tile_m, options.num_sequences,
-                             counters_per_tile=chains)
+                             accumulator_shape, dq_rows, kernel.tile_m, options.num_sequences)
