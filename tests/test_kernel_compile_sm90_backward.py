@@ -353,7 +353,7 @@ def test_the_resolved_split_is_the_compile_key():
     (128, dict(deterministic=True), dict(), "one dQ staging buffer"),
     (128, dict(softcap=5.0), dict(), "softcap or segment ids"),
     (128, dict(), dict(head_splits=2), "head_splits"),
-    (128, dict(), dict(dq_row_split=True), "needs 128 query rows")])
+    (128, dict(), dict(dq_row_split=True), "needs 128 query rows"), (128, dict(), dict(ds_stmatrix=False), "stmatrix")])
 def test_80_query_rows_are_refused_where_dq_transposed_cannot_run(head_dim, extra, tuning, match):
     """80 query rows compute dQ^T with the head dim split into two warp groups' 64 rows (D = 128 only) and
     leave room for one dQ staging buffer (not deterministic mode's); the 64-row rules about softcap and
@@ -498,7 +498,7 @@ print("DS_STORE " + json.dumps(found))
 """
 
 
-@pytest.mark.parametrize("head_dim,query_rows,rows", [(128, None, 64), (64, None, 128), (128, 80, 80)])
+@pytest.mark.parametrize("head_dim,query_rows,rows", [(128, 64, 64), (64, None, 128), (128, None, 80)])
 def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, query_rows, rows, tmp_path):
     """`Tuning.ds_stmatrix` changes how dS^T reaches shared memory, not where each value goes: for every
     consumer thread and register value, stmatrix (as the PTX ISA defines it) writes it at the plain

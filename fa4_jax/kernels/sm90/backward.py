@@ -231,7 +231,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.tile_m = tuning.query_rows or backward_common.TILE_M
         masked = options.causal or options.window_left is not None or options.window_right is not None
         reason = (query_rows_reason(self.tile_m, self.head_dim, options.head_splits, register_bound,
-                                    options.deterministic, tuning.flat_dq)
+                                    options.deterministic, tuning.flat_dq, tuning.ds_stmatrix)
                   or dq_row_split_reason(tuning, self.tile_m))
         if reason is not None:
             raise ValueError(reason)
@@ -995,11 +995,11 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     query_rows = tuning.query_rows
     if query_rows is None:
         query_rows = query_rows_for(problem.head_dim, head_splits, register_bound, config.deterministic,
-                                    config.causal or config.has_window)
+                                    config.causal or config.has_window, tuning.ds_stmatrix)
     # 80 rows stage dQ^T in the tiled form only (`query_rows_reason`).
     tuning = dataclasses.replace(tuning, flat_dq=tuning.flat_dq and query_rows != TRANSPOSED_DQ_ROWS)
     reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, config.deterministic,
-                                tuning.flat_dq)
+                                tuning.flat_dq, tuning.ds_stmatrix)
               or dq_row_split_reason(tuning, query_rows))
     if reason is not None:
         raise ValueError(reason)
@@ -1053,7 +1053,7 @@ WIDE_QUERY_HEAD_DIMS = (64,)     # where 128 query rows fit: [128 x 128] S^T and
 
 
 def query_rows_for(head_dim: int, head_splits: int, register_bound: bool, deterministic: bool = False,
-                   masked: bool = False) -> int:
+                   masked: bool = False, ds_stmatrix: bool = True) -> int:
     """Query rows per block when `Tuning.query_rows` is None (`register_bound`: softcap or segment ids;
     `masked`: causal or a window): 128 wherever the kernel takes it (measured 1.07-1.11x the 64-row kernel
     at D = 64 on the H200, deterministic 1.2-1.3x; docs/sm90_backward_tuning.md); 80 (dQ^T) where it takes
@@ -1063,13 +1063,13 @@ def query_rows_for(head_dim: int, head_splits: int, register_bound: bool, determ
     if query_rows_reason(WIDE_QUERY_ROWS, head_dim, head_splits, register_bound) is None:
         return WIDE_QUERY_ROWS
     if not masked and query_rows_reason(TRANSPOSED_DQ_ROWS, head_dim, head_splits, register_bound,
-                                        deterministic, flat_dq=False) is None:
+                                        deterministic, flat_dq=False, ds_stmatrix=ds_stmatrix) is None:
         return TRANSPOSED_DQ_ROWS
     return backward_common.TILE_M
 
 
 def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool,
-                      deterministic: bool = False, flat_dq: bool = True) -> Optional[str]:
+                      deterministic: bool = False, flat_dq: bool = True, ds_stmatrix: bool = True) -> Optional[str]:
     """Why the kernel cannot take `query_rows` query rows per block, or None."""
     if query_rows not in QUERY_ROWS:
         return f"query_rows={query_rows} must be one of {QUERY_ROWS}"
@@ -1080,6 +1080,9 @@ def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register
         if deterministic:
             return (f"query_rows={query_rows} leaves shared memory for one dQ staging buffer: deterministic "
                     "mode's ordered adds hold theirs through the turn, and take 64 rows")
+        if not ds_stmatrix:
+            return (f"query_rows={query_rows} stores dS^T with stmatrix only (ds_stmatrix=True): the plain "
+                    "stores' addresses make ptxas spill beside the 80-row accumulators")
         if flat_dq:
             return (f"query_rows={query_rows} stages dQ^T as a swizzled [rows, D] tile (flat_dq=False): in the "
                     "register order its head dims lie 16 floats apart, and reading them back cost more than "
