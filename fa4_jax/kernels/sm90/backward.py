@@ -7,7 +7,8 @@ of its group. Per query block it recomputes S^T = K Q^T and P^T from the stored 
 dS^T = P^T * (dP^T - dPsum) (times the softcap derivative), dV += P^T dO and dK += dS^T Q with
 P^T / dS^T straight from registers (wgmma with A in registers), then stages dS in shared memory for
 dQ = dS K, and stages dQ in shared memory for the dQ writer warp, which adds it into the fp32
-accumulator in global memory with TMA bulk reduce-adds.
+accumulator in global memory with TMA bulk reduce-adds. (At D = 128 without a mask the blocks are 80
+query rows and dQ is computed transposed, dQ^T = K^T dS^T: `Tuning.query_rows`.)
 
 Warp roles: warp group 0 is the producer (warp 0 issues the TMA loads of K, V once and of Q, dO per
 query block into a two-deep ring of mbarrier-guarded buffers; warp 1, the dQ writer, issues the dQ
@@ -266,7 +267,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # 80 query rows fill shared memory with one dQ staging buffer (`Tuning.query_rows`).
         self.dq_buffers = 1 if self.dq_transposed else DQ_BUFFERS
         if tuning.dq_writers not in (1, DQ_BUFFERS) or (tuning.dq_writers > 1 and not self.deterministic):
-            raise ValueError(f"dq_writers={tuning.dq_writers}: one dQ writer warp, or {self.dq_buffers} (one per "
+            raise ValueError(f"dq_writers={tuning.dq_writers}: one dQ writer warp, or {DQ_BUFFERS} (one per "
                              "staging buffer) in deterministic mode")
         self.dq_writers = tuning.dq_writers
         self.check_shared_memory()
