@@ -7,13 +7,17 @@
 #          GPU tests: two writers' gradients equal one writer's bit for bit
 #          (and the oracle) on the deterministic, rotated-walk and sanitizer cases, head splits, the tiled
 #          staging; then D 64 / 128, 1k / 4k, full and causal: default, deterministic, one writer.
+#   rows80 backward.py's 80 query rows in deterministic mode (`Tuning.query_rows=80`, one dQ writer for its
+#          one staging buffer; a candidate, docs/sm90_backward_tuning.md, "Deterministic at 80 rows"): its GPU
+#          tests (oracle with and without determinism, ten-run reproducibility), then D 128, 1k / 4k, full and
+#          causal: default, deterministic, deterministic_query_rows_80.
 # (A `turns` mode timed backward.py's two dQ chains a tile, and at rev a546978 the relaxed turn pass, the
 # default since; the chains, measured a loss on an H100 at rev aea2164, were deleted with the mode:
 # docs/sm90_backward_tuning.md, "dq_chains on the relaxed pass". A `large` mode timed
 # backward_large_heads.py's one-staging-buffer candidate; measured a miss on an H100 at rev ceba8e5, it
 # was deleted with the candidate: docs/sm90_backward_tuning.md, "The large-head kernel: one staging buffer".)
 # One call (~6 min). Usage (device machine, repo root, bundle sourced):
-#   bash benchmarks/device/backward_deterministic.sh REV small
+#   bash benchmarks/device/backward_deterministic.sh REV small|rows80
 set -u
 HERE=$(dirname "$0")
 case "${2:-}" in
@@ -21,5 +25,9 @@ case "${2:-}" in
            "two_dq_writers or reproducible" \
            --variants default deterministic deterministic_one_dq_writer \
            --head-dims 64 128 --seq-lens 1024 4096 ;;
-  *) echo "usage: $0 REV small"; exit 2 ;;
+  rows80) exec bash "$HERE/backward_candidates.sh" "$1" backward_rows80_deterministic tests/test_sm90_backward.py \
+           "query_rows_80" \
+           --variants default deterministic deterministic_query_rows_80 \
+           --head-dims 128 --seq-lens 1024 4096 --per-kernel ;;
+  *) echo "usage: $0 REV small|rows80"; exit 2 ;;
 esac
