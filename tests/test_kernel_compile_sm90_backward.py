@@ -103,9 +103,10 @@ CASES = {
         config=dict(scale=0.125, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 64],
         tuning=dict(key_blocks_outer=True), head_splits=2),
     # The dQ staging as a swizzled tile with two TMA tensor reduces (`Tuning(flat_dq=False)`; the
-    # default stages it in register order with one 1-D bulk reduce): D 128, D 64 at 128 rows,
-    # deterministic GQA D 96, head splits.
-    "d128-tiled-dq": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128], tuning=dict(flat_dq=False)),
+    # default stages it in register order with one 1-D bulk reduce, except at D = 128's 80 rows): D 128 at
+    # 64 rows, D 64 at 128 rows, deterministic GQA D 96, head splits.
+    "d128-tiled-dq": dict(config=dict(scale=128 ** -0.5), shape=[2, 256, 256, 4, 4, 128],
+                          tuning=dict(flat_dq=False, query_rows=64)),
     "d64-causal-tiled-dq": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                                 tuning=dict(flat_dq=False)),
     "d96-causal-gqa-deterministic-tiled-dq": dict(
@@ -133,10 +134,8 @@ CASES = {
         config=dict(scale=96 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 300, 8, 2, 96],
         tuning=dict(flat_dq=False, dq_writers=1)),
     # 80 query rows at D = 128 (`Tuning.query_rows=80`: dQ^T, one dQ staging buffer; the default without a
-    # mask): lengths that are no multiple of 80 with Sq != Sk, causal GQA (unsplit), deterministic (rotated
-    # turns on GQA, the causal turns; one dQ writer), key lengths with a window, fp16.
-    "d128-query-rows-80": dict(config=dict(scale=128 ** -0.5), shape=[2, 300, 333, 4, 4, 128],
-                               tuning=dict(query_rows=80)),
+    # mask, which `d128` compiles): lengths that are no multiple of 80 with Sq != Sk in causal GQA (unsplit),
+    # deterministic (rotated turns on GQA, the causal turns; one dQ writer), key lengths with a window, fp16.
     "d128-causal-gqa-query-rows-80": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 300, 500, 8, 2, 128],
                                           tuning=dict(query_rows=80)),
     "d128-gqa-deterministic-query-rows-80": dict(config=dict(scale=128 ** -0.5, deterministic=True),
