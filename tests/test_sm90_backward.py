@@ -114,11 +114,10 @@ WIDE_QUERY_TUNINGS["dq_column_split"] = dataclasses.replace(
 
 
 # 80 query rows per block at D = 128 forced (`Tuning.query_rows=80`: dQ computed transposed, one dQ staging
-# buffer; the default takes them without a mask, so the shared cases run them there), outside deterministic
-# mode and without softcap or segment ids (refused there): the cases at D = 128, those of other head dims
-# whose lengths or masks differ, moved to D = 128 (lengths off the 80-row blocks everywhere), causal and
-# windowed ones included, GQA unsplit; deterministic too (one dQ writer, a candidate). Select with
-# `-k query_rows_80`.
+# buffer; the default takes them without a mask, so the shared cases run them there), without softcap or
+# segment ids (refused there): the cases at D = 128, those of other head dims whose lengths or masks differ,
+# moved to D = 128 (lengths off the 80-row blocks everywhere), causal and windowed ones included, GQA
+# unsplit; with and without determinism (one dQ writer there, a candidate). Select with `-k query_rows_80`.
 ROWS_80_CASES = [case if case.head_dim == 128 else dataclasses.replace(case, name=f"{case.name}-d128", head_dim=128)
                  for case in CASES if case.softcap is None and not case.segments
                  and case.name not in ("plain-d64", "causal-d64", "plain-d96")]

@@ -2,8 +2,8 @@
 # memcheck, then racecheck, of every sanitizer case in one process (tests/sanitizer_cases.py all), with
 # the shipped tunings; logs $OUT/memcheck_all.log and $OUT/racecheck_all.log, a summary line each.
 # Run it with nothing else on the GPU: started beside the GPU tests, compute-sanitizer segfaulted part
-# way three times (docs/sm90_backward_tuning.md, "racecheck"); alone, both tools over the 16 cases (17 since rev 458b42a) took
-# 30 s together with the kernels cached (an H100). Usage (device machine, repo root, environment set):
+# way three times (docs/sm90_backward_tuning.md, "racecheck"); alone, both tools over the 16 cases (17
+# since rev b636efb) took 30 s together with the kernels cached (an H100). Usage (device machine, repo root, environment set):
 #   bash benchmarks/device/sanitize_all.sh [LIMIT_S]
 LIMIT=${1:-120}
 OUT=${OUT:-/tmp/out}
