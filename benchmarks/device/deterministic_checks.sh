@@ -5,15 +5,5 @@
 # process (sanitize_all.sh, alone on the GPU). ~7 min on an H100.
 # Usage (device machine, repo root, bundle sourced; carry .dev/cute):
 #   bash benchmarks/device/deterministic_checks.sh REV
-REV=$1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$REV FA4_JAX_CACHE_DIR=/tmp/fa4_kernels \
-  PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 330 python3 -m pytest -q -rA -n 12 -p no:cacheprovider -m gpu --timeout 300 \
-  tests/test_sm90_backward.py tests/test_sm90_varlen.py tests/test_attention_cute.py \
-  -k "deterministic or reproducib" > "$OUT/deterministic_tests.log" 2>&1
-echo "pytest rc=$?" >> "$OUT/deterministic_tests.log"
-echo "== gpu tests: $(grep -E 'passed|failed' "$OUT/deterministic_tests.log" | tail -1)"
-grep -E "^(FAILED|ERROR)" "$OUT/deterministic_tests.log" | head -20
-bash "$(dirname "$0")/sanitize_all.sh" 100
+exec bash "$(dirname "$0")/gpu_checks.sh" "$1" deterministic "deterministic or reproducib" \
+  tests/test_sm90_backward.py tests/test_sm90_varlen.py tests/test_attention_cute.py
