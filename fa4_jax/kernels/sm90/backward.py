@@ -265,8 +265,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             self.staged_row_stats = False
             self.tma_dkv_store = False
             self.key_blocks_outer = False
-        # 80 query rows fill shared memory with one dQ staging buffer (`Tuning.query_rows`).
-        self.dq_buffers = 1 if self.dq_transposed else DQ_BUFFERS
+        self.dq_buffers = dq_staging_buffers(self.tile_m)
         if tuning.dq_writers not in (1, self.dq_buffers) or (tuning.dq_writers > 1 and not self.deterministic):
             raise ValueError(f"dq_writers={tuning.dq_writers}: one dQ writer warp, or in deterministic mode one per "
                              f"staging buffer ({self.dq_buffers} at {self.tile_m} query rows)")
@@ -1011,11 +1010,17 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     rotated_turns = tuning.rotated_turns and rotated_turns_reason(
         config, host.ceil_div(problem.kv_len, TILE_N), host.sm_count(DEFAULT_SM_COUNT)) is None
     # A second dQ writer shortens the deterministic mode's serial turns only; without them one keeps up.
-    # 80 query rows have one staging buffer, so one writer.
-    dq_writers = tuning.dq_writers if config.deterministic and query_rows != TRANSPOSED_DQ_ROWS else 1
+    # One staging buffer (80 query rows) takes one writer.
+    dq_writers = tuning.dq_writers if config.deterministic and dq_staging_buffers(query_rows) > 1 else 1
     return BackwardOptions.of(config, problem, dataclasses.replace(
         tuning, head_splits=None, query_rows=query_rows, dq_row_split=dq_row_split, rotated_turns=rotated_turns,
         dq_writers=dq_writers), head_splits)
+
+
+def dq_staging_buffers(query_rows: int) -> int:
+    """dQ staging buffers between the consumers and the writer warps: DQ_BUFFERS, or one at 80 query rows,
+    whose Q / dO rings and dS buffers leave shared memory for no second one (`Tuning.query_rows`)."""
+    return 1 if query_rows == TRANSPOSED_DQ_ROWS else DQ_BUFFERS
 
 
 def rotated_turns_reason(config: AttentionConfig, key_blocks: int, sm_count: int) -> Optional[str]:
