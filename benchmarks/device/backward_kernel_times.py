@@ -1,8 +1,8 @@
 """CUPTI time of each kernel of one backward call (the VJP's pullback, as benchmarks/hopper_vs_peers.py times
 it), ours against FA4's own kernels (fa4peer) and cuDNN, median over iterations: where the last few percent
-of issue 12's backward rows go. Under ncu the main kernels of fa4_jax and FA4 at D = 128, B 4, S 4k take
-2.57 and 2.56 ms (an H100), while the whole calls differ by ~3.5 % in the grid: the kernels around the main
-one (the dQ accumulator's zeroing, the preprocess, the dQ read-back) are the suspects.
+of issue 12's backward rows go, main kernel or the zeroing, preprocess and dQ read-back around it (at rev
+aea2164 the kernels around it tied and the main kernel was 4 % behind FA4's: docs/sm90_backward_tuning.md,
+"80 query rows again").
 
 Usage (device machine, repo root; carry .dev/cute and .dev/peer, or what cute_env.sh says):
     python3 benchmarks/device/backward_kernel_times.py --out times.json [--iterations 20] [--rows REGEX]
