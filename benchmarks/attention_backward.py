@@ -83,10 +83,8 @@ class Variant:
             # `options` turns rotated turns off where they cannot run safely, and there a variant that
             # differs from the shipped kernel in that choice alone would time the shipped kernel.
             from fa4_jax.kernels import host
-            from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT
-            reason = self.kernel.rotated_turns_reason(_config(shape, self.deterministic),
-                                                      host.ceil_div(shape["seq_len"], self.kernel.TILE_N),
-                                                      host.sm_count(DEFAULT_SM_COUNT))
+            problem = host.Problem(_dims(shape), _key_dims(shape), _value_dims(shape), "bfloat16")
+            reason = self.kernel.rotated_turns_reason(_config(shape, self.deterministic), problem, self.tuning)
             if reason is not None:
                 return reason
         return None

@@ -1007,8 +1007,7 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
     dq_row_split = tuning.dq_row_split
     if dq_row_split is None:
         dq_row_split = query_rows == WIDE_QUERY_ROWS and tuning.flat_dq
-    rotated_turns = tuning.rotated_turns and rotated_turns_reason(
-        config, host.ceil_div(problem.kv_len, TILE_N), host.sm_count(DEFAULT_SM_COUNT)) is None
+    rotated_turns = tuning.rotated_turns and rotated_turns_reason(config, problem) is None
     # A second dQ writer shortens the deterministic mode's serial turns only; without them one keeps up.
     # One staging buffer (80 query rows) takes one writer.
     dq_writers = tuning.dq_writers if config.deterministic and dq_staging_buffers(query_rows) > 1 else 1
@@ -1023,19 +1022,12 @@ def dq_staging_buffers(query_rows: int) -> int:
     return 1 if query_rows == TRANSPOSED_DQ_ROWS else DQ_BUFFERS
 
 
-def rotated_turns_reason(config: AttentionConfig, key_blocks: int, sm_count: int) -> Optional[str]:
-    """Why `Tuning.rotated_turns` cannot order this call's dQ adds, or None. Its turns are those of a
-    full mask (every key block visits every query block), and a key block may wait for one launched
-    after it, so all key blocks of a head must be resident at once: one CTA per SM, at most half the
-    SMs (the other half for the heads that finish meanwhile, and for whatever else runs on the GPU)."""
-    if not config.deterministic:
-        return "rotated turns order deterministic dQ adds only"
-    if config.causal or config.has_window or config.has_segment_ids or config.has_cu_seqlens or config.has_q_start:
-        return "rotated turns need a full mask (no causal, window, segment ids, packed sequences or q_start)"
-    if key_blocks > sm_count // 2:
-        return (f"rotated turns need a head's {key_blocks} key blocks resident at once: at most half of the "
-                f"{sm_count} SMs")
-    return None
+def rotated_turns_reason(config: AttentionConfig, problem: host.Problem,
+                         tuning: Tuning = DEFAULT_TUNING) -> Optional[str]:
+    """Why `Tuning.rotated_turns` cannot order this call's dQ adds, or None: backward_common's rule, the
+    key blocks of TILE_N keys (every `tuning` here; the parameter is the face both sm90 backwards show)."""
+    return backward_common.rotated_turns_reason(config, host.ceil_div(problem.kv_len, TILE_N),
+                                                host.sm_count(DEFAULT_SM_COUNT))
 
 
 def packed_reason(head_splits: int, query_rows: int, flat_dq: bool) -> Optional[str]:

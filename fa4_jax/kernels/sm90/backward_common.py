@@ -94,6 +94,22 @@ def unsupported_reason(kernel_name: str, config: AttentionConfig, problem: host.
             or host.q_start_unsupported_reason(kernel_name, config))
 
 
+def rotated_turns_reason(config: AttentionConfig, key_blocks: int, sm_count: int) -> Optional[str]:
+    """Why either kernel's `Tuning.rotated_turns` cannot order this call's dQ adds, `key_blocks` of a head
+    on `sm_count` SMs, or None. Its turns are those of a full mask (every key block visits every query
+    block), and a key block may wait for one launched after it, so all key blocks of a head must be
+    resident at once: one CTA per SM, at most half the SMs (the other half for the heads that finish
+    meanwhile, and for whatever else runs on the GPU)."""
+    if not config.deterministic:
+        return "rotated turns order deterministic dQ adds only"
+    if config.causal or config.has_window or config.has_segment_ids or config.has_cu_seqlens or config.has_q_start:
+        return "rotated turns need a full mask (no causal, window, segment ids, packed sequences or q_start)"
+    if key_blocks > sm_count // 2:
+        return (f"rotated turns need a head's {key_blocks} key blocks resident at once: at most half of the "
+                f"{sm_count} SMs")
+    return None
+
+
 def register_order_staging(buffer_iterator, consumer_tidx, chunks: int):
     """Where consumer thread `consumer_tidx` (0 .. 128 x warp groups - 1) stages its dQ accumulator,
     `chunks` 4-value chunks in register order: thread t of warp group g puts chunk k at ((g K + k) 128 + t) 4 (K =
