@@ -4,6 +4,7 @@ key block n is then the (n - first)-th visitor of query block m, first = key_blo
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Linux only)
 from fa4_jax.kernels.common import masking, ordered_reduction, tile_scheduler  # noqa: E402
+from fa4_jax.kernels.sm90 import backward_large_heads  # noqa: E402
 
 SHAPES = [
     masking.MaskShape(),
@@ -168,12 +170,25 @@ def test_rotated_turns_are_the_arrival_order(key_blocks, query_blocks):
         assert turns == expected, (m, turns, expected)
 
 
-def _run_rotated_heads(heads, key_blocks, query_blocks, slots):
+def _rotated_walk(step, key_block, query_blocks):
+    """The rotated walk by its definition (backward.py's `_query_block`): step s of key block k is query
+    block (k + s) mod M."""
+    return (key_block + step) % query_blocks
+
+
+# The walks simulated: the definition, and the large-head kernel's own staggered walk (`query_step`).
+WALKS = {"definition": _rotated_walk,
+         "large-head-kernel": lambda step, key_block, query_blocks: backward_large_heads.query_step(
+             step, key_block, query_blocks, staggered=True)}
+
+
+def _run_rotated_heads(heads, key_blocks, query_blocks, slots, walk=_rotated_walk, group=1):
     """Whether every CTA finishes: `heads` x `key_blocks` CTAs launched in order onto `slots` SMs, each
-    walking its query blocks rotated and adding at each in its `rotated_turn` (a step is taken once every
-    earlier turn of that tile is done); None if at some point no resident CTA can move (a deadlock)."""
+    walking the query blocks of its `group` query heads one head after another, in `walk`'s order, and
+    adding at each in its `rotated_turn` (a step is taken once every earlier turn of that tile is done);
+    None if at some point no resident CTA can move (a deadlock)."""
     walked = {}                                    # (head, key block) -> steps taken
-    done = {}                                      # (head, query block) -> adds done there
+    done = {}                                      # (head, query head of the group, query block) -> adds done
     pending = [(h, k) for h in range(heads) for k in range(key_blocks)]
     resident, finished = [], 0
     while pending or resident:
@@ -184,12 +199,13 @@ def _run_rotated_heads(heads, key_blocks, query_blocks, slots):
         for cta in list(resident):
             head, k = cta
             step = walked[cta]
-            m = (k + step) % query_blocks
-            if done.get((head, m), 0) == ordered_reduction.rotated_turn(k, m, key_blocks, query_blocks):
-                done[(head, m)] = done.get((head, m), 0) + 1
+            m = walk(step, k, query_blocks)
+            tile = (head, step // query_blocks, m)
+            if done.get(tile, 0) == ordered_reduction.rotated_turn(k, m, key_blocks, query_blocks):
+                done[tile] = done.get(tile, 0) + 1
                 walked[cta] = step + 1
                 moved = True
-                if step + 1 == query_blocks:
+                if step + 1 == group * query_blocks:
                     resident.remove(cta)
                     finished += 1
         if not moved:
@@ -197,15 +213,20 @@ def _run_rotated_heads(heads, key_blocks, query_blocks, slots):
     return finished
 
 
-@pytest.mark.parametrize("key_blocks, query_blocks", [(8, 16), (32, 32), (16, 8), (66, 32)])
-def test_rotated_turns_finish_when_a_head_fits_on_the_gpu(key_blocks, query_blocks):
+@pytest.mark.parametrize("walk", sorted(WALKS))
+@pytest.mark.parametrize("group", [1, 3])
+# (64, 96): the large-head kernel's 96-key blocks at 6k (D = 192), fewer key blocks than query blocks.
+@pytest.mark.parametrize("key_blocks, query_blocks", [(8, 16), (32, 32), (16, 8), (66, 32), (64, 96)])
+def test_rotated_turns_finish_when_a_head_fits_on_the_gpu(key_blocks, query_blocks, group, walk):
     """Rotated turns wait for later-launched key blocks, so they finish only if a head's key blocks can
-    all be resident: with the slots `rotated_turns_reason` asks for (2 N: half the SMs) and even with N,
-    every CTA of several heads finishes; with fewer than N slots (and no more key blocks than query
-    blocks, so that every key block waits for the last one somewhere) the first head's CTAs wait for one
-    another forever, which is why the kernel resolves the tuning off where a head may not fit."""
+    all be resident: with the slots `backward_common.rotated_turns_reason` asks for (2 N: half the SMs)
+    and even with N, every CTA of several heads finishes (each CTA walking a GQA group's heads in turn,
+    as both kernels do); with fewer than N slots (and no more key blocks than query blocks, so that every
+    key block waits for the last one somewhere) the first head's CTAs wait for one another forever, which
+    is why the kernels resolve the tuning off where a head may not fit."""
     heads = 3
-    assert _run_rotated_heads(heads, key_blocks, query_blocks, 2 * key_blocks) == heads * key_blocks
-    assert _run_rotated_heads(heads, key_blocks, query_blocks, key_blocks) == heads * key_blocks
+    run = functools.partial(_run_rotated_heads, heads, key_blocks, query_blocks, walk=WALKS[walk], group=group)
+    assert run(2 * key_blocks) == heads * key_blocks
+    assert run(key_blocks) == heads * key_blocks
     if 1 < key_blocks <= query_blocks:
-        assert _run_rotated_heads(heads, key_blocks, query_blocks, key_blocks - 1) is None
+        assert run(key_blocks - 1) is None

@@ -595,27 +595,49 @@ def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_sp
     np.testing.assert_array_equal(rows[0, :, 0], np.arange(query_rows * head_dim).reshape(query_rows, head_dim))
 
 
-@pytest.mark.parametrize("extra, kv_len, expected", [
-    ({}, 4096, True),                               # 32 key blocks of 128 on 132 SMs
-    ({}, 8192, True),                               # 64: at most half the SMs
-    ({}, 16384, False),                             # 128 key blocks cannot all be resident with room to spare
-    ({"causal": True}, 4096, False),                # the turns of a full mask only
-    ({"window_left": 100}, 4096, False),
-    ({"has_segment_ids": True}, 4096, False),
-    ({"has_kv_seq_lengths": True}, 4096, True),     # lengths shorten both walks and turns alike
+# (kernel module, D, Dv, keys a CTA): backward.py, and the large-head kernel's layouts (64 keys at D = 256, 96
+# with D = 192's three warp groups, at Dv = 192 and MLA's 128), whose `Tuning.rotated_turns` is a candidate.
+ROTATED_TURN_KERNELS = {"d128": ("backward", 128, 128, 128),
+                        "large-heads-d256": ("backward_large_heads", 256, 256, 64),
+                        "large-heads-d192": ("backward_large_heads", 192, 192, 96),
+                        "large-heads-d192-v128": ("backward_large_heads", 192, 128, 96)}
+
+
+@pytest.mark.parametrize("kernel", sorted(ROTATED_TURN_KERNELS))
+@pytest.mark.parametrize("extra, key_blocks, expected", [
+    ({}, 32, True),
+    ({}, 66, True),                                 # at most half of the 132 SMs
+    ({}, 67, False),                                # a head's key blocks cannot all be resident with room to spare
+    ({"causal": True}, 32, False),                  # the turns of a full mask only
+    ({"window_left": 100}, 32, False),
+    ({"has_segment_ids": True}, 32, False),
+    ({"has_q_start": True, "q_total": 8192}, 32, False),
+    ({"has_kv_seq_lengths": True}, 32, True),       # lengths shorten both walks and turns alike
 ])
-def test_rotated_turns_resolve_where_they_are_safe(extra, kv_len, expected):
-    """`Tuning.rotated_turns` survives `options` only for deterministic full-mask calls whose key blocks
-    fit on half the SMs (132 here, the CPU's stand-in), and never without determinism."""
-    from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, backward
+def test_rotated_turns_resolve_where_they_are_safe(extra, key_blocks, expected, kernel):
+    """`Tuning.rotated_turns` survives `options` only for deterministic full-mask calls whose key blocks (of the
+    kernel's layout) fit on half the SMs (132 here, the CPU's stand-in), and never without determinism; the
+    large-head kernel then walks staggered and launches lowest key block first."""
+    import importlib
+
+    from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT
 
     assert DEFAULT_SM_COUNT == 132
-    problem = host.Problem((2, kv_len, 8, 128), (2, kv_len, 8, 128), (2, kv_len, 8, 128), "bfloat16")
-    tuning = dataclasses.replace(backward.DEFAULT_TUNING, rotated_turns=True)
+    module_name, head_dim, v_head_dim, keys = ROTATED_TURN_KERNELS[kernel]
+    module = importlib.import_module(f"fa4_jax.kernels.sm90.{module_name}")
+    kv_len = key_blocks * keys
+    problem = host.Problem((2, kv_len, 8, head_dim), (2, kv_len, 8, head_dim), (2, kv_len, 8, v_head_dim), "bfloat16")
+    tuning = dataclasses.replace(module.DEFAULT_TUNING, rotated_turns=True)
     for deterministic in (True, False):
         config = AttentionConfig(scale=0.1, deterministic=deterministic, **extra)
-        resolved = backward.options(config, problem, tuning).tuning.rotated_turns
-        assert resolved == (expected and deterministic), (extra, kv_len, deterministic)
+        options = module.options(config, problem, tuning)
+        assert options.tuning.rotated_turns == (expected and deterministic), (extra, kv_len, deterministic)
+        assert (module.rotated_turns_reason(config, problem, tuning) is None) == (expected and deterministic)
+        if module_name == "backward_large_heads":
+            built = module.Sm90LargeHeadBackwardKernel(options)
+            assert built.rotated_turns == options.tuning.rotated_turns
+            assert built.stagger == (built.rotated_turns or not deterministic)
+            assert built.diagonal_first == (deterministic and not built.rotated_turns)
 
 
 def test_dq_writers_resolve_to_one_without_determinism():

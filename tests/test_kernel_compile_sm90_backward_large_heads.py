@@ -121,6 +121,13 @@ CASES = {
     "d192-v128-prefetch-query-deterministic-causal-gqa": dict(
         config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 333, 8, 2, 192, 128],
         tuning=dict(prefetch_query=True)),
+    # `Tuning.rotated_turns` (a candidate) on deterministic full masks, where `options` keeps it: D = 256, D = 192
+    # (three warp groups, 96-key blocks) with key lengths, MLA's 192 / 128; GQA, lengths off the blocks.
+    **{f"{name}-deterministic-rotated-turns": dict(config=dict(scale=0.1, deterministic=True, **config), shape=shape,
+                                                   tuning=dict(rotated_turns=True))
+       for name, config, shape in [("d256-gqa", dict(), [2, 300, 333, 8, 2, 256]),
+                                   ("d192-kv-lengths", dict(has_kv_seq_lengths=True), [2, 333, 300, 4, 4, 192]),
+                                   ("d192-v128-gqa", dict(), [2, 300, 333, 8, 2, 192, 128])]},
 }
 
 
@@ -187,8 +194,9 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     wait = re.compile(r"cp\.async\.bulk\.wait_group(\.read)?\s").search(ptx, dq_adds[0])
     assert bool(wait.group(1)) == (not deterministic), ptx[dq_adds[0]:wait.end()][-200:]
     # Diagonal first (the default) reverses the launch order (key block = grid - 1 - blockIdx.x), in
-    # deterministic mode only.
+    # deterministic mode only; rotated turns (resolved on in their cases) launch lowest first.
     assert ("%nctaid.x" in ptx) == kernel.diagonal_first
+    assert kernel.rotated_turns == name.endswith("rotated-turns")
     assert ".local" not in ptx, "local memory in the PTX"
     ptxas = find_ptxas()
     if ptxas is None:
@@ -304,14 +312,16 @@ def test_prefetch_query_takes_the_defaults_shared_memory(v_head_dim, segments):
 INAPPLICABLE_TUNING = {
     parameter: (dict(config=dict(scale=256 ** -0.5, causal=True, deterministic=deterministic),
                      shape=[2, 300, 333, 8, 2, 256]), inapplicable)
-    for parameter, deterministic, inapplicable in [("unordered_dq", False, dict(diagonal_first=False)),
-                                                   ("deterministic", True, dict(stagger=False))]}
+    for parameter, deterministic, inapplicable in [
+        ("unordered_dq", False, dict(diagonal_first=False, rotated_turns=True)),
+        ("deterministic", True, dict(stagger=False, rotated_turns=True))]}
 
 
 @pytest.mark.parametrize("parameter", sorted(INAPPLICABLE_TUNING))
 def test_inapplicable_tuning_leaves_the_ptx_unchanged(compiled, parameter):
     """diagonal_first (lowest first here) orders deterministic turns only, the stagger is the non-deterministic walk's
-    only: each setting outside its mode must give the default kernel, byte for byte."""
+    only, rotated turns resolve off without determinism and under a causal mask: each setting outside its mode
+    must give the default kernel, byte for byte."""
     _, default = compiled[f"{parameter}/default"]
     _, tuned = compiled[f"{parameter}/tuned"]
     assert tuned == default

@@ -59,7 +59,8 @@ KiB instead of 36 and 24: 197 KiB with three groups) does not hold a second Q / 
 `Tuning.prefetch_query` takes a second Q stage for the second P / dS buffer (as at Dv = 192).
 
 In deterministic mode the dQ turns go highest key block first (`Tuning.diagonal_first`, backward.py's
-order: under a causal mask that is the order the key blocks reach a tile). `Tuning.stagger=False` (walk
+order: under a causal mask that is the order the key blocks reach a tile), or, with `Tuning.rotated_turns`
+(a candidate) on full masks, in the staggered walk's arrival order. `Tuning.stagger=False` (walk
 without a stagger, as backward.py does) is a candidate, off so that what ships is what was measured;
 its prediction and device command are in docs/sm90_backward_tuning.md, "Large head dims: the prepared
 candidates".
@@ -84,7 +85,7 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
 from fa4_jax.kernels.common import masking, ordered_reduction
-from fa4_jax.kernels.sm90 import backward_common
+from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, backward_common
 from fa4_jax.kernels.sm90.backward_common import TILE_M, BackwardOptions, Sm90BackwardBase
 from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, accumulator_mn, gemm, k_major_layout,
                                         swizzle_columns, transpose_view)
@@ -117,8 +118,9 @@ class Tuning:
       -> 0.82 / 0.77 at 1k / 4k on an H100, rev 9938702,
       benchmarks/results/logs/next_sweeps_9938702_h100.tar.xz/), full rows unchanged. False: lowest first.
     stagger: key block n starts its walk n query blocks in, so the CTAs running together add into
-      different dQ tiles (ignored in deterministic mode, which walks in plain order). Whether it pays
-      here is open: backward.py walks without one (docs/sm90_backward_tuning.md has its measurement).
+      different dQ tiles (ignored in deterministic mode, which walks in plain order, or staggered with
+      `rotated_turns`). Whether it pays here is open: backward.py walks without one
+      (docs/sm90_backward_tuning.md has its measurement).
     three_warpgroups: None (the default) takes the layout that measured faster at the head dim:
       three warp groups at D = 192 (two with segment ids, which spill at 160 registers), two at
       D = 256; `options` resolves it (`resolved_tuning`). True: D = 192 only
@@ -148,11 +150,22 @@ class Tuning:
       one buffer). Measured on an H100 (rev 6f403c6, cuDNN ms / ours, 2k / 8k): full 1.36 / 1.45 ->
       1.45 / 1.69, causal 1.27 / 1.37 -> 1.34 / 1.41; deterministic 1.04 / 1.34 -> 1.08 / 1.34 full,
       1.13 / 1.14 -> 1.13 / 1.15 causal (docs/sm90_backward_tuning.md, "D = 192: a second Q stage").
+    rotated_turns (deterministic, full masks; a candidate, off until measured here): key block n walks
+      the staggered order (starting n query blocks in) and each dQ tile takes its adds in arrival order
+      (`ordered_reduction.rotated_turn`), launched lowest key block first, instead of the plain walk
+      where all N key blocks of a head reach query block 0 together and queue one add latency apart
+      at every tile after it (a convoy of ~L N (N - 1) / 2 against N M T of work). A key block then also
+      waits for key blocks launched after it, so `options` keeps it only where a head's key blocks (of
+      this layout's 64 or 96 keys) fit on half the SMs (`rotated_turns_reason`) and resolves it to False
+      elsewhere. backward.py's same change measured on an H100 (rev 17f1841, cuDNN ms / ours,
+      deterministic full masks at 1k / 4k): D = 64 0.84 -> 0.97, D = 128 0.79 -> 0.83; its default since.
+      Prediction and device command: docs/sm90_backward_tuning.md, "Large heads: rotated turns".
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
     prefetch_query: Optional[bool] = None
+    rotated_turns: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -184,6 +197,22 @@ def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False
         tuning = dataclasses.replace(tuning, prefetch_query=bool(
             tuning.three_warpgroups and head_dim == v_head_dim == THREE_WARPGROUPS_HEAD_DIM))
     return tuning
+
+
+def keys_per_cta(tuning: Tuning) -> int:
+    """The key block of the layout a resolved `tuning` builds: 96 keys with three warp groups, else 64."""
+    return THREE_WARPGROUPS_TILE_N if tuning.three_warpgroups else TILE_N
+
+
+def query_step(it, n_block, m_count, staggered: bool):
+    """The query block, counted from the key block's first, of iteration `it` of key block n_block's walk
+    over its m_count query blocks a head: in order, or `staggered` from n_block (mod m_count) on. Plain
+    integer arithmetic, like ordered_reduction's: `_query_block` traces it, and
+    tests/test_backward_block_ranges.py runs it on Python ints in its simulation of whole heads."""
+    step = it % m_count
+    if staggered:
+        step = (step + n_block) % m_count
+    return step
 
 
 def tuning_reason(tuning: Tuning, head_dim: int) -> Optional[str]:
@@ -227,10 +256,13 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         # only (`_consume(holds_dv=False)`).
         assert self.v_head_dim % 64 == 0, "dV in whole 64-column MMA atoms"
         self.dv_groups = self.v_head_dim // self.group_dim if three_warpgroups else self.consumer_groups
-        # Deterministic mode needs the plain walk (with a stagger the turns would wait).
-        self.stagger = tuning.stagger and not self.deterministic
-        self.diagonal_first = self.deterministic and tuning.diagonal_first
-        self.tile_n = THREE_WARPGROUPS_TILE_N if three_warpgroups else TILE_N
+        # Resolved by `options` (off where a head's key blocks may not all be resident at once).
+        self.rotated_turns = tuning.rotated_turns and self.deterministic
+        # Deterministic mode's turns by key block need the plain walk (with a stagger they would wait);
+        # rotated turns are the staggered walk's arrival order, launched lowest key block first.
+        self.stagger = self.rotated_turns or (tuning.stagger and not self.deterministic)
+        self.diagonal_first = self.deterministic and tuning.diagonal_first and not self.rotated_turns
+        self.tile_n = keys_per_cta(tuning)
         # `Tuning.prefetch_query`: two Q stages, dO one in a ring of its own (`separate_do_ring`), one P / dS
         # buffer.
         prefetch = tuning.prefetch_query
@@ -484,10 +516,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
     @cute.jit
     def _query_block(self, it, kv_head, n_block, m_lo, m_count):
         """(query head, query block) of iteration `it`: the group's heads in turn, each over the
-        query blocks this key block sees (staggered by n_block when `self.stagger`)."""
-        step = it % m_count
-        if const_expr(self.stagger):
-            step = (step + n_block) % m_count
+        query blocks this key block sees (staggered by n_block when `self.stagger`, `query_step`)."""
+        step = query_step(it, n_block, m_count, self.stagger)
         return kv_head * self.group + it // m_count, m_lo + step
 
     @cute.jit
@@ -685,7 +715,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         """The dQ writer warp: per query block, wait for the staged dQ, add it into the fp32
         accumulator with one bulk reduce, free the buffer once the copy engine has read it.
         Deterministic: in the tile's turn (`ordered_reduction`), lowest key block first, or highest
-        with `diagonal_first`; the buffer is freed once the add is complete."""
+        with `diagonal_first`, or in arrival order with `rotated_turns`; the buffer is freed once the add
+        is complete."""
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         tile_bytes = self.tile_m * self.head_dim * 4
@@ -695,9 +726,14 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             dq_pipe.consumer_wait(dq_state)
             flag = None
             if const_expr(self.deterministic):
-                turn = ordered_reduction.key_block_turn(
-                    self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n, kv_len,
-                    offset, highest_first=self.diagonal_first)
+                if const_expr(self.rotated_turns):
+                    # A full mask: every key block [0, N) visits every query block [m_lo, m_lo + m_count).
+                    turn = ordered_reduction.rotated_turn(n_block, m_block - m_lo,
+                                                          (kv_len + self.tile_n - 1) // self.tile_n, m_count)
+                else:
+                    turn = ordered_reduction.key_block_turn(
+                        self.mask, n_block, q_start + m_block * self.tile_m, self.tile_m, self.tile_n, kv_len,
+                        offset, highest_first=self.diagonal_first)
                 flag = ordered_reduction.wait_for_turn(mSemaphores, (batch, q_head, m_block), turn, lane)
             if lane == 0:
                 primitives.cp_reduce_async_bulk_global_shared_cta(
@@ -731,9 +767,20 @@ def dq_reader(tuning: Tuning):
 
 
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
-    """The static kernel configuration for one call (`tuning`: this kernel's speed choices)."""
-    return BackwardOptions.of(config, problem, resolved_tuning(tuning, problem.head_dim, config.has_segment_ids,
-                                                               problem.v_head_dim))
+    """The static kernel configuration for one call (`tuning`: this kernel's speed choices), with
+    `rotated_turns` resolved to False where it cannot run (`rotated_turns_reason`)."""
+    tuning = resolved_tuning(tuning, problem.head_dim, config.has_segment_ids, problem.v_head_dim)
+    rotated_turns = tuning.rotated_turns and rotated_turns_reason(config, problem, tuning) is None
+    return BackwardOptions.of(config, problem, dataclasses.replace(tuning, rotated_turns=rotated_turns))
+
+
+def rotated_turns_reason(config: AttentionConfig, problem: host.Problem,
+                         tuning: Tuning = DEFAULT_TUNING) -> Optional[str]:
+    """Why `Tuning.rotated_turns` cannot order this call's dQ adds, or None: backward_common's rule, the
+    key blocks of the layout `tuning` resolves to (`keys_per_cta`)."""
+    resolved = resolved_tuning(tuning, problem.head_dim, config.has_segment_ids, problem.v_head_dim)
+    return backward_common.rotated_turns_reason(config, host.ceil_div(problem.kv_len, keys_per_cta(resolved)),
+                                                host.sm_count(DEFAULT_SM_COUNT))
 
 
 def fake_arguments(config: AttentionConfig, shape, dtype_name: str) -> list:
