@@ -7,7 +7,7 @@ the kernel gets the oracle's out and LSE rounded to the kernel's types, so the f
 involved, and the tolerance is the same 4 roundings of the inputs' type relative to max |expected|.
 Every case runs with the default kernel and with each `Tuning` candidate in the mode it applies to
 (VARIANTS; `three_warpgroups` and the D = 192 candidates on their own cases: THREE_WARPGROUPS_*,
-MLA_*); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than the GPU
+MLA_*; `rotated_turns` on deterministic full masks: ROTATED_TURN_CASES); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than the GPU
 holds at once (a turn order that waited for a CTA launched later would hang there).
 """
 
@@ -24,7 +24,7 @@ pytest.importorskip("cutlass")  # the kernel modules need nvidia-cutlass-dsl (Li
 from fa4_jax import reference  # noqa: E402
 from fa4_jax.kernels import host  # noqa: E402
 from fa4_jax.kernels.sm90 import backward_large_heads as sm90_backward_large_heads  # noqa: E402
-from test_sm90_backward import _check_against_oracle, _check_query_shards  # noqa: E402
+from test_sm90_backward import _check_against_oracle, _check_query_shards, _make_problem  # noqa: E402
 
 VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
@@ -196,12 +196,44 @@ def test_three_warpgroups_query_shards_match_oracle(case: Case, shards, variant,
     _check_query_shards(case, shards, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
+# `Tuning.rotated_turns` (a candidate; select with `-k rotated`): deterministic full masks, where `options` keeps
+# it, at D = 256 and D = 192 (three warp groups: 96-key blocks), MHA, GQA and MQA, MLA's 192 / 128; lengths off the
+# 64-row and key blocks, more key blocks than query blocks (several key blocks reach a tile at the same step
+# of their walks), query and key lengths (the key blocks past a batch's keys walk nothing, the turns count
+# only the others), a single key block.
+ROTATED_TURNS = sm90_backward_large_heads.Tuning(rotated_turns=True)
+ROTATED_TURN_CASES = [
+    Case("rotated-d256", head_dim=256),
+    Case("rotated-gqa-long-d256", head_dim=256, q_heads=8, kv_heads=2, q_len=700, kv_len=900),
+    Case("rotated-more-keys-mqa-d256", head_dim=256, q_heads=4, kv_heads=1, q_len=130, kv_len=1000),
+    Case("rotated-d192", head_dim=192),
+    Case("rotated-gqa-more-keys-d192", head_dim=192, q_heads=8, kv_heads=2, q_len=130, kv_len=1500),
+    Case("rotated-lengths-gqa-d192", head_dim=192, q_heads=8, kv_heads=2, q_lengths=True, kv_lengths=True,
+         q_len=700, kv_len=900),
+    Case("rotated-single-block-d192", head_dim=192, q_len=300, kv_len=77),
+    Case("rotated-mla-gqa", head_dim=192, v_head_dim=128, q_heads=8, kv_heads=2, q_len=333, kv_len=700),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ROTATED_TURN_CASES, ids=lambda case: case.name)
+def test_rotated_turns_match_oracle(case: Case, inputs):
+    query, key, value, *_, config = _make_problem(case, inputs)
+    options = sm90_backward_large_heads.options(config.replace(deterministic=True), host.Problem.of(query, key, value),
+                                                ROTATED_TURNS)
+    assert options.tuning.rotated_turns, "resolved off: the case would not test the rotated walk"
+    _check_against_oracle(case, ROTATED_TURNS, inputs, deterministic=True, kernel=sm90_backward_large_heads)
+
+
 DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()
                          if deterministic}
 # Lowest key block first: D = 256's default order, D = 192's before diagonal-first became its default.
 DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.Tuning(diagonal_first=False)
 DETERMINISTIC_TUNINGS["three_warpgroups"] = sm90_backward_large_heads.Tuning(three_warpgroups=True)
 DETERMINISTIC_TUNINGS["prefetch_query"] = sm90_backward_large_heads.Tuning(prefetch_query=True)
+# On the full-mask runs (the causal ones resolve it off): 4 x 4 KV heads x 32 key blocks at D = 256, 22 of 96
+# keys at D = 192 and MLA's 192 / 128, each head's fitting on half the SMs, the grid not on the GPU at once.
+DETERMINISTIC_TUNINGS["rotated_turns"] = ROTATED_TURNS
 
 REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),
@@ -214,6 +246,8 @@ REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
 THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES = [(1, 1024, 4, 4, 192), (4, 2048, 8, 4, 192)]
 # `Tuning.prefetch_query`: D = 192 and MLA (three warp groups at both).
 PREFETCH_QUERY_REPRODUCIBILITY_SHAPES = THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES + [(4, 2048, 8, 4, 192, 128)]
+# `Tuning.rotated_turns`: those and D = Dv = 192's 352 CTAs.
+ROTATED_TURNS_REPRODUCIBILITY_SHAPES = REPRODUCIBILITY_SHAPES + [(4, 2048, 8, 4, 192)]
 
 
 def _reproducibility_parameters():
@@ -222,6 +256,7 @@ def _reproducibility_parameters():
             for name, tuning in DETERMINISTIC_TUNINGS.items()
             for shape in (THREE_WARPGROUPS_REPRODUCIBILITY_SHAPES if tuning.three_warpgroups
                           else PREFETCH_QUERY_REPRODUCIBILITY_SHAPES if tuning.prefetch_query
+                          else ROTATED_TURNS_REPRODUCIBILITY_SHAPES if tuning.rotated_turns
                           else REPRODUCIBILITY_SHAPES)]
 
 
