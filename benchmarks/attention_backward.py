@@ -33,7 +33,7 @@ order that deadlocks or a wrong result is not timed; `variants_passing` says wha
 
 Usage: python benchmarks/attention_backward.py --out results.json [--precompile-workers 12]
        [--variants default deterministic ...] [--head-dims 128 64 256] [--seq-lens 1024 4096] [--quick]
-       [--shapes grid|gqa|d192|mla]
+       [--shapes grid|gqa|d192|mla ...]
        [--iterations N] [--precompile-only] [--variants-passing PYTEST_LOG]
 The git revision comes from $FA4_GIT_REVISION when set (the device copy has no .git), else `git`.
 """
@@ -78,8 +78,7 @@ class Variant:
         group = shape["heads"] // _kv_heads(shape)
         if head_splits is not None and group % head_splits:
             return f"head_splits={head_splits} does not divide the group of {group} query heads"
-        shipped_turns = getattr(self.kernel.DEFAULT_TUNING, "rotated_turns", None)
-        if getattr(self.tuning, "rotated_turns", None) not in (None, shipped_turns):
+        if self.tuning.rotated_turns != self.kernel.DEFAULT_TUNING.rotated_turns:
             # `options` turns rotated turns off where they cannot run safely, and there a variant that
             # differs from the shipped kernel in that choice alone would time the shipped kernel.
             from fa4_jax.kernels import host
@@ -142,6 +141,12 @@ def _variants():
         "deterministic_lowest_first": Variant(
             large_heads, large_heads.Tuning(diagonal_first=False), True, large_heads.SUPPORTED_HEAD_DIMS,
             ("test_sm90_backward_large_heads.py", "lowest_first")),
+        # The deterministic dQ turns in the staggered walk's arrival order on full masks (`Tuning.rotated_turns`,
+        # backward.py's default at D <= 128); rows where it resolves off (causal; more key blocks than half
+        # the SMs: past 4k at D = 256, 6k at D = 192) skip it.
+        "deterministic_rotated_turns": Variant(
+            large_heads, large_heads.Tuning(rotated_turns=True), True, large_heads.SUPPORTED_HEAD_DIMS,
+            ("test_sm90_backward_large_heads.py", "rotated_turns")),
         # Head splits forced (`default` lets head_splits_for choose): 1 is the kernel before head
         # splits, deterministic too; a split that does not divide a row's group skips the row.
         **{f"head_splits_{splits}": Variant(
@@ -459,7 +464,8 @@ def run(args):
     import jax
 
     # In the order of --head-dims, so a run cut short has measured the first ones whole.
-    grid = SHAPE_SETS[args.shapes] if args.shapes in SHAPE_SETS else list(attention.shapes(args.quick))
+    grid = [shape for name in args.shapes
+            for shape in (SHAPE_SETS[name] if name in SHAPE_SETS else attention.shapes(args.quick))]
     shapes = [shape for head_dim in args.head_dims for shape in grid
               if shape["head_dim"] == head_dim and shape["seq_len"] in args.seq_lens]
     names = args.variants or list(_variants())
@@ -543,10 +549,10 @@ def main(argv=None):
     parser.add_argument("--per-kernel", action="store_true",
                         help="also record each variant's per-kernel CUPTI times (<variant>_kernels_us)")
     parser.add_argument("--quick", action="store_true", help="only the two shortest sequence lengths")
-    parser.add_argument("--shapes", choices=("grid", *SHAPE_SETS), default="grid",
-                        help="grid: B*S = 16k tokens, H*D = 2048; gqa: the GQA / MQA rows (GQA_SHAPES); "
-                             "d192: 16 heads at D = 192, S 2k / 8k (D192_SHAPES); mla: those at D / Dv = "
-                             "192 / 128 (MLA_SHAPES)")
+    parser.add_argument("--shapes", nargs="+", choices=("grid", *SHAPE_SETS), default=["grid"],
+                        help="one or more of grid: B*S = 16k tokens, H*D = 2048; gqa: the GQA / MQA rows "
+                             "(GQA_SHAPES); d192: 16 heads at D = 192, S 2k / 8k (D192_SHAPES); mla: those at "
+                             "D / Dv = 192 / 128 (MLA_SHAPES)")
     parser.add_argument("--precompile-workers", type=int, default=0,
                         help="lower every kernel in this many CPU processes first (on-disk cache)")
     parser.add_argument("--variants-passing", metavar="PYTEST_LOG",

@@ -122,7 +122,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         candidates = ["prefetch_query", "deterministic_prefetch_query", "one_query_stage",
                       "deterministic_one_query_stage"]
         three = ["two_warpgroups", "deterministic_two_warpgroups", *candidates] if head_dim == 192 else []
-        assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", *three]
+        assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", "deterministic_rotated_turns", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(
         benchmark._config(shape), host.Problem(dims, dims, dims, "bfloat16")) is None for name in runs)
@@ -181,14 +181,19 @@ FAILED tests/test_sm90_backward.py::test_head_splits_match_oracle[split8-mqa8-d6
     assert "head_splits_8" not in kept and "head_splits_16" not in kept
 
 
-def test_plain_turns_skip_the_rows_where_rotated_turns_resolve_off(benchmark):
-    """A row where `options` turns the shipped `rotated_turns` off (a causal mask; more key blocks than half
-    the SMs) is skipped with the reason, not timed as the shipped kernel under the plain-turns name."""
-    variant = benchmark._variants()["deterministic_plain_turns"]
-    shape = dict(batch=1, seq_len=4096, heads=8, head_dim=128, causal=False)
+@pytest.mark.parametrize("name, head_dim, fits, too_long", [
+    ("deterministic_plain_turns", 128, 8192, 16384),
+    # The large-head candidate: 64 keys a CTA at D = 256, 96 at D = 192 (three warp groups), so up to 4k / 6k.
+    ("deterministic_rotated_turns", 256, 4096, 8192), ("deterministic_rotated_turns", 192, 6144, 8192)])
+def test_rotated_turn_variants_skip_the_rows_where_they_resolve_off(benchmark, name, head_dim, fits, too_long):
+    """A row where `options` resolves `rotated_turns` off (a causal mask; more key blocks than half the SMs)
+    runs the shipped kernel: a variant that differs from it in that choice alone skips the row with the
+    reason, rather than time the shipped kernel under its name."""
+    variant = benchmark._variants()[name]
+    shape = dict(batch=1, seq_len=fits, heads=8, head_dim=head_dim, causal=False)
     assert variant.skip_reason(shape) is None
-    assert "full rows only" in variant.skip_reason(dict(shape, causal=True))
-    assert "resident" in variant.skip_reason(dict(shape, seq_len=16384))
+    assert "full" in variant.skip_reason(dict(shape, causal=True))
+    assert "resident" in variant.skip_reason(dict(shape, seq_len=too_long))
 
 
 def test_mla_rows_take_value_dims_of_their_own(benchmark):
