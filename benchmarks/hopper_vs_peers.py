@@ -14,7 +14,8 @@ masks alike when q_len == kv_len, as in every row here.
 A forward row times the jitted call on (q, k, v). A backward row takes the VJP first (a jitted
 `jax.vjp`: the forward and its residuals run outside the timing) and times the jitted pullback applied
 to a fixed d_out, so only the backward's kernels run in it. Times are CUPTI kernel times of everything the timed
-function launches (jax.experimental.mosaic.gpu.profiler.measure), median over --iterations; TFLOP/s
+function launches (jax.experimental.mosaic.gpu.profiler.measure), median over --iterations, taken
+--rounds times a row with the libraries in turn and the median round reported (`measure_row` says why); TFLOP/s
 counts forward 4*B*Hq*S*S*D (2*B*Hq*S*S*(D+Dv) when Dv differs), halved when causal, and 2.5x that for
 the backward. A library that fails
 on a row gets null `<lib>_ms` / `<lib>_tflops` and `<lib>_error`, and the run goes on. Each row also
@@ -53,7 +54,7 @@ its table and its rows (the JSON is rewritten after every row, so even a killed 
 
 Usage:
     python benchmarks/hopper_vs_peers.py --out results.json [--precompile-workers 12] [--rows REGEX]
-        [--quick] [--iterations 20] [--no-peer] [--max-seconds 450] [--grid issue12|head-dims]
+        [--quick] [--iterations 20] [--rounds 5] [--no-peer] [--max-seconds 450] [--grid issue12|head-dims]
     JAX_PLATFORMS=cpu python benchmarks/hopper_vs_peers.py --precompile-only --precompile-workers 2
     python benchmarks/hopper_vs_peers.py --plot results.json results.png      (no GPU needed)
 The device command is benchmarks/device/hopper_vs_peers.sh. The git revision comes from
@@ -70,6 +71,7 @@ import json
 import multiprocessing
 import os
 import platform
+import statistics
 import re
 import sys
 import time
@@ -248,25 +250,42 @@ def timed_function(pass_name, attention_function, inputs):
     return jax.jit(lambda pullback, d_out: pullback(d_out)), (pullback, d_out)
 
 
-def measure_row(row, inputs, libraries, timer) -> dict:
+def measure_row(row, inputs, libraries, timer, rounds: int = 1) -> dict:
     """Time every library on one row. `libraries`: name -> factory; `timer(function, arguments)` ->
-    (outputs, milliseconds)."""
+    (outputs, milliseconds). With `rounds` > 1 the libraries take turns, one timing each a round, and
+    `<lib>_ms` is the median of a library's rounds (`<lib>_ms_rounds`): under the H200's power cap the
+    SM clock dips for ~100 ms at a time (1700 -> 1400-1600 MHz, nvidia-smi at 100 ms), as long as one
+    library's whole timing, so timings taken back to back can put one dip on one library alone."""
     record = row.record()
-    outputs = {}
-    for name in TIMING_ORDER:
-        started = time.perf_counter()
-        try:
-            function, arguments = timed_function(row.pass_name, libraries[name](row.shape), inputs)
-            result, milliseconds = timer(function, arguments)
-        except Exception as error:  # report and go on: one failing library must not hide the others
-            record[f"{name}_error"] = short_error(error)
-            continue
-        finally:
-            # Compiles included: where a device call's time goes (fa4peer compiles in this process).
-            record["wall_seconds"][name] = round(time.perf_counter() - started, 2)
-        outputs[name] = (result,) if row.pass_name == "forward" else tuple(result)
+    outputs, timed, rounds_ms = {}, {}, {}
+    for round_index in range(rounds):
+        # Each library's functions are built in the first round, just before its first timing: fa4_jax's
+        # factory waits for its shape's precompile, which the peers' compiles and timings overlap.
+        for name in TIMING_ORDER:
+            if round_index and name not in timed:
+                continue
+            started = time.perf_counter()
+            try:
+                if not round_index:
+                    timed[name] = timed_function(row.pass_name, libraries[name](row.shape), inputs)
+                result, milliseconds = timer(*timed[name])
+            except Exception as error:  # report and go on: one failing library must not hide the others
+                record[f"{name}_error"] = short_error(error)
+                timed.pop(name, None)
+                rounds_ms.pop(name, None)
+                continue
+            finally:
+                # Compiles included: where a device call's time goes (fa4peer compiles in this process).
+                spent = time.perf_counter() - started
+                record["wall_seconds"][name] = round(record["wall_seconds"].get(name, 0.0) + spent, 2)
+            outputs[name] = (result,) if row.pass_name == "forward" else tuple(result)
+            rounds_ms.setdefault(name, []).append(milliseconds)
+    for name, times in rounds_ms.items():
+        milliseconds = statistics.median(times)
         record[f"{name}_ms"] = milliseconds
         record[f"{name}_tflops"] = row.flops / (milliseconds * 1e-3) / 1e12
+        if rounds > 1:
+            record[f"{name}_ms_rounds"] = times
     record.update(_differences(row.pass_name, outputs))
     timed_peers = [name for name in PEERS if record[f"{name}_tflops"] is not None]
     if timed_peers:
@@ -392,7 +411,7 @@ def write_report(report, path):
         json.dump(report, handle, indent=1)
 
 
-def sweep(rows, libraries, timer, report, out, inputs_for=make_inputs, max_seconds=0.0):
+def sweep(rows, libraries, timer, report, out, inputs_for=make_inputs, max_seconds=0.0, rounds=1):
     """Measure `rows` shape by shape (both passes of a shape share its inputs) into report["rows"],
     rewriting `out` after every row."""
     by_shape = {}
@@ -405,7 +424,7 @@ def sweep(rows, libraries, timer, report, out, inputs_for=make_inputs, max_secon
             continue
         inputs = inputs_for(shape)
         for row in shape_rows:
-            record = measure_row(row, inputs, libraries, timer)
+            record = measure_row(row, inputs, libraries, timer, rounds)
             report["rows"].append(record)
             write_report(report, out)
             print(format_row(record), flush=True)
@@ -430,7 +449,8 @@ def new_report(device, versions) -> dict:
         device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(), versions=versions,
         git_revision=attention.git_revision(), host=platform.node(), dtype="bfloat16",
         timing="CUPTI kernel time of every kernel the timed function launches, median of iterations "
-               "(jax.experimental.mosaic.gpu.profiler.measure); backward: the VJP's pullback only",
+               "(jax.experimental.mosaic.gpu.profiler.measure), timed `rounds` times a row with the libraries "
+               "taking turns, the median round reported; backward: the VJP's pullback only",
         flops="forward 2*B*Hq*S*S*(D+Dv) (4*B*Hq*S*S*D when Dv = D), halved when causal; backward 2.5x forward",
         ratio="ratio_vs_best_peer = fa4_jax_tflops / max(cudnn_tflops, fa4peer_tflops)",
         rows=[])
@@ -461,12 +481,13 @@ def run(args):
     precompiler = Precompiler(shapes, args.precompile_workers)
     libraries = dict(fa4_jax=fa4_jax_after_precompile(precompiler), cudnn=cudnn_attention, fa4peer=peer)
     report = new_report(device.device_kind, _versions(peer_version))
-    report.update(iterations=args.iterations, precompile=precompiler.summary,
+    report.update(iterations=args.iterations, rounds=args.rounds, precompile=precompiler.summary,
                   selection=dict(grid=args.grid, rows=args.rows, quick=args.quick, count=len(rows)))
     write_report(report, args.out)
     print(f"{len(rows)} rows; {args.precompile_workers} precompile processes", flush=True)
     try:
-        sweep(rows, libraries, cupti_timer(args.iterations), report, args.out, max_seconds=args.max_seconds)
+        sweep(rows, libraries, cupti_timer(args.iterations), report, args.out, max_seconds=args.max_seconds,
+              rounds=args.rounds)
     finally:
         precompiler.close()
         write_report(report, args.out)
@@ -565,6 +586,8 @@ def main(argv=None):
     parser.add_argument("--rows", metavar="REGEX", help="only the rows whose name matches (re.search)")
     parser.add_argument("--quick", action="store_true", help=f"only rows with S <= {QUICK_MAX_SEQ_LEN}")
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="the libraries take turns this many times a row; each one's median round is reported")
     parser.add_argument("--no-peer", action="store_true", help="do not import fa4peer (its columns are null)")
     parser.add_argument("--precompile-workers", type=int, default=0,
                         help="compile fa4_jax's kernels in this many CPU-only processes alongside the timing")

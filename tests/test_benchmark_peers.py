@@ -11,6 +11,7 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -234,3 +235,36 @@ def test_row_of_a_value_head_dim_of_its_own(benchmark, pass_name):
     record = benchmark.measure_row(benchmark.Row(pass_name, shape), inputs, working, _fake_timer(2.0))
     assert not any(key.endswith("_error") for key in record), record
     assert record["v_head_dim"] == 48 and record["name"].startswith(f"{pass_name} D32/48 ")
+
+
+def test_rounds_take_turns_and_report_each_librarys_median_round(benchmark, monkeypatch):
+    """With rounds > 1 the libraries alternate (a clock dip under the power cap then falls on all of them),
+    `<lib>_ms` is the median of a library's rounds, and a library failing in a later round is reported
+    as failed, not timed on its earlier rounds."""
+    shape = benchmark.Shape(**SMALL)
+    row = benchmark.Row("forward", shape)
+    # Each library's timed function is its name; the fake timer looks its next time up.
+    monkeypatch.setattr(benchmark, "timed_function", lambda pass_name, function, inputs: (function, ()))
+    libraries = {name: (lambda name: lambda shape: name)(name) for name in benchmark.TIMING_ORDER}
+    order, times = [], {"cudnn": [3.0, 1.0, 2.0], "fa4peer": [4.0, 4.0, 9.0], "fa4_jax": [5.0, 1.0, 1.0]}
+
+    def timer(name, arguments):
+        order.append(name)
+        return jnp.zeros((1,)), times[name][order.count(name) - 1]
+
+    record = benchmark.measure_row(row, None, libraries, timer, rounds=3)
+    assert order == list(benchmark.TIMING_ORDER) * 3
+    assert (record["cudnn_ms"], record["fa4peer_ms"], record["fa4_jax_ms"]) == (2.0, 4.0, 1.0)
+    assert record["fa4_jax_ms_rounds"] == [5.0, 1.0, 1.0]
+    assert record["ratio_vs_best_peer"] == pytest.approx(2.0)
+
+    def failing_later(name, arguments):
+        order.append(name)
+        if name == "fa4peer" and order.count(name) > 1:
+            raise RuntimeError("lost the device")
+        return jnp.zeros((1,)), 1.0
+
+    order.clear()
+    record = benchmark.measure_row(row, None, libraries, failing_later, rounds=3)
+    assert record["fa4peer_ms"] is None and record["fa4peer_error"].startswith("RuntimeError")
+    assert order.count("fa4peer") == 2 and order.count("cudnn") == 3
