@@ -396,6 +396,8 @@ Q_START_CASES = [
     ("causal-gqa", Case("q-start-causal-gqa", q_heads=4, kv_heads=2, q_len=1024, kv_len=1024, causal=True), 4),
     ("causal-mha-d64", Case("q-start-causal-d64", head_dim=64, q_len=1024, kv_len=1024, causal=True), 2),
     ("window", Case("q-start-window", q_len=1024, kv_len=1024, window=(200, 200)), 4),
+    # No mask at D = 128: the 80-row blocks (dQ^T), 250-row shards ending mid-block.
+    ("full", Case("q-start-full", q_len=1000, kv_len=1024), 4),
     ("causal-window-cross", Case("q-start-causal-cross", q_len=512, kv_len=1024, causal=True,
                                  window=(300, None)), 2),
 ]
