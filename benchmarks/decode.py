@@ -19,8 +19,9 @@ Times are CUPTI kernel times of one call (all its kernels summed), median over i
 stays in the 50 MB L2 from one call to the next. With --cold-l2 also ours and Pallas with the L2 emptied
 before each call (`*_cold_ms`, `fa4_jax_cold_tbps`, `pallas_best_cold_ms`): what a decode step sees
 after the other layers' work. Bandwidth = bytes of K and V read (B · context ·
-Hkv · D · 2 bytes · 2) / time; `copy_tbps` is a device-to-device copy (x + 1 over 4 GiB: read + write
-bytes / time) measured in the same run, the bar's yardstick (>= 75 % of it at contexts >= 8k).
+Hkv · D · 2 bytes · 2) / time; `copy_tbps` is the fastest of three device-to-device copies over 4 GiB
+(`copy_kernels`: bf16 and uint32 `x + 1`, `jnp.copy`; read + write bytes / time, each in
+`copy_kernels_tbps`) measured in the same run, the bar's yardstick (>= 75 % of it at contexts >= 8k).
 
 Our kernels compile first in parallel CPU-only processes into the on-disk kernel cache (one per
 distinct DecodeOptions), so the timed process loads them.
@@ -33,7 +34,8 @@ Usage:
 
 A device call has a time limit, so the grid may run as one process per batch size (--batches 1, ...),
 each with its own copy measurement; --merge joins them (rows keep their run's `copy_tbps` and
-`fraction_of_copy`; the top-level `copy_tbps` is the lowest of the runs, `runs` lists each).
+`fraction_of_copy`; the top-level `copy_tbps` is the highest of the runs, the stricter yardstick, `runs`
+lists each).
 """
 
 from __future__ import annotations
@@ -157,14 +159,37 @@ def _cold_median_ms(function, arguments, iterations, flush) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(iterations: int) -> float:
-    import jax
+def copy_kernels():
+    """name -> (function, input) of the copies `copy_bandwidth` times, each reading and writing COPY_BYTES:
+    XLA's elementwise kernel in 2- and 4-byte words, and its plain copy. On an H100 the bf16 `x + 1`
+    measured 2.94 TB/s (88 % of the HBM3's 3.35), on the H200 3.37 (70 % of the HBM3e's 4.8), against
+    the ~4.3 issue 16 expected there: one kernel's shortfall on one GPU should not lower the bar."""
     import jax.numpy as jnp
 
-    x = jnp.zeros((COPY_BYTES // 2,), jnp.bfloat16)
-    _, ms = attention._median_ms(jax.jit(lambda a: a + jnp.bfloat16(1)), (x,), iterations)
-    del x
-    return 2 * COPY_BYTES / (ms * 1e-3) / 1e12
+    return {
+        "bf16 x + 1": (lambda a: a + jnp.bfloat16(1), lambda: jnp.zeros((COPY_BYTES // 2,), jnp.bfloat16)),
+        "uint32 x + 1": (lambda a: a + jnp.uint32(1), lambda: jnp.zeros((COPY_BYTES // 4,), jnp.uint32)),
+        "copy": (lambda a: jnp.copy(a), lambda: jnp.ones((COPY_BYTES // 4,), jnp.float32)),
+    }
+
+
+def copy_bandwidth(iterations: int) -> tuple:
+    """(the fastest copy's TB/s, {copy: TB/s or its error}): read + write bytes over CUPTI kernel time."""
+    import jax
+
+    measured = {}
+    for name, (function, make) in copy_kernels().items():
+        x = make()
+        try:
+            _, ms = attention._median_ms(jax.jit(function), (x,), iterations)
+            measured[name] = 2 * COPY_BYTES / (ms * 1e-3) / 1e12
+        except Exception as error:  # e.g. a copy XLA issues as a memcpy, which CUPTI's kernel list lacks
+            measured[name] = f"{type(error).__name__}: {error}"[:200]
+        del x
+    rates = [rate for rate in measured.values() if isinstance(rate, float)]
+    if not rates:
+        raise RuntimeError(f"no copy could be timed: {measured}")
+    return max(rates), measured
 
 
 def _inputs(row, key):
@@ -306,7 +331,7 @@ def run(args):
         report["precompile"] = precompile(row_list, args.compile_workers, sm_count, variants)
     flush = l2_flush() if args.cold_l2 else None
     report["cold_l2"] = bool(args.cold_l2)
-    report["copy_tbps"] = copy_bandwidth(args.iterations)
+    report["copy_tbps"], report["copy_kernels_tbps"] = copy_bandwidth(args.iterations)
     print(f"device-to-device copy: {report['copy_tbps']:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     for row in row_list:
@@ -329,8 +354,9 @@ def merge(paths, out):
         with open(path) as handle:
             reports.append(json.load(handle))
     merged = dict(reports[0], rows=[row for report in reports for row in report["rows"]],
-                  copy_tbps=min(report["copy_tbps"] for report in reports),
-                  runs=[{key: report.get(key) for key in ("date", "git_revision", "copy_tbps", "precompile")}
+                  copy_tbps=max(report["copy_tbps"] for report in reports),
+                  runs=[{key: report.get(key) for key in ("date", "git_revision", "copy_tbps", "copy_kernels_tbps",
+                                                          "precompile")}
                         for report in reports])
     with open(out, "w") as handle:
         json.dump(merged, handle, indent=1)
