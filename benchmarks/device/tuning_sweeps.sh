@@ -3,7 +3,8 @@
 # With two GPUs they run side by side, one per GPU (each sweep is one process on one GPU timing fa4_jax
 # against cuDNN on the same inputs, so the ratios stay same-run ratios); with one GPU, one after the other.
 # Outputs in $OUT/tuning_sweeps.tgz (the device tool returns at most 8 files; the two sweeps write 9).
-# Usage (device machine, repo root, bundle sourced; docs/device.md): bash benchmarks/device/tuning_sweeps.sh REV
+# Usage (device machine, repo root, bundle sourced; docs/device.md):
+#   bash benchmarks/device/tuning_sweeps.sh REV [forward|backward]   (both when not named)
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -37,11 +38,13 @@ backward() {  # $1: GPU index
   echo "backward bench rc=$?" >> "$dir/bench.log"
 }
 
-if [ "$GPUS" -ge 2 ]; then
-  forward 0 & backward 1 & wait
-else
-  forward 0; backward 0
-fi
-tail -3 "$OUT/forward/variant_tests.log"; tail -24 "$OUT/forward/bench.log"
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/backward/gpu_tests.log" | tail -8; tail -16 "$OUT/backward/bench.log"
-cd "$OUT" && tar czf tuning_sweeps.tgz forward backward && rm -rf forward backward
+case "${2:-both}" in
+  forward) forward 0 ;;
+  backward) backward 0 ;;
+  both) if [ "$GPUS" -ge 2 ]; then forward 0 & backward 1 & wait; else forward 0; backward 0; fi ;;
+  *) echo "usage: $0 REV [forward|backward]"; exit 2 ;;
+esac
+[ -d "$OUT/forward" ] && { tail -3 "$OUT/forward/variant_tests.log"; tail -24 "$OUT/forward/bench.log"; }
+[ -d "$OUT/backward" ] && { grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/backward/gpu_tests.log" | tail -8
+                            tail -16 "$OUT/backward/bench.log"; }
+cd "$OUT" && tar czf tuning_sweeps.tgz $(ls -d forward backward 2>/dev/null) && rm -rf forward backward
