@@ -110,7 +110,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
             if head_dim == 64 else []
         # 80 query rows (dQ^T) forced at D = 128 only; 64 forced at D = 128 too (80 its default without a mask).
         if head_dim == 128:
-            wide = ["query_rows_80", "deterministic_query_rows_80", "query_rows_64", "deterministic_query_rows_64"]
+            wide = ["query_rows_80", "query_rows_64", "deterministic_query_rows_64"]
         # Every 4th exp2 on the FMA pipe spills at D = 64's 128 rows: every 6th only there.
         poly = ["poly_exp2_6"] if head_dim == 64 else ["poly_exp2_4", "poly_exp2_6"]
         rotated = ["deterministic_plain_turns", "deterministic_one_dq_writer"]   # a full mask, 8 key blocks

@@ -7,10 +7,6 @@
 #          GPU tests: two writers' gradients equal one writer's bit for bit
 #          (and the oracle) on the deterministic, rotated-walk and sanitizer cases, head splits, the tiled
 #          staging; then D 64 / 128, 1k / 4k, full and causal: default, deterministic, one writer.
-#   rows80 backward.py's 80 query rows in deterministic mode (`Tuning.query_rows=80`, one dQ writer for its
-#          one staging buffer; a candidate, docs/sm90_backward_tuning.md, "Deterministic at 80 rows"): its GPU
-#          tests (oracle with and without determinism, ten-run reproducibility), then D 128, 1k / 4k, full and
-#          causal: default, deterministic, deterministic_query_rows_80.
 #   large_rotated  backward_large_heads.py's rotated turns (`Tuning.rotated_turns`, a candidate;
 #          docs/sm90_backward_tuning.md, "Large heads: rotated turns"): its GPU tests (-k rotated), then
 #          default, deterministic, deterministic_rotated_turns on D 256 (2k, 4k) and D 192 (2k) rows, full and
@@ -19,9 +15,10 @@
 # default since; the chains, measured a loss on an H100 at rev aea2164, were deleted with the mode:
 # docs/sm90_backward_tuning.md, "dq_chains on the relaxed pass". A `large` mode timed
 # backward_large_heads.py's one-staging-buffer candidate; measured a miss on an H100 at rev ceba8e5, it
-# was deleted with the candidate: docs/sm90_backward_tuning.md, "The large-head kernel: one staging buffer".)
+# was deleted with the candidate: docs/sm90_backward_tuning.md, "The large-head kernel: one staging buffer".
+# A `rows80` mode timed deterministic mode at 80 query rows; a loss on an H200 at rev 64ec724, deleted.)
 # One call (~6 min). Usage (device machine, repo root, bundle sourced):
-#   bash benchmarks/device/backward_deterministic.sh REV small|rows80|large_rotated
+#   bash benchmarks/device/backward_deterministic.sh REV small|large_rotated
 set -u
 HERE=$(dirname "$0")
 case "${2:-}" in
@@ -29,13 +26,9 @@ case "${2:-}" in
            "two_dq_writers or reproducible" \
            --variants default deterministic deterministic_one_dq_writer \
            --head-dims 64 128 --seq-lens 1024 4096 ;;
-  rows80) exec bash "$HERE/backward_candidates.sh" "$1" backward_rows80_deterministic tests/test_sm90_backward.py \
-           "query_rows_80" \
-           --variants default deterministic deterministic_query_rows_80 \
-           --head-dims 128 --seq-lens 1024 4096 --per-kernel ;;
   large_rotated) exec bash "$HERE/backward_candidates.sh" "$1" backward_large_rotated \
            tests/test_sm90_backward_large_heads.py "rotated" \
            --variants default deterministic deterministic_rotated_turns \
            --shapes grid d192 --head-dims 256 192 --seq-lens 2048 4096 ;;
-  *) echo "usage: $0 REV small|rows80|large_rotated"; exit 2 ;;
+  *) echo "usage: $0 REV small|large_rotated"; exit 2 ;;
 esac

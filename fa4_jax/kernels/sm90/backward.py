@@ -112,8 +112,9 @@ class Tuning:
       147 us against 70. Why: per 64 query rows the 64-row kernel issues 256 wgmma instructions and
       its fixed per-block work (barriers, descriptors, row statistics); 80 rows take 272 per 80 (ncu,
       an H100, rev aea2164: FA4's D = 128 kernel runs this shape, 5 % fewer instructions and 6 % fewer
-      cycles than ours; docs/sm90_backward_tuning.md, "80 query rows"). Deterministic mode takes 80
-      rows when asked (a candidate), with one dQ writer for the one buffer.
+      cycles than ours; docs/sm90_backward_tuning.md, "80 query rows"). Deterministic mode keeps 64
+      rows: its two dQ writers need two staging buffers, and 80 rows with one writer measured slower
+      there (docs/sm90_backward_tuning.md, "Deterministic at 80 rows").
     flat_dq: stage dQ in the wgmma accumulator's own register order (each thread's 4-value chunks side
       by side: 128-bit shared stores without bank conflicts, where the swizzled [rows, D/2] tile
       takes 64-bit stores that conflict 2-way) and add it with one 1-D bulk reduce per block into an
@@ -233,7 +234,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.tile_m = tuning.query_rows or backward_common.TILE_M
         masked = options.causal or options.window_left is not None or options.window_right is not None
         reason = (query_rows_reason(self.tile_m, self.head_dim, options.head_splits, register_bound,
-                                    tuning.flat_dq, tuning.ds_stmatrix)
+                                    options.deterministic, tuning.flat_dq, tuning.ds_stmatrix)
                   or dq_row_split_reason(tuning, self.tile_m))
         if reason is not None:
             raise ValueError(reason)
@@ -266,9 +267,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             self.tma_dkv_store = False
             self.key_blocks_outer = False
         self.dq_buffers = dq_staging_buffers(self.tile_m)
-        if tuning.dq_writers not in (1, self.dq_buffers) or (tuning.dq_writers > 1 and not self.deterministic):
+        if tuning.dq_writers not in (1, DQ_BUFFERS) or (tuning.dq_writers > 1 and not self.deterministic):
             raise ValueError(f"dq_writers={tuning.dq_writers}: one dQ writer warp, or in deterministic mode one per "
-                             f"staging buffer ({self.dq_buffers} at {self.tile_m} query rows)")
+                             f"staging buffer ({DQ_BUFFERS})")
         self.dq_writers = tuning.dq_writers
         self.check_shared_memory()
         if self.head_splits != 1:
@@ -999,8 +1000,8 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
                                     config.causal or config.has_window, tuning.ds_stmatrix)
     # 80 rows stage dQ^T in the tiled form only (`query_rows_reason`).
     tuning = dataclasses.replace(tuning, flat_dq=tuning.flat_dq and query_rows != TRANSPOSED_DQ_ROWS)
-    reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, tuning.flat_dq,
-                                tuning.ds_stmatrix)
+    reason = (query_rows_reason(query_rows, problem.head_dim, head_splits, register_bound, config.deterministic,
+                                tuning.flat_dq, tuning.ds_stmatrix)
               or dq_row_split_reason(tuning, query_rows))
     if reason is not None:
         raise ValueError(reason)
@@ -1009,8 +1010,7 @@ def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEF
         dq_row_split = query_rows == WIDE_QUERY_ROWS and tuning.flat_dq
     rotated_turns = tuning.rotated_turns and rotated_turns_reason(config, problem) is None
     # A second dQ writer shortens the deterministic mode's serial turns only; without them one keeps up.
-    # One staging buffer (80 query rows) takes one writer.
-    dq_writers = tuning.dq_writers if config.deterministic and dq_staging_buffers(query_rows) > 1 else 1
+    dq_writers = tuning.dq_writers if config.deterministic else 1
     return BackwardOptions.of(config, problem, dataclasses.replace(
         tuning, head_splits=None, query_rows=query_rows, dq_row_split=dq_row_split, rotated_turns=rotated_turns,
         dq_writers=dq_writers), head_splits)
@@ -1060,17 +1060,17 @@ def query_rows_for(head_dim: int, head_splits: int, register_bound: bool, determ
     those and no mask: measured +1.2 to +2.8 % on the full-mask D = 128 rows, MHA and GQA / MQA, but -1.3
     to -4.3 % causal, where an 80-row block straddles the diagonal with more masked scores (an H100, rev
     458b42a, docs/sm90_backward_tuning.md, "80 query rows"); deterministic mode keeps 64 (its two dQ
-    writers need two staging buffers; 80 rows with one writer are a candidate there); else 64."""
+    writers need two staging buffers; 80 rows with one writer measured slower, `query_rows_reason`); else 64."""
     if query_rows_reason(WIDE_QUERY_ROWS, head_dim, head_splits, register_bound) is None:
         return WIDE_QUERY_ROWS
-    if not masked and not deterministic and query_rows_reason(TRANSPOSED_DQ_ROWS, head_dim, head_splits,
-                                                              register_bound, False, ds_stmatrix) is None:
+    if not masked and query_rows_reason(TRANSPOSED_DQ_ROWS, head_dim, head_splits, register_bound, deterministic,
+                                        flat_dq=False, ds_stmatrix=ds_stmatrix) is None:
         return TRANSPOSED_DQ_ROWS
     return backward_common.TILE_M
 
 
 def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register_bound: bool,
-                      flat_dq: bool = True, ds_stmatrix: bool = True) -> Optional[str]:
+                      deterministic: bool = False, flat_dq: bool = True, ds_stmatrix: bool = True) -> Optional[str]:
     """Why the kernel cannot take `query_rows` query rows per block, or None."""
     if query_rows not in QUERY_ROWS:
         return f"query_rows={query_rows} must be one of {QUERY_ROWS}"
@@ -1078,6 +1078,11 @@ def query_rows_reason(query_rows: int, head_dim: int, head_splits: int, register
         if head_dim not in TRANSPOSED_DQ_HEAD_DIMS:
             return (f"query_rows={query_rows} computes dQ^T with the head dim split into the warp groups' 64 "
                     f"rows: head dims {TRANSPOSED_DQ_HEAD_DIMS} only (got {head_dim})")
+        if deterministic:
+            return (f"query_rows={query_rows} leaves shared memory for one dQ staging buffer: deterministic mode "
+                    f"runs {backward_common.TILE_M} rows at D = 128, where its two dQ writers take two staging "
+                    "buffers, and 80 rows with one writer measured slower there (docs/sm90_backward_tuning.md, "
+                    "\"Deterministic at 80 rows\")")
         if not ds_stmatrix:
             return (f"query_rows={query_rows} stores dS^T with stmatrix only (ds_stmatrix=True): the plain "
                     "stores' addresses make ptxas spill beside the 80-row accumulators")
