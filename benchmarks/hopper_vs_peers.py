@@ -71,8 +71,8 @@ import json
 import multiprocessing
 import os
 import platform
-import statistics
 import re
+import statistics
 import sys
 import time
 from typing import Optional
@@ -270,9 +270,10 @@ def measure_row(row, inputs, libraries, timer, rounds: int = 1) -> dict:
                     timed[name] = timed_function(row.pass_name, libraries[name](row.shape), inputs)
                 result, milliseconds = timer(*timed[name])
             except Exception as error:  # report and go on: one failing library must not hide the others
+                # A library failing in a later round is reported failed: no times, no output compared.
                 record[f"{name}_error"] = short_error(error)
-                timed.pop(name, None)
-                rounds_ms.pop(name, None)
+                for taken in (timed, rounds_ms, outputs):
+                    taken.pop(name, None)
                 continue
             finally:
                 # Compiles included: where a device call's time goes (fa4peer compiles in this process).

@@ -267,4 +267,5 @@ def test_rounds_take_turns_and_report_each_librarys_median_round(benchmark, monk
     order.clear()
     record = benchmark.measure_row(row, None, libraries, failing_later, rounds=3)
     assert record["fa4peer_ms"] is None and record["fa4peer_error"].startswith("RuntimeError")
+    assert "fa4peer_ms_rounds" not in record and record["fa4peer_max_abs_diff_out"] is None
     assert order.count("fa4peer") == 2 and order.count("cudnn") == 3
