@@ -160,8 +160,8 @@ def _cold_median_ms(function, arguments, iterations, flush) -> float:
 
 
 def copy_kernels():
-    """name -> (function, input) of the copies `copy_bandwidth` times, each reading and writing COPY_BYTES:
-    XLA's elementwise kernel in 2- and 4-byte words, and its plain copy. On an H100 the bf16 `x + 1`
+    """name -> (function, a maker of its input) of the copies `copy_bandwidth` times, each reading and writing
+    COPY_BYTES: XLA's elementwise kernel in 2- and 4-byte words, and its plain copy. On an H100 the bf16 `x + 1`
     measured 2.94 TB/s (88 % of the HBM3's 3.35), on the H200 3.37 (70 % of the HBM3e's 4.8), against
     the ~4.3 issue 16 expected there: one kernel's shortfall on one GPU should not lower the bar."""
     import jax.numpy as jnp
