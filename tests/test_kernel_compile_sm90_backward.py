@@ -476,24 +476,30 @@ def trace():
     store = kernel._ds_store_copy(mma_sdp)
     coordinates = cute.make_identity_tensor((kernel.tile_n, kernel.tile_m))
     threads = kernel.consumer_threads
-    plain = [mma_sdp.get_slice(t).partition_C(coordinates) for t in range(threads)]
-    rows = [store.get_slice(t).partition_D(coordinates) for t in range(threads)]
+    # Every coordinate is read out once (the DSL evaluates each index on the CPU, the bulk of the time).
+    plain, rows = [], []
+    for t in cutlass.range_constexpr(threads):
+        plain_t = mma_sdp.get_slice(t).partition_C(coordinates)
+        rows_t = store.get_slice(t).partition_D(coordinates)
+        assert cute.size(rows_t) == cute.size(plain_t)
+        plain.append([tuple(plain_t[v]) for v in range(cute.size(plain_t))])
+        rows.append([tuple(rows_t[v]) for v in range(cute.size(rows_t))])
     for t in cutlass.range_constexpr(threads):
         fragment = cute.make_rmem_tensor(mma_sdp.get_slice(t).partition_shape_C(
             (kernel.tile_n, kernel.tile_m)), Float32)
         retiled = store.get_slice(t).retile(fragment).layout
-        values = cute.size(plain[t])
-        assert cute.size(retiled) == cute.size(rows[t]) == values and values % 8 == 0
+        values = len(plain[t])
+        assert cute.size(retiled) == values and values % 8 == 0
         lane, warp = t % 32, t - t % 32
         for v in cutlass.range_constexpr(values):
             call, u = v // 8, v % 8
             found["not_in_order"] += int(retiled(v) != v)
             supplier = warp + 8 * (u // 2) + lane // 4
-            written = tuple(rows[supplier][8 * call + 2 * (lane % 4) + u % 2])
-            found["mismatches"] += int(written != tuple(plain[t][v]))
+            written = rows[supplier][8 * call + 2 * (lane % 4) + u % 2]
+            found["mismatches"] += int(written != plain[t][v])
             found["coordinates"].add(written)
-            key, first = tuple(rows[t][8 * call])
-            found["rows_not_contiguous"] += int(first % 8 != 0 or tuple(rows[t][v]) != (key, first + u))
+            key, first = rows[t][8 * call]
+            found["rows_not_contiguous"] += int(first % 8 != 0 or rows[t][v] != (key, first + u))
 
 trace()
 found["coordinates"] = len(found["coordinates"])
