@@ -19,9 +19,10 @@ Times are CUPTI kernel times of one call (all its kernels summed), median over i
 stays in the 50 MB L2 from one call to the next. With --cold-l2 also ours and Pallas with the L2 emptied
 before each call (`*_cold_ms`, `fa4_jax_cold_tbps`, `pallas_best_cold_ms`): what a decode step sees
 after the other layers' work. Bandwidth = bytes of K and V read (B · context ·
-Hkv · D · 2 bytes · 2) / time; `copy_tbps` is the fastest of three device-to-device copies over 4 GiB
-(`copy_kernels`: bf16 and uint32 `x + 1`, `jnp.copy`; read + write bytes / time, each in
-`copy_kernels_tbps`) measured in the same run, the bar's yardstick (>= 75 % of it at contexts >= 8k).
+Hkv · D · 2 bytes · 2) / time; `copy_tbps` is the fastest of four device-to-device copies over 4 GiB
+(`copy_kernels`: bf16 and uint32 `x + 1`, `jnp.copy`, by CUPTI, and the driver's cuMemcpyDtoD between CUDA
+events, `memcpy_ms`; read + write bytes / time, each in `copy_kernels_tbps`) measured in the same run, the
+bar's yardstick (>= 75 % of it at contexts >= 8k).
 
 Our kernels compile first in parallel CPU-only processes into the on-disk kernel cache (one per
 distinct DecodeOptions), so the timed process loads them.
@@ -173,8 +174,54 @@ def copy_kernels():
     }
 
 
+def memcpy_ms(iterations: int) -> float:
+    """Median ms of one cuMemcpyDtoDAsync of COPY_BYTES between two fresh allocations, between CUDA events
+    (CUPTI's kernel list that times the other copies lacks a memcpy): the driver's own device-to-device
+    copy, bandwidthTest's yardstick, in JAX's context on the device JAX uses first."""
+    import jax
+    from cuda.bindings import driver
+
+    def check(result):
+        error, *values = result if isinstance(result, tuple) else (result,)
+        if error != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {error}")
+        return values[0] if len(values) == 1 else values
+
+    jax.devices()   # JAX's client (and the primary context it uses) first
+    check(driver.cuInit(0))
+    device = check(driver.cuDeviceGet(jax.devices()[0].local_hardware_id or 0))
+    context = check(driver.cuDevicePrimaryCtxRetain(device))
+    check(driver.cuCtxPushCurrent(context))
+    source = destination = stream = None
+    events = []
+    try:
+        source, destination = check(driver.cuMemAlloc(COPY_BYTES)), check(driver.cuMemAlloc(COPY_BYTES))
+        stream = check(driver.cuStreamCreate(0))
+        events = [check(driver.cuEventCreate(0)) for _ in range(2)]
+        times = []
+        for i in range(iterations + 1):   # the first is the warm-up
+            check(driver.cuEventRecord(events[0], stream))
+            check(driver.cuMemcpyDtoDAsync(destination, source, COPY_BYTES, stream))
+            check(driver.cuEventRecord(events[1], stream))
+            check(driver.cuEventSynchronize(events[1]))
+            if i:
+                times.append(check(driver.cuEventElapsedTime(events[0], events[1])))
+        return statistics.median(times)
+    finally:
+        for event in events:
+            driver.cuEventDestroy(event)
+        if stream is not None:
+            driver.cuStreamDestroy(stream)
+        for pointer in (source, destination):
+            if pointer is not None:
+                driver.cuMemFree(pointer)
+        driver.cuCtxPopCurrent()
+        driver.cuDevicePrimaryCtxRelease(device)
+
+
 def copy_bandwidth(iterations: int) -> tuple:
-    """(the fastest copy's TB/s, {copy: TB/s or its error}): read + write bytes over CUPTI kernel time."""
+    """(the fastest copy's TB/s, {copy: TB/s or its error}): read + write bytes over time, CUPTI kernel time
+    for `copy_kernels`, CUDA events for the driver's memcpy (`memcpy_ms`)."""
     import jax
 
     measured = {}
@@ -186,6 +233,10 @@ def copy_bandwidth(iterations: int) -> tuple:
         except Exception as error:  # e.g. a copy XLA issues as a memcpy, which CUPTI's kernel list lacks
             measured[name] = f"{type(error).__name__}: {error}"[:200]
         del x
+    try:
+        measured["cuMemcpyDtoD"] = 2 * COPY_BYTES / (memcpy_ms(iterations) * 1e-3) / 1e12
+    except Exception as error:
+        measured["cuMemcpyDtoD"] = f"{type(error).__name__}: {error}"[:200]
     rates = [rate for rate in measured.values() if isinstance(rate, float)]
     if not rates:
         raise RuntimeError(f"no copy could be timed: {measured}")
