@@ -446,6 +446,20 @@ def test_query_rows_default(shape, extra, rows):
     assert sm90_backward.Sm90BackwardKernel(options).tile_m == rows
 
 
+# Prepended to the trace scripts below: a coordinate tensor's coordinates read from its iterator and layout
+# (the definition of such a tensor), ~3x faster to trace than indexing it, which builds an op per index;
+# one index per tensor is still compared with the indexing.
+COORDINATES = r"""
+import cutlass.cute as cute
+
+def coordinates(tensor):
+    origin, size = tuple(tensor.iterator), cute.size(tensor)
+    found = [tuple(o + d for o, d in zip(origin, tensor.layout(v))) for v in range(size)]
+    assert found[size // 2] == tuple(tensor[size // 2]), "not a coordinate tensor"
+    return found
+"""
+
+
 # Traces (on the CPU, no kernel launched) where the plain stores and stmatrix put each consumer
 # thread's dS^T values, as (key, query) coordinates. Plain: register value v at partition_C's
 # coordinate v. stmatrix (non-transposed .x4, the PTX ISA's semantics): copy call c moves value u of
@@ -474,22 +488,17 @@ found = {"rows": kernel.tile_m, "mismatches": 0, "not_in_order": 0, "rows_not_co
 def trace():
     mma_sdp, _, _ = kernel._tiled_mmas()
     store = kernel._ds_store_copy(mma_sdp)
-    coordinates = cute.make_identity_tensor((kernel.tile_n, kernel.tile_m))
+    identity = cute.make_identity_tensor((kernel.tile_n, kernel.tile_m))
     threads = kernel.consumer_threads
-    # Every coordinate is read out once (the DSL evaluates each index on the CPU, the bulk of the time).
-    plain, rows = [], []
-    for t in cutlass.range_constexpr(threads):
-        plain_t = mma_sdp.get_slice(t).partition_C(coordinates)
-        rows_t = store.get_slice(t).partition_D(coordinates)
-        assert cute.size(rows_t) == cute.size(plain_t)
-        plain.append([tuple(plain_t[v]) for v in range(cute.size(plain_t))])
-        rows.append([tuple(rows_t[v]) for v in range(cute.size(rows_t))])
+    # Every coordinate is read out once (evaluating them is the bulk of the time).
+    plain = [coordinates(mma_sdp.get_slice(t).partition_C(identity)) for t in range(threads)]
+    rows = [coordinates(store.get_slice(t).partition_D(identity)) for t in range(threads)]
     for t in cutlass.range_constexpr(threads):
         fragment = cute.make_rmem_tensor(mma_sdp.get_slice(t).partition_shape_C(
             (kernel.tile_n, kernel.tile_m)), Float32)
         retiled = store.get_slice(t).retile(fragment).layout
         values = len(plain[t])
-        assert cute.size(retiled) == values and values % 8 == 0
+        assert cute.size(retiled) == len(rows[t]) == values and values % 8 == 0
         lane, warp = t % 32, t - t % 32
         for v in cutlass.range_constexpr(values):
             call, u = v // 8, v % 8
@@ -520,8 +529,8 @@ def test_ds_stmatrix_stores_what_the_plain_stores_store(head_dim, query_rows, ro
 
 
 def _trace(script_text, spec, tmp_path, tag):
-    """Run a DSL trace script (a file: the DSL compiles a function from its source) on `spec` and
-    return the JSON it prints after `tag`."""
+    """Run a DSL trace script (a file: the DSL compiles a function from its source; COORDINATES' helper
+    before it) on `spec` and return the JSON it prints after `tag`."""
     import json
     import subprocess
     import sys
@@ -529,7 +538,7 @@ def _trace(script_text, spec, tmp_path, tag):
     from ptx_checks import compile_environment
 
     script = tmp_path / "trace.py"
-    script.write_text(script_text)
+    script.write_text(COORDINATES + script_text)
     result = subprocess.run([sys.executable, str(script), json.dumps(spec)],
                             env=compile_environment(tmp_path), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -558,13 +567,13 @@ placed = {}
 @cute.jit
 def trace():
     _, _, mma_dq = kernel._tiled_mmas()
-    coordinates = cute.make_identity_tensor((kernel.tile_m, head_dim))
+    identity = cute.make_identity_tensor((kernel.tile_m, head_dim))
     for t in cutlass.range_constexpr(kernel.consumer_threads):
-        values = mma_dq.get_slice(t).partition_C(coordinates)
-        chunks = cute.size(values) // 4
-        for v in cutlass.range_constexpr(cute.size(values)):
+        values = coordinates(mma_dq.get_slice(t).partition_C(identity))
+        chunks = len(values) // 4
+        for v in cutlass.range_constexpr(len(values)):
             position = (((t // 128) * chunks + v // 4) * 128 + t % 128) * 4 + v % 4
-            placed.setdefault(position, []).append(tuple(values[v]))
+            placed.setdefault(position, []).append(values[v])
 
 trace()
 print("DQ_STAGING " + json.dumps({"rows": kernel.tile_m,

@@ -396,20 +396,14 @@ def trace():
         dv_coordinates = transpose_view(dv_coordinates)
     score_coordinates = cute.make_identity_tensor((kernel.tile_m, kernel.tile_n))
     for t in cutlass.range_constexpr(kernel.consumer_threads):
-        values = mma_dq.get_slice(t).partition_C(dq_coordinates)
-        chunks = cute.size(values) // 4
-        for v in cutlass.range_constexpr(cute.size(values)):
-            dq.append(((((t // 128) * chunks + v // 4) * 128 + t % 128) * 4 + v % 4, tuple(values[v])))
-        values = mma_dkv.get_slice(t).partition_C(dkv_coordinates)
-        for v in cutlass.range_constexpr(cute.size(values)):
-            dkv.append((t // 128, tuple(values[v])))
+        values = coordinates(mma_dq.get_slice(t).partition_C(dq_coordinates))
+        chunks = len(values) // 4
+        for v in cutlass.range_constexpr(len(values)):
+            dq.append(((((t // 128) * chunks + v // 4) * 128 + t % 128) * 4 + v % 4, values[v]))
+        dkv.extend((t // 128, value) for value in coordinates(mma_dkv.get_slice(t).partition_C(dkv_coordinates)))
         if cutlass.const_expr(t < 128 * kernel.dv_groups):
-            values = mma_dv.get_slice(t).partition_C(dv_coordinates)
-            for v in cutlass.range_constexpr(cute.size(values)):
-                dv.append((t // 128, tuple(values[v])))
-        values = mma_sdp.get_slice(t).partition_C(score_coordinates)
-        for v in cutlass.range_constexpr(cute.size(values)):
-            scores.append((t // 128, tuple(values[v])))
+            dv.extend((t // 128, value) for value in coordinates(mma_dv.get_slice(t).partition_C(dv_coordinates)))
+        scores.extend((t // 128, value) for value in coordinates(mma_sdp.get_slice(t).partition_C(score_coordinates)))
 
 trace()
 print("PLACEMENT " + json.dumps({"groups": kernel.consumer_groups, "dv_groups": kernel.dv_groups, "keys": kernel.tile_n,
