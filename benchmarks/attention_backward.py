@@ -141,12 +141,12 @@ def _variants():
         "deterministic_lowest_first": Variant(
             large_heads, large_heads.Tuning(diagonal_first=False), True, large_heads.SUPPORTED_HEAD_DIMS,
             ("test_sm90_backward_large_heads.py", "lowest_first")),
-        # The deterministic dQ turns in the staggered walk's arrival order on full masks (`Tuning.rotated_turns`,
-        # backward.py's default at D <= 128); rows where it resolves off (causal; more key blocks than half
-        # the SMs: past 4k at D = 256, 6k at D = 192) skip it.
-        "deterministic_rotated_turns": Variant(
-            large_heads, large_heads.Tuning(rotated_turns=True), True, large_heads.SUPPORTED_HEAD_DIMS,
-            ("test_sm90_backward_large_heads.py", "rotated_turns")),
+        # Deterministic full masks in the plain walk, the dQ turns diagonal first (the shipped kernel takes
+        # them in the staggered walk's arrival order, `Tuning.rotated_turns`, where a head's key blocks fit on
+        # half the SMs; rows where it resolves off, causal or past 4k at D = 256 and 6k at D = 192, skip this).
+        "deterministic_large_plain_turns": Variant(
+            large_heads, large_heads.Tuning(rotated_turns=False), True, large_heads.SUPPORTED_HEAD_DIMS,
+            ("test_sm90_backward_large_heads.py", "plain_turns"), masks=("full",)),
         # Head splits forced (`default` lets head_splits_for choose): 1 is the kernel before head
         # splits, deterministic too; a split that does not divide a row's group skips the row.
         **{f"head_splits_{splits}": Variant(

@@ -44,6 +44,9 @@ BACKWARD_CASES = [
     ("d96-window", 1, 200, 200, 2, 2, 96, {"window": (64, 0)}),
     ("d192", 1, 200, 150, 2, 1, 192, {}),
     ("d256-causal-deterministic", 1, 257, 300, 2, 2, 256, {"causal": True, "deterministic": True}),
+    # Rotated turns (the large-head deterministic default without a mask): the arrival-order dQ adds.
+    ("d192-deterministic", 1, 200, 300, 2, 2, 192, {"deterministic": True}),
+    ("d256-deterministic-gqa", 1, 130, 333, 4, 2, 256, {"deterministic": True}),
 ]
 
 

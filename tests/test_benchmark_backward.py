@@ -122,7 +122,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         candidates = ["prefetch_query", "deterministic_prefetch_query", "one_query_stage",
                       "deterministic_one_query_stage"]
         three = ["two_warpgroups", "deterministic_two_warpgroups", *candidates] if head_dim == 192 else []
-        assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", "deterministic_rotated_turns", *three]
+        assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", "deterministic_large_plain_turns", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(
         benchmark._config(shape), host.Problem(dims, dims, dims, "bfloat16")) is None for name in runs)
@@ -183,8 +183,8 @@ FAILED tests/test_sm90_backward.py::test_head_splits_match_oracle[split8-mqa8-d6
 
 @pytest.mark.parametrize("name, head_dim, fits, too_long", [
     ("deterministic_plain_turns", 128, 8192, 16384),
-    # The large-head candidate: 64 keys a CTA at D = 256, 96 at D = 192 (three warp groups), so up to 4k / 6k.
-    ("deterministic_rotated_turns", 256, 4096, 8192), ("deterministic_rotated_turns", 192, 6144, 8192)])
+    # The large-head kernel: 64 keys a CTA at D = 256, 96 at D = 192 (three warp groups), so up to 4k / 6k.
+    ("deterministic_large_plain_turns", 256, 4096, 8192), ("deterministic_large_plain_turns", 192, 6144, 8192)])
 def test_rotated_turn_variants_skip_the_rows_where_they_resolve_off(benchmark, name, head_dim, fits, too_long):
     """A row where `options` resolves `rotated_turns` off (a causal mask; more key blocks than half the SMs)
     runs the shipped kernel: a variant that differs from it in that choice alone skips the row with the

@@ -606,7 +606,8 @@ def test_flat_dq_reader_inverts_the_kernels_staging(head_dim, query_rows, row_sp
 
 
 # (kernel module, D, Dv, keys a CTA): backward.py, and the large-head kernel's layouts (64 keys at D = 256, 96
-# with D = 192's three warp groups, at Dv = 192 and MLA's 128), whose `Tuning.rotated_turns` is a candidate.
+# with D = 192's three warp groups, at Dv = 192 and MLA's 128), each with `Tuning.rotated_turns` as its deterministic
+# default.
 ROTATED_TURN_KERNELS = {"d128": ("backward", 128, 128, 128),
                         "large-heads-d256": ("backward_large_heads", 256, 256, 64),
                         "large-heads-d192": ("backward_large_heads", 192, 192, 96),

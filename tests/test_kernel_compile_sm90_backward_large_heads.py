@@ -121,13 +121,16 @@ CASES = {
     "d192-v128-prefetch-query-deterministic-causal-gqa": dict(
         config=dict(scale=192 ** -0.5, causal=True, deterministic=True), shape=[2, 300, 333, 8, 2, 192, 128],
         tuning=dict(prefetch_query=True)),
-    # `Tuning.rotated_turns` (a candidate) on deterministic full masks, where `options` keeps it: D = 256, D = 192
-    # (three warp groups, 96-key blocks) with key lengths, MLA's 192 / 128; GQA, lengths off the blocks.
+    # `Tuning.rotated_turns` (the default on deterministic full masks, where `options` keeps it) asked for: D = 256,
+    # D = 192 (three warp groups, 96-key blocks) with key lengths, MLA's 192 / 128; GQA, lengths off the blocks.
     **{f"{name}-deterministic-rotated-turns": dict(config=dict(scale=0.1, deterministic=True, **config), shape=shape,
                                                    tuning=dict(rotated_turns=True))
        for name, config, shape in [("d256-gqa", dict(), [2, 300, 333, 8, 2, 256]),
                                    ("d192-kv-lengths", dict(has_kv_seq_lengths=True), [2, 333, 300, 4, 4, 192]),
                                    ("d192-v128-gqa", dict(), [2, 300, 333, 8, 2, 192, 128])]},
+    # The plain walk on a full mask (what heads too long for rotated turns take), diagonal first.
+    "d256-gqa-deterministic-plain-turns": dict(config=dict(scale=0.1, deterministic=True),
+                                               shape=[2, 300, 333, 8, 2, 256], tuning=dict(rotated_turns=False)),
 }
 
 
@@ -196,7 +199,8 @@ def test_compiles_to_wgmma_tma_without_spills(compiled, name):
     # Diagonal first (the default) reverses the launch order (key block = grid - 1 - blockIdx.x), in
     # deterministic mode only; rotated turns (resolved on in their cases) launch lowest first.
     assert ("%nctaid.x" in ptx) == kernel.diagonal_first
-    assert kernel.rotated_turns == name.endswith("rotated-turns")
+    if name.endswith(("rotated-turns", "plain-turns")):
+        assert kernel.rotated_turns == name.endswith("rotated-turns")
     assert ".local" not in ptx, "local memory in the PTX"
     ptxas = find_ptxas()
     if ptxas is None:

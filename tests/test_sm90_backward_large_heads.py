@@ -30,7 +30,11 @@ VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
     "no_stagger": (sm90_backward_large_heads.Tuning(stagger=False), False),
     "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
-    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False), True),   # the default's turns reversed
+    # The plain walk (every key block from the first query block: full masks too long for rotated turns,
+    # causal masks, and every deterministic full mask before rotated turns were the default), its turns
+    # diagonal first, and lowest first.
+    "plain_turns": (sm90_backward_large_heads.Tuning(rotated_turns=False), True),
+    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False, rotated_turns=False), True),
 }
 
 CASES = [
@@ -118,7 +122,7 @@ def test_three_warpgroups_matches_oracle(case: Case, variant, inputs):
 MLA_VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
     "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
-    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False), True),
+    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False, rotated_turns=False), True),
     "no_stagger": (sm90_backward_large_heads.Tuning(stagger=False), False),
     **{name: THREE_WARPGROUPS_VARIANTS[name] for name in (
         "two_warpgroups", "deterministic_two_warpgroups", "prefetch_query", "deterministic_prefetch_query")},
@@ -175,7 +179,7 @@ Q_START_CASES = [
 Q_START_VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
     "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
-    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False), True),   # the default's turns reversed
+    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False, rotated_turns=False), True),   # the default's turns reversed
 }
 
 
@@ -196,7 +200,8 @@ def test_three_warpgroups_query_shards_match_oracle(case: Case, shards, variant,
     _check_query_shards(case, shards, tuning, inputs, deterministic, kernel=sm90_backward_large_heads)
 
 
-# `Tuning.rotated_turns` (a candidate; select with `-k rotated`): deterministic full masks, where `options` keeps
+# `Tuning.rotated_turns` (the default since rev bc0bd69's measurement; select with `-k rotated`): deterministic
+# full masks, where `options` keeps
 # it, at D = 256 and D = 192 (three warp groups: 96-key blocks), MHA, GQA and MQA, MLA's 192 / 128; lengths off the
 # 64-row and key blocks, more key blocks than query blocks (several key blocks reach a tile at the same step
 # of their walks), query and key lengths (the key blocks past a batch's keys walk nothing, the turns count
@@ -228,12 +233,13 @@ def test_rotated_turns_match_oracle(case: Case, inputs):
 DETERMINISTIC_TUNINGS = {name: tuning for name, (tuning, deterministic) in VARIANTS.items()
                          if deterministic}
 # Lowest key block first: D = 256's default order, D = 192's before diagonal-first became its default.
-DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.Tuning(diagonal_first=False)
+DETERMINISTIC_TUNINGS["lowest_first"] = sm90_backward_large_heads.Tuning(diagonal_first=False, rotated_turns=False)
 DETERMINISTIC_TUNINGS["three_warpgroups"] = sm90_backward_large_heads.Tuning(three_warpgroups=True)
 DETERMINISTIC_TUNINGS["prefetch_query"] = sm90_backward_large_heads.Tuning(prefetch_query=True)
 # On the full-mask runs (the causal ones resolve it off): 4 x 4 KV heads x 32 key blocks at D = 256, 22 of 96
 # keys at D = 192 and MLA's 192 / 128, each head's fitting on half the SMs, the grid not on the GPU at once.
 DETERMINISTIC_TUNINGS["rotated_turns"] = ROTATED_TURNS
+DETERMINISTIC_TUNINGS["plain_turns"] = sm90_backward_large_heads.Tuning(rotated_turns=False)
 
 REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),

@@ -58,9 +58,10 @@ block lets it start the next block's S and dP while groups 0 and 1 finish dV. Wi
 KiB instead of 36 and 24: 197 KiB with three groups) does not hold a second Q / dO stage (+40 KiB);
 `Tuning.prefetch_query` takes a second Q stage for the second P / dS buffer (as at Dv = 192).
 
-In deterministic mode the dQ turns go highest key block first (`Tuning.diagonal_first`, backward.py's
-order: under a causal mask that is the order the key blocks reach a tile), or, with `Tuning.rotated_turns`
-(a candidate) on full masks, in the staggered walk's arrival order. `Tuning.stagger=False` (walk
+In deterministic mode the dQ turns go in the staggered walk's arrival order on full masks whose key blocks
+fit on half the SMs (`Tuning.rotated_turns`, the default), and otherwise highest key block first
+(`Tuning.diagonal_first`, backward.py's order: under a causal mask that is the order the key blocks reach a
+tile). `Tuning.stagger=False` (walk
 without a stagger, as backward.py does) is a candidate, off so that what ships is what was measured;
 its prediction and device command are in docs/sm90_backward_tuning.md, "Large head dims: the prepared
 candidates".
@@ -150,7 +151,7 @@ class Tuning:
       one buffer). Measured on an H100 (rev 6f403c6, cuDNN ms / ours, 2k / 8k): full 1.36 / 1.45 ->
       1.45 / 1.69, causal 1.27 / 1.37 -> 1.34 / 1.41; deterministic 1.04 / 1.34 -> 1.08 / 1.34 full,
       1.13 / 1.14 -> 1.13 / 1.15 causal (docs/sm90_backward_tuning.md, "D = 192: a second Q stage").
-    rotated_turns (deterministic, full masks; a candidate, off until measured here): key block n walks
+    rotated_turns (deterministic, full masks; the default since the measurement below): key block n walks
       the staggered order (starting n query blocks in) and each dQ tile takes its adds in arrival order
       (`ordered_reduction.rotated_turn`), launched lowest key block first, instead of the plain walk
       where all N key blocks of a head reach query block 0 together and queue one add latency apart
@@ -159,13 +160,15 @@ class Tuning:
       this layout's 64 or 96 keys) fit on half the SMs (`rotated_turns_reason`) and resolves it to False
       elsewhere. backward.py's same change measured on an H100 (rev 17f1841, cuDNN ms / ours,
       deterministic full masks at 1k / 4k): D = 64 0.84 -> 0.97, D = 128 0.79 -> 0.83; its default since.
-      Prediction and device command: docs/sm90_backward_tuning.md, "Large heads: rotated turns".
+      Here (an H100, rev bc0bd69, cuDNN ms / ours, deterministic full masks, plain -> rotated): D = 256
+      2k 0.80 -> 0.89, 4k 0.80 -> 0.85, D = 192 2k 1.18 -> 1.25 (docs/sm90_backward_tuning.md, "Large
+      heads: rotated turns").
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
     prefetch_query: Optional[bool] = None
-    rotated_turns: bool = False
+    rotated_turns: bool = True
 
 
 DEFAULT_TUNING = Tuning()
