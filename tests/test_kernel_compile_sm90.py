@@ -92,8 +92,8 @@ CONFIGS = {
     "d192-v128-packed-causal-gqa-fp16": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 8, 2, 192, 128],
                                          "float16", {}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
-    # The one-tile-per-cta candidate: the grid of one CTA per tile (host side; the device code is the default's).
-    "d128-one-tile-per-cta": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"persistent": False}),
+    # The full-split-loop candidate: D = 128 without a mask, the key loop split (mask-free middle loop).
+    "d128-full-split-loop": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"split_masked_loop": True}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),
     "d64-causal-lengths-polynomial-exp2": (

@@ -64,8 +64,6 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
   to back (tile_scheduler.mirrored_tile), work units of equal length in head order, instead of the
   longest-first order over all heads (whose waves read a different head's K / V per CTA from DRAM);
   zigzag_tiles does not apply to it;
-- persistent=False: a CTA per work unit (the walk below runs once), as FA4's Hopper forward launches its
-  non-causal grid (64 x 16 x 2 CTAs at B 2, S 8k, 16 heads), instead of one CTA per SM walking tiles;
 - key_block: keys per K / V block instead of the head dim's default (D = 192: 96 -> 112 fills the
   shared memory FA3 fills there, 16 % fewer blocks per tile for the same per-block overheads);
 """
@@ -142,7 +140,6 @@ class KernelOptions:
     zigzag_tiles: bool = False
     mirrored_tiles: bool = False
     key_block: int = 0  # keys per K/V block; 0: the head dim's default (_TILE_N_AND_STAGES)
-    persistent: bool = True
 
     @property
     def tile_m(self) -> int:
@@ -255,10 +252,11 @@ TUNING_CANDIDATES: dict = {
     "d64-causal-two-warpgroups": ({"consumer_warpgroups": 2, "early_q_release": False, "split_masked_loop": False,
                                    "schedule_first_block": False}, (64,), (True,)),
     "d64-causal-three-warpgroups": (dict(THREE_WARPGROUPS), (64,), (True,)),
-    # Full masks: a CTA per query tile, launched by the hardware in tile order, instead of one persistent
-    # CTA per SM (docs/sm90_forward_tuning.md, "Sixth round"). FA4's Hopper forward, which leads D = 128
-    # full by 5-7 % at 4k-16k on the H200 with the same tile, warp groups and instruction mix, runs so.
-    "one-tile-per-cta": ({"persistent": False}, (64, 128, 256), (False,)),
+    # D <= 128 full: the key loop split as causal's is (docs/sm90_forward_tuning.md, "Seventh round"). With
+    # one loop the run-time partial-block test is a branch between S's wait and the softmax, and ptxas
+    # waits for the in-flight P V at that join, so the softmax no longer overlaps it (SASS: no MUFU
+    # between the two waits; ncu: 13 % of stall samples there, FA4 0.1 %); the mask-free loop has none.
+    "full-split-loop": ({"split_masked_loop": True}, (96, 128), (False,)),
 }
 
 
@@ -379,9 +377,9 @@ class Sm90ForwardKernel:
             cute.cosize(v_layout), None if cutlass.const_expr(o_layout is None) else cute.cosize(o_layout))
 
         num_m_blocks = self.query_blocks(mQ)
-        grid_size = tile_scheduler.work_units(num_m_blocks, mQ.shape[2], mQ.shape[3], self.options.mirrored_tiles)
-        if cutlass.const_expr(self.options.persistent):
-            grid_size = cutlass.min(grid_size, self.options.sm_count)
+        grid_size = cutlass.min(
+            tile_scheduler.work_units(num_m_blocks, mQ.shape[2], mQ.shape[3], self.options.mirrored_tiles),
+            self.options.sm_count)
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_m_q, tma_k, tma_m_k, tma_v, tma_m_v,
