@@ -94,6 +94,9 @@ CONFIGS = {
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
     # The full-split-loop candidate: D = 128 without a mask, the key loop split (mask-free middle loop).
     "d128-full-split-loop": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"split_masked_loop": True}),
+    # d64-causal-short-split-loop: D = 64 causal below the three-warpgroup cut, the key loop split.
+    "d64-causal-short-split-loop": ({"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16",
+                                    {"split_masked_loop": True}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),
     "d64-causal-lengths-polynomial-exp2": (

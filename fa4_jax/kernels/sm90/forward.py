@@ -257,6 +257,10 @@ TUNING_CANDIDATES: dict = {
     # waits for the in-flight P V at that join, so the softmax no longer overlaps it (SASS: no MUFU
     # between the two waits; ncu: 13 % of stall samples there, FA4 0.1 %); the mask-free loop has none.
     "full-split-loop": ({"split_masked_loop": True}, (96, 128), (False,)),
+    # D = 64 causal below THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN (two warp groups, one key loop): the same hoisted
+    # wait, 0 of 64 exps between the waits, 55 in the split loop's mask-free part (at 2k and up the
+    # three-group default splits already, so there the candidate is the default).
+    "d64-causal-short-split-loop": ({"split_masked_loop": True}, (64,), (True,)),
 }
 
 
