@@ -61,10 +61,9 @@ KiB instead of 36 and 24: 197 KiB with three groups) does not hold a second Q / 
 In deterministic mode the dQ turns go in the staggered walk's arrival order on full masks whose key blocks
 fit on half the SMs (`Tuning.rotated_turns`, the default), and otherwise highest key block first
 (`Tuning.diagonal_first`, backward.py's order: under a causal mask that is the order the key blocks reach a
-tile). `Tuning.stagger=False` (walk
-without a stagger, as backward.py does) is a candidate, off so that what ships is what was measured;
-its prediction and device command are in docs/sm90_backward_tuning.md, "Large head dims: the prepared
-candidates".
+tile). `Tuning.stagger=False` (walk without a stagger, as backward.py does) is a candidate, off so that what
+ships is what was measured; its prediction and device command are in docs/sm90_backward_tuning.md, "Large
+head dims: the prepared candidates".
 """
 
 from __future__ import annotations
