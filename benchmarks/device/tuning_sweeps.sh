@@ -5,10 +5,16 @@
 # Outputs in $OUT/tuning_sweeps.tgz (the device tool returns at most 8 files; the two sweeps write 9).
 # Usage (device machine, repo root, bundle sourced; docs/device.md):
 #   bash benchmarks/device/tuning_sweeps.sh REV [forward|backward]   (both when not named)
+# VARIANT_TESTS (environment): the forward variant tests' -k (default every variant's; 65 cases outgrew the
+# 220 s at rev bc0bd69, and then every variant is timed, none excluded); e.g. "variant and split" for the
+# split-loop candidates alone.
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a FA4_GIT_REVISION=$1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 GPUS=$(nvidia-smi -L | wc -l)
+# The results are named after the GPU they ran on (h100, h200, ...), not the one the sweep was written for.
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i 'h[0-9]\+' | head -1 | tr 'H' 'h')
+CARD=${CARD:-gpu}
 
 forward() {  # $1: GPU index
   local dir=$OUT/forward; mkdir -p "$dir"
@@ -16,10 +22,10 @@ forward() {  # $1: GPU index
   JAX_PLATFORMS=cpu timeout 220 python3 benchmarks/attention.py --compile-only --compile-workers 5 \
     > "$dir/compile.log" 2>&1 & local compile=$!
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 220 python3 -m pytest -q -n 8 -p no:cacheprovider \
-    tests/test_sm90_forward.py -k variant --junitxml="$dir/variant_tests.xml" > "$dir/variant_tests.log" 2>&1
+    tests/test_sm90_forward.py -k "${VARIANT_TESTS:-variant}" --junitxml="$dir/variant_tests.xml" > "$dir/variant_tests.log" 2>&1
   wait $compile
   timeout 300 python3 benchmarks/attention.py --variants --iterations 10 --max-seconds 230 \
-    --exclude-failed "$dir/variant_tests.xml" --out "$dir/forward_variants_h200.json" > "$dir/bench.log" 2>&1
+    --exclude-failed "$dir/variant_tests.xml" --out "$dir/forward_variants_$CARD.json" > "$dir/bench.log" 2>&1
   echo "forward bench rc=$?" >> "$dir/bench.log"
 }
 
@@ -32,7 +38,7 @@ backward() {  # $1: GPU index
     --timeout 120 --timeout-method thread tests/test_sm90_backward.py > "$dir/gpu_tests.log" 2>&1
   echo "pytest rc=$?" >> "$dir/gpu_tests.log"
   wait $pre
-  timeout 300 python3 benchmarks/attention_backward.py --out "$dir/backward_variants_h200.json" \
+  timeout 300 python3 benchmarks/attention_backward.py --out "$dir/backward_variants_$CARD.json" \
     --head-dims 128 64 --seq-lens 1024 4096 16384 --iterations 10 --variants-passing "$dir/gpu_tests.log" \
     > "$dir/bench.log" 2>&1
   echo "backward bench rc=$?" >> "$dir/bench.log"
