@@ -7,7 +7,8 @@ the kernel gets the oracle's out and LSE rounded to the kernel's types, so the f
 involved, and the tolerance is the same 4 roundings of the inputs' type relative to max |expected|.
 Every case runs with the default kernel and with each `Tuning` candidate in the mode it applies to
 (VARIANTS; `three_warpgroups` and the D = 192 candidates on their own cases: THREE_WARPGROUPS_*,
-MLA_*; `rotated_turns` on deterministic full masks: ROTATED_TURN_CASES); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than the GPU
+MLA_*; `rotated_turns` asked for on deterministic full masks: ROTATED_TURN_CASES; the plain walk there:
+`plain_turns`); the deterministic ones are also checked for bitwise reproducibility, with more CTAs than the GPU
 holds at once (a turn order that waited for a CTA launched later would hang there).
 """
 
@@ -179,7 +180,7 @@ Q_START_CASES = [
 Q_START_VARIANTS = {   # name -> (Tuning, deterministic)
     "default": (sm90_backward_large_heads.DEFAULT_TUNING, False),
     "deterministic": (sm90_backward_large_heads.DEFAULT_TUNING, True),
-    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False, rotated_turns=False), True),   # the default's turns reversed
+    "lowest_first": (sm90_backward_large_heads.Tuning(diagonal_first=False, rotated_turns=False), True),
 }
 
 
@@ -201,11 +202,10 @@ def test_three_warpgroups_query_shards_match_oracle(case: Case, shards, variant,
 
 
 # `Tuning.rotated_turns` (the default since rev bc0bd69's measurement; select with `-k rotated`): deterministic
-# full masks, where `options` keeps
-# it, at D = 256 and D = 192 (three warp groups: 96-key blocks), MHA, GQA and MQA, MLA's 192 / 128; lengths off the
-# 64-row and key blocks, more key blocks than query blocks (several key blocks reach a tile at the same step
-# of their walks), query and key lengths (the key blocks past a batch's keys walk nothing, the turns count
-# only the others), a single key block.
+# full masks, where `options` keeps it, at D = 256 and D = 192 (three warp groups: 96-key blocks), MHA, GQA and
+# MQA, MLA's 192 / 128; lengths off the 64-row and key blocks, more key blocks than query blocks (several key
+# blocks reach a tile at the same step of their walks), query and key lengths (the key blocks past a batch's
+# keys walk nothing, the turns count only the others), a single key block.
 ROTATED_TURNS = sm90_backward_large_heads.Tuning(rotated_turns=True)
 ROTATED_TURN_CASES = [
     Case("rotated-d256", head_dim=256),
@@ -239,7 +239,6 @@ DETERMINISTIC_TUNINGS["prefetch_query"] = sm90_backward_large_heads.Tuning(prefe
 # On the full-mask runs (the causal ones resolve it off): 4 x 4 KV heads x 32 key blocks at D = 256, 22 of 96
 # keys at D = 192 and MLA's 192 / 128, each head's fitting on half the SMs, the grid not on the GPU at once.
 DETERMINISTIC_TUNINGS["rotated_turns"] = ROTATED_TURNS
-DETERMINISTIC_TUNINGS["plain_turns"] = sm90_backward_large_heads.Tuning(rotated_turns=False)
 
 REPRODUCIBILITY_SHAPES = [   # (B, S, Hq, Hkv, D), or (B, S, Hq, Hkv, D, Dv)
     (1, 1024, 4, 4, 192), (1, 1024, 4, 4, 256),
