@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import multiprocessing
 import os
@@ -224,19 +225,17 @@ def copy_bandwidth(iterations: int) -> tuple:
     for `copy_kernels`, CUDA events for the driver's memcpy (`memcpy_ms`)."""
     import jax
 
+    def kernel_ms(function, make):
+        return attention._median_ms(jax.jit(function), (make(),), iterations)[1]   # the input dies here
+
+    timers = {name: functools.partial(kernel_ms, function, make) for name, (function, make) in copy_kernels().items()}
+    timers["cuMemcpyDtoD"] = functools.partial(memcpy_ms, iterations)
     measured = {}
-    for name, (function, make) in copy_kernels().items():
-        x = make()
+    for name, milliseconds in timers.items():
         try:
-            _, ms = attention._median_ms(jax.jit(function), (x,), iterations)
-            measured[name] = 2 * COPY_BYTES / (ms * 1e-3) / 1e12
+            measured[name] = 2 * COPY_BYTES / (milliseconds() * 1e-3) / 1e12
         except Exception as error:  # e.g. a copy XLA issues as a memcpy, which CUPTI's kernel list lacks
             measured[name] = f"{type(error).__name__}: {error}"[:200]
-        del x
-    try:
-        measured["cuMemcpyDtoD"] = 2 * COPY_BYTES / (memcpy_ms(iterations) * 1e-3) / 1e12
-    except Exception as error:
-        measured["cuMemcpyDtoD"] = f"{type(error).__name__}: {error}"[:200]
     rates = [rate for rate in measured.values() if isinstance(rate, float)]
     if not rates:
         raise RuntimeError(f"no copy could be timed: {measured}")
