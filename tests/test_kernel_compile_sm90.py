@@ -97,6 +97,8 @@ CONFIGS = {
     # d64-causal-short-split-loop: D = 64 causal below the three-warpgroup cut, the key loop split.
     "d64-causal-short-split-loop": ({"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16",
                                     {"split_masked_loop": True}),
+    # d256-full-n80: D = 256 without a mask in 80-key blocks (a partial last block at 1000 keys).
+    "d256-full-n80": ({}, [2, 1000, 1000, 4, 4, 256], "bfloat16", {"key_block": 80}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),
     "d64-causal-lengths-polynomial-exp2": (

@@ -261,6 +261,13 @@ TUNING_CANDIDATES: dict = {
     # wait, 0 of 64 exps between the waits, 55 in the split loop's mask-free part (at 2k and up the
     # three-group default splits already, so there the candidate is the default).
     "d64-causal-short-split-loop": ({"split_masked_loop": True}, (64,), (True,)),
+    # D = 256 full: 80-key blocks (FA4's D = 256 tile is 128 x 80) instead of 64: a quarter fewer key blocks
+    # a tile, so a quarter less of the per-block work that does not scale with the keys (the O rescale's
+    # 128 multiplies a thread, the row-max and row-sum reductions, two pipeline waits and the two wgmma
+    # groups' issue). Q 64 KB + K, V 2 x 2 x 40 KB: 224 of the 227 KB, so no TMA-store buffer, as the
+    # default at D = 256 full has none (so the store fields change nothing there; they let the variant
+    # oracle cases' masked shapes, whose default stores in chunks, build too). ptxas: 168 registers, no spills.
+    "d256-full-n80": ({"key_block": 80, "tma_store": False, "store_chunks": 1}, (256,), (False,)),
 }
 
 
