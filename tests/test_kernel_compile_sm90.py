@@ -92,13 +92,6 @@ CONFIGS = {
     "d192-v128-packed-causal-gqa-fp16": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 8, 2, 192, 128],
                                          "float16", {}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
-    # The full-split-loop candidate: D = 128 without a mask, the key loop split (mask-free middle loop).
-    "d128-full-split-loop": ({}, [2, 1000, 1000, 4, 4, 128], "bfloat16", {"split_masked_loop": True}),
-    # d64-causal-short-split-loop: D = 64 causal below the three-warpgroup cut, the key loop split.
-    "d64-causal-short-split-loop": ({"causal": True}, [2, 1000, 1000, 4, 4, 64], "bfloat16",
-                                    {"split_masked_loop": True}),
-    # d256-full-n80: D = 256 without a mask in 80-key blocks (a partial last block at 1000 keys).
-    "d256-full-n80": ({}, [2, 1000, 1000, 4, 4, 256], "bfloat16", {"key_block": 80}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),
     "d64-causal-lengths-polynomial-exp2": (
@@ -252,6 +245,14 @@ def test_tuning_options_are_checked():
                                       host.Problem(long_shape, long_shape, long_shape, "bfloat16"), sm_count=132)
     assert softcapped.consumer_warpgroups == 2 and softcapped.q_stages == 2
     assert options_for(96).q_stages == 2 and options_for(128, True).split_masked_loop
+    # The split key loop (docs/sm90_forward_tuning.md, seventh round): D <= 128 full and causal, D = 64
+    # causal below the three-group cut; not a window without the causal mask, nor D = 64's softcap.
+    assert options_for(128).split_masked_loop and options_for(96).split_masked_loop
+    assert options_for(64, True, 1024).split_masked_loop and not softcapped.split_masked_loop
+    windowed = sm90_forward.options(AttentionConfig(scale=0.1, window_left=256),
+                                    host.Problem(long_shape[:3] + (128,), long_shape[:3] + (128,),
+                                                 long_shape[:3] + (128,), "bfloat16"), sm_count=132)
+    assert not windowed.split_masked_loop
     d80, d80_causal = options_for(80), options_for(80, True)
     assert (d80.tile_n, d80.num_stages, d80.q_stages, d80.tma_store, d80.consumer_warpgroups) == (128, 2, 2, True, 2)
     assert d80_causal.split_masked_loop and d80_causal.mirrored_tiles

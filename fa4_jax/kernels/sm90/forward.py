@@ -48,7 +48,9 @@ Tuning options (KernelOptions). The field defaults are the first H200-verified c
   the softmax before it), so the next tile's Q load starts one block earlier (any head dim, no
   extra shared memory);
 - split_masked_loop: the key loop runs as up to three loops (masked blocks, blocks with no masking
-  code, masked blocks) instead of deciding per block at run time;
+  code, masked blocks) instead of deciding per block at run time (where it decides, ptxas waits for the
+  in-flight P V before the softmax instead of running the two together: docs/sm90_forward_tuning.md,
+  "Seventh round");
 - schedule_first_block: a tile's first Q K^T also takes its turn at the ping-pong barriers, so the
   consumers start a tile half a step apart instead of all doing their first softmax at once;
 - tma_store: O goes registers -> shared memory (stmatrix) -> global memory by TMA store, per
@@ -202,7 +204,7 @@ class KernelOptions:
 THREE_WARPGROUPS = {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
                     "split_masked_loop": True, "schedule_first_block": True}
 # D = 64 causal short queries (and D = 64 with a softcap, window or segments), and D = 96 / 128:
-# Q double buffer + TMA-store epilogue ("q2-tma"). D = 80 takes the same sets as 96 / 128
+# Q double buffer + TMA-store epilogue ("q2-tma"), with the split key loop where `_measured_overrides` says. D = 80 takes the same sets as 96 / 128
 # (`_measured_overrides`, head_dim <= 128), not measured at 80 itself.
 Q_DOUBLE_BUFFER_TMA_STORE = {"q_stages": 2, "tma_store": True}
 # D = 256 causal: the TMA-store epilogue in two column chunks with early Q release
@@ -248,26 +250,12 @@ TUNING_CANDIDATES: dict = {
     # D = 64 causal: the warp-group count on the other side of THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN (each is
     # the default on one side, so each is a no-op on the other). The cut was measured with the
     # all-pairs order (three groups 8 % slower at 1k, 8 % faster at 2k); the mirrored order changes what
-    # a tile waits for, and hopper_vs_peers read D = 64 causal 2k 4 % slower with it (0.98 -> 0.94x).
-    "d64-causal-two-warpgroups": ({"consumer_warpgroups": 2, "early_q_release": False, "split_masked_loop": False,
+    # a tile waits for, and hopper_vs_peers read D = 64 causal 2k 4 % slower with it (0.98 -> 0.94x). Two
+    # groups take the split key loop as the short default does since the seventh round; the one loop in two
+    # groups was 2 % faster than three groups at 2k there (an H100).
+    "d64-causal-two-warpgroups": ({"consumer_warpgroups": 2, "early_q_release": False, "split_masked_loop": True,
                                    "schedule_first_block": False}, (64,), (True,)),
     "d64-causal-three-warpgroups": (dict(THREE_WARPGROUPS), (64,), (True,)),
-    # D <= 128 full: the key loop split as causal's is (docs/sm90_forward_tuning.md, "Seventh round"). With
-    # one loop the run-time partial-block test is a branch between S's wait and the softmax, and ptxas
-    # waits for the in-flight P V at that join, so the softmax no longer overlaps it (SASS: no MUFU
-    # between the two waits; ncu: 13 % of stall samples there, FA4 0.1 %); the mask-free loop has none.
-    "full-split-loop": ({"split_masked_loop": True}, (96, 128), (False,)),
-    # D = 64 causal below THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN (two warp groups, one key loop): the same hoisted
-    # wait, 0 of 64 exps between the waits, 55 in the split loop's mask-free part (at 2k and up the
-    # three-group default splits already, so there the candidate is the default).
-    "d64-causal-short-split-loop": ({"split_masked_loop": True}, (64,), (True,)),
-    # D = 256 full: 80-key blocks (FA4's D = 256 tile is 128 x 80) instead of 64: a quarter fewer key blocks
-    # a tile, so a quarter less of the per-block work that does not scale with the keys (the O rescale's
-    # 128 multiplies a thread, the row-max and row-sum reductions, two pipeline waits and the two wgmma
-    # groups' issue). Q 64 KB + K, V 2 x 2 x 40 KB: 224 of the 227 KB, so no TMA-store buffer, as the
-    # default at D = 256 full has none (so the store fields change nothing there; they let the variant
-    # oracle cases' masked shapes, whose default stores in chunks, build too). ptxas: 168 registers, no spills.
-    "d256-full-n80": ({"key_block": 80, "tma_store": False, "store_chunks": 1}, (256,), (False,)),
 }
 
 
@@ -917,15 +905,20 @@ def tuned_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape, sof
 
 def _measured_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape, softcap: Optional[float],
                         q_len: int, packed: bool) -> dict:
+    windowed = (mask.window_left, mask.window_right) != (None, None)
     if v_head_dim <= 64:
         # At 160 registers per consumer thread ptxas spills with a softcap, a window or segments
         # (ptxas 13.0: 28-268 bytes), so those keep two warpgroups.
-        plain_mask = softcap is None and not mask.has_segments and (mask.window_left, mask.window_right) == (None, None)
+        plain_mask = softcap is None and not mask.has_segments and not windowed
         if plain_mask and not packed and not (mask.causal and q_len < THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN):
             return dict(THREE_WARPGROUPS)
-        return dict(Q_DOUBLE_BUFFER_TMA_STORE)
+        # Causal below the three-group cut: the split key loop too (seventh round, +2.5 % at 1k).
+        return dict(Q_DOUBLE_BUFFER_TMA_STORE, split_masked_loop=plain_mask and mask.causal and not packed)
     if head_dim <= 128:
-        return dict(Q_DOUBLE_BUFFER_TMA_STORE, split_masked_loop=mask.causal, zigzag_tiles=mask.causal)
+        # The split key loop on causal (first sweep) and full masks (seventh round: +4.5 to +7.6 %); a window
+        # without the causal mask keeps the one loop (not measured with the split).
+        return dict(Q_DOUBLE_BUFFER_TMA_STORE, split_masked_loop=mask.causal or not windowed,
+                    zigzag_tiles=mask.causal)
     if head_dim == 192:
         tuned = dict(D192_CAUSAL if mask.causal else D192)
         if v_head_dim != head_dim and not packed:
