@@ -134,10 +134,6 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, poly_exp2_every=every), False, head_dims,
             ("test_sm90_backward.py", f"poly_exp2_{every}"))
            for every, head_dims in ((4, (96, 128)), (6, small_heads.SUPPORTED_HEAD_DIMS))},
-        # P^T through shared memory, dV issued before the wait for dP^T (80 and 128 query rows: D = 128 full,
-        # D = 64; D = 128 causal runs 64 rows with early dV, where it resolves off: a control row).
-        "shared_p": Variant(small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, shared_p=True), False,
-                            (64, 128), ("test_sm90_backward.py", "shared_p")),
         "no_stagger": Variant(large_heads, large_heads.Tuning(stagger=False), False,
                               large_heads.SUPPORTED_HEAD_DIMS,
                               ("test_sm90_backward_large_heads.py", "no_stagger")),

@@ -142,13 +142,6 @@ CASES = {
         config=dict(scale=128 ** -0.5, window_left=100, window_right=20, has_q_seq_lengths=True,
                     has_kv_seq_lengths=True),
         shape=[2, 300, 333, 4, 4, 128], dtype="float16", tuning=dict(query_rows=80)),
-    # P^T through shared memory, dV issued before the wait for dP^T (`Tuning.shared_p`) at D = 64's 128 rows:
-    # causal with key lengths off the blocks, and deterministic. (At D = 128's 80 rows ptxas spills
-    # 8 bytes with it: docs/sm90_backward_tuning.md, "P through shared memory"; not a compile case until fixed.)
-    "d64-causal-lengths-shared-p": dict(config=dict(scale=0.125, causal=True, has_kv_seq_lengths=True),
-                                        shape=[2, 300, 333, 4, 4, 64], tuning=dict(shared_p=True)),
-    "d64-deterministic-shared-p": dict(config=dict(scale=0.125, deterministic=True), shape=[2, 300, 300, 4, 4, 64],
-                                       tuning=dict(shared_p=True)),
     # 64 query rows forced at D = 64 (the default takes 128 there).
     "d64-query-rows-64": dict(config=dict(scale=0.125, causal=True), shape=[2, 300, 333, 4, 4, 64],
                               tuning=dict(query_rows=64)),

@@ -69,9 +69,6 @@ TUNINGS = {
     "poly_exp2_4": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=4),
     "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
     "plain_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=False),
-    # P^T through shared memory and dV issued before the wait for dP^T (`Tuning.shared_p`; at 80 and 128
-    # query rows, so the D = 128 full and the D = 64 cases): select with `-k shared_p`.
-    "shared_p": dataclasses.replace(sm90_backward.DEFAULT_TUNING, shared_p=True),
 }
 # Rotated turns beyond the shared cases: more key blocks than query blocks (several key blocks reach a
 # tile at the same step of their walks), query and key lengths, each also with head splits of 2.
@@ -114,8 +111,6 @@ WIDE_QUERY_TUNINGS = {f"query_rows_{rows}{'' if flat else '_tiled_dq'}": datacla
 # Select with `-k dq_column_split`.
 WIDE_QUERY_TUNINGS["dq_column_split"] = dataclasses.replace(
     sm90_backward.DEFAULT_TUNING, dq_row_split=False, query_rows=sm90_backward.WIDE_QUERY_ROWS)
-WIDE_QUERY_TUNINGS["shared_p"] = dataclasses.replace(
-    sm90_backward.DEFAULT_TUNING, shared_p=True, query_rows=sm90_backward.WIDE_QUERY_ROWS)
 
 
 # 80 query rows per block at D = 128 forced (`Tuning.query_rows=80`: dQ computed transposed, one dQ staging
@@ -270,11 +265,6 @@ def test_wide_query_blocks_match_oracle(case: Case, deterministic, tuning, input
 @pytest.mark.parametrize("case", ROWS_80_CASES, ids=lambda case: case.name)
 def test_query_rows_80_match_oracle(case: Case, inputs):
     _check_against_oracle(case, ROWS_80, inputs)
-
-
-@pytest.mark.parametrize("case", ROWS_80_CASES, ids=lambda case: case.name)
-def test_query_rows_80_shared_p_match_oracle(case: Case, inputs):
-    _check_against_oracle(case, dataclasses.replace(ROWS_80, shared_p=True), inputs)
 
 
 def _check_against_oracle(case: Case, tuning, inputs, deterministic=False, kernel=sm90_backward):

@@ -168,13 +168,6 @@ class Tuning:
       0.80 -> 0.96 / 0.92, causal 0.88 / 0.88 -> 1.02 / 1.09; D = 64 full 0.96 / 0.98 -> 0.98 / 0.97,
       causal 1.07 / 1.08 -> 1.08 / 1.13 (docs/sm90_backward_tuning.md). Resolved to 1 outside
       deterministic mode (`options`), where one writer keeps up.
-    shared_p: (where early_dv is off: 80 and 128 query rows) P^T goes into this block's dS buffer and dV +=
-      P^T dO reads it there, issued as soon as P is stored, before the wait for dP^T; dS^T overwrites P^T
-      once dV is done. Without it ptxas hoists the wait for dP^T above the exps (at 80 rows 1 of 40 MUFU.EX2
-      lie between the two waits, at 128 rows 8 of 64), so the exps and dS run with no GEMM left in flight:
-      an issued wgmma that needs P is the one thing ptxas cannot move the wait above. early_dv is that
-      wgmma with P from registers, which 80 and 128 rows have no registers for. A candidate, off until
-      measured (docs/sm90_backward_tuning.md, "P through shared memory").
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -194,7 +187,6 @@ class Tuning:
     dq_row_split: Optional[bool] = None
     rotated_turns: bool = True
     dq_writers: int = 2   # DQ_BUFFERS
-    shared_p: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -217,7 +209,6 @@ def unsupported_reason(config: AttentionConfig, problem: host.Problem) -> Option
 # ----------------------------------------------------------------------------------------------------
 
 DS_READY_BARRIER = 1
-P_STORED_BARRIER = 3       # + warp group index: its P^T is in shared memory (`Tuning.shared_p`)
 DQ_BUFFERS = 2             # dQ staging buffers between the consumers and the dQ writer warp
 WGMMA_M = 64               # wgmma's M per warp group: the query rows are N of S^T, M of dQ
 TRANSPOSED_DQ_ROWS = 80    # `Tuning.query_rows` whose dQ is computed transposed (M = head dim)
@@ -251,7 +242,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # At 128 query rows S^T, dP^T, dK and dV take 192 registers already: early dV's live P^T
         # operand on top makes ptxas serialize the wgmmas (and spill), so it waits for dS there.
         self.early_dv = tuning.early_dv and not register_bound and self.tile_m == backward_common.TILE_M
-        self.shared_p = tuning.shared_p and not self.early_dv
         # dQ staged while dK runs keeps dQ, dS^T and dK, dV live together: ptxas spills 8 bytes
         # (the sm_90a compile grid) with softcap or segment ids, and with head splits and no mask.
         self.stage_dq_under_dk = not register_bound and (options.head_splits == 1 or masked)
@@ -603,16 +593,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
             shape_dq = (self.tile_m, d)
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
-        ds_store = thread_ds_store = None
-        if const_expr(self.shared_p):
-            # dV += P^T dO with P^T read from the dS buffer: A = (keys, queries), the queries contiguous
-            # (K-major), the same bytes dQ reads MN-major as dS.
-            mma_dv = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, d))
-            warpgroup_dv = mma_dv.get_slice(warpgroup_thread)
-            tdVsP = warpgroup_dv.make_fragment_A(warpgroup_dv.partition_A(transpose_view(sdS)))
-            tdVsdO = warpgroup_dv.make_fragment_B(warpgroup_dv.partition_B(transpose_view(sdO)))
-            consumer_group = cute.arch.make_warp_uniform(tidx // WARP_GROUP)
         if const_expr(self.tuning.ds_stmatrix):
             ds_store = self._ds_store_copy(mma_sdp)
             thread_ds_store = ds_store.get_slice(tidx)
@@ -682,19 +662,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.fence()
                 gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
                 warpgroup.commit_group()
-            if const_expr(self.shared_p):
-                # P^T where dS^T goes (this warp group's keys only, so its own barrier suffices), then
-                # dV from there, issued before the wait for dP^T.
-                self._store_p_in_chunks(acc_s, ds_store, thread_ds_store, tdSsdS, ds_stage)
-                cute.arch.fence_view_async_shared()
-                # A barrier id in a register costs one more than the loop has: one constant id per branch.
-                if consumer_group == 0:
-                    cute.arch.barrier(barrier_id=P_STORED_BARRIER, number_of_threads=WARP_GROUP)
-                else:
-                    cute.arch.barrier(barrier_id=P_STORED_BARRIER + 1, number_of_threads=WARP_GROUP)
-                warpgroup.fence()
-                gemm(mma_dv, acc_dV, tdVsP[None, None, None, ds_stage], tdVsdO[None, None, None, stage], False)
-                warpgroup.commit_group()
             # dPsum only now: keeping it and the LSE live together would spill (dK, dV, S, dP
             # already hold 192 registers at D = 128).
             if const_expr(self.staged_row_stats):
@@ -704,25 +671,26 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 for r in cutlass.range_constexpr(rows):
                     dpsum[r] = self._row_statistic(mdPsum, row_base + coords_qk[r, 0][0], q_head, batch, sequence)
 
-            if const_expr(self.early_dv or self.shared_p):
+            if const_expr(self.early_dv):
                 warpgroup.wait_group(1)            # dP^T done; dV may still run
             else:
                 warpgroup.wait_group(0)
             self.numerics.ds_over_dp(scores, query_major_view(acc_dp), dpsum, lse)
 
             # P^T and dS^T as bf16/fp16 A operands (same register order as the accumulator).
-            dv_after_ds = not (self.early_dv or self.shared_p)
-            if const_expr(dv_after_ds):
+            if const_expr(not self.early_dv):
                 frag_p = self._as_operand(acc_s, thr_dkv)
             frag_ds = self._as_operand(acc_dp, thr_dkv)
-            if const_expr(self.shared_p):
-                warpgroup.wait_group(0)            # dV has read P^T: dS^T may take its place
 
             warpgroup.fence()
-            if const_expr(dv_after_ds):
+            if const_expr(not self.early_dv):
                 gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
                 warpgroup.commit_group()
-            self._store_keys_by_queries(frag_ds, acc_dp, ds_store, thread_ds_store, tdSsdS, ds_stage)
+            ds_rows = cute.make_tensor(frag_ds.iterator, acc_dp.layout)
+            if const_expr(self.tuning.ds_stmatrix):
+                cute.copy(ds_store, thread_ds_store.retile(ds_rows), tdSsdS[None, None, None, ds_stage])
+            else:
+                cute.autovec_copy(ds_rows, tdSsdS[None, None, None, ds_stage])
             if const_expr(not self.stage_dq_under_dk):
                 gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
                 warpgroup.commit_group()
@@ -843,28 +811,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             return q_head + cutlass.select_(m_block == m_start, Int32(1), Int32(0)), m_block
         return (q_head + cutlass.select_(wrapped, Int32(1), Int32(0)),
                 cutlass.select_(wrapped, m_lo, m_block))
-
-    @cute.jit
-    def _store_keys_by_queries(self, fragment, accumulator, ds_store, thread_ds_store, tdSsdS, ds_stage):
-        """A rounded (keys x queries) block (`_as_operand`'s fragment of `accumulator`) into dS buffer
-        `ds_stage`, as dS^T is stored (stmatrix with `Tuning.ds_stmatrix`)."""
-        rows = cute.make_tensor(fragment.iterator, accumulator.layout)
-        if const_expr(self.tuning.ds_stmatrix):
-            cute.copy(ds_store, thread_ds_store.retile(rows), tdSsdS[None, None, None, ds_stage])
-        else:
-            cute.autovec_copy(rows, tdSsdS[None, None, None, ds_stage])
-
-    @cute.jit
-    def _store_p_in_chunks(self, acc_s, ds_store, thread_ds_store, tdSsdS, ds_stage):
-        """P^T rounded and stored one stmatrix at a time, so that no more than one instruction's registers
-        of rounded P are live next to P, dP^T and dK / dV (the loop's register peak)."""
-        source = thread_ds_store.retile(acc_s)
-        target = tdSsdS[None, None, None, ds_stage]
-        for i in cutlass.range_constexpr(cute.size(source, mode=[1])):
-            for j in cutlass.range_constexpr(cute.size(source, mode=[2])):
-                chunk = cute.make_rmem_tensor(source[None, i, j].layout, self.dtype)
-                chunk.store(source[None, i, j].load().to(self.dtype))
-                cute.copy(ds_store, chunk, target[None, i, j])
 
     @cute.jit
     def _as_operand(self, accumulator, thr_dkv):
