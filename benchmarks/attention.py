@@ -135,9 +135,9 @@ def sm90_forward_variants():
 # or a (D, Dv) pair: D = 64 causal at 2k and 4k (three warpgroups: the tile order's one open row), the
 # causal rows of the tile order (D = 64 1k, MLA's 192/128 2k, short ones with many heads, 4k, 8k), MLA
 # full 8k, D = 64 full and causal at 16k and 1k (the polynomial exp2), D = 192 full at 8k and 2k; first, the
-# full rows furthest below FA4's forward: D = 128 at 16k, 4k and 1k.
+# full rows furthest below FA4's forward: D = 256 at 1k and 2k (d256-full-*), D = 128 at 16k, 4k and 1k.
 # Ordered by priority, so that a run cut short by --max-seconds still covers the first rows.
-VARIANT_ROWS = [(128, False, 16384), (128, False, 4096), (128, False, 1024),
+VARIANT_ROWS = [(256, False, 1024), (256, False, 2048), (128, False, 16384), (128, False, 4096), (128, False, 1024),
                 (64, True, 2048), (64, True, 4096), (64, True, 1024), ((192, 128), True, 2048),
                 ((192, 128), False, 8192), (128, True, 1024), (128, True, 2048), (256, True, 1024),
                 (192, True, 2048), (128, True, 4096), (128, True, 8192), (64, False, 16384), (64, True, 16384),

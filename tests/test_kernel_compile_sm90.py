@@ -92,6 +92,11 @@ CONFIGS = {
     "d192-v128-packed-causal-gqa-fp16": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 8, 2, 192, 128],
                                          "float16", {}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
+    # d256-full-pingpong-store-chunks: D = 256 without a mask, the O store by TMA in two chunks, early Q
+    # release and the ping-pong barriers (d256-full-store-chunks is the same less the barriers); GQA.
+    "d256-full-pingpong-store-chunks": ({}, [2, 1000, 1000, 8, 2, 256], "bfloat16",
+                                        {"tma_store": True, "store_chunks": 2, "early_q_release": True,
+                                         "pingpong_max_head_dim": 256}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),
     "d64-causal-lengths-polynomial-exp2": (

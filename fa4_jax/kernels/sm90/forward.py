@@ -256,6 +256,13 @@ TUNING_CANDIDATES: dict = {
     "d64-causal-two-warpgroups": ({"consumer_warpgroups": 2, "early_q_release": False, "split_masked_loop": True,
                                    "schedule_first_block": False}, (64,), (True,)),
     "d64-causal-three-warpgroups": (dict(THREE_WARPGROUPS), (64,), (True,)),
+    # D = 256 full: causal's epilogue (the O store by TMA in two 128-column chunks and Q released after the
+    # tile's last Q K^T: +18 % at causal 1k, where the register epilogue kept the consumers and the next Q
+    # load waiting), without and with causal's ping-pong barriers. Never measured on full masks, whose
+    # short rows (1k, 2k) are the ones left below FA4 at D = 256.
+    "d256-full-store-chunks": ({"tma_store": True, "store_chunks": 2, "early_q_release": True}, (256,), (False,)),
+    "d256-full-pingpong-store-chunks": ({"tma_store": True, "store_chunks": 2, "early_q_release": True,
+                                         "pingpong_max_head_dim": 256}, (256,), (False,)),
 }
 
 
