@@ -131,6 +131,14 @@ CASES = {
     # The plain walk on a full mask (what heads too long for rotated turns take), diagonal first.
     "d256-gqa-deterministic-plain-turns": dict(config=dict(scale=0.1, deterministic=True),
                                                shape=[2, 300, 333, 8, 2, 256], tuning=dict(rotated_turns=False)),
+    # `Tuning.stage_dq_under_dk` (dQ staged while dK runs): D = 192 deterministic causal GQA (three warp groups,
+    # the dO pipe of prefetch_query), D = 256 full with key lengths, MLA's 192 / 128 (group 2 holds no dV).
+    **{f"{name}-stage-dq-under-dk": dict(config=dict(scale=0.1, **config), shape=shape,
+                                         tuning=dict(stage_dq_under_dk=True))
+       for name, config, shape in [("d192-deterministic-causal-gqa", dict(causal=True, deterministic=True),
+                                    [2, 300, 333, 8, 2, 192]),
+                                   ("d256-kv-lengths", dict(has_kv_seq_lengths=True), [2, 300, 333, 4, 4, 256]),
+                                   ("d192-v128-causal", dict(causal=True), [2, 300, 333, 4, 4, 192, 128])]},
 }
 
 

@@ -162,12 +162,20 @@ class Tuning:
       Here (an H100, rev bc0bd69, cuDNN ms / ours, deterministic full masks, plain -> rotated): D = 256
       2k 0.80 -> 0.89, 4k 0.80 -> 0.85, D = 192 2k 1.18 -> 1.25 (docs/sm90_backward_tuning.md, "Large
       heads: rotated turns").
+    stage_dq_under_dk: a block's GEMMs issued dV and dQ first, dK last, so that dQ is staged for the writer
+      warp while the tensor cores compute dK (and the dO stage, where it has its own pipe, released once dV
+      has read it), as backward.py does (`stage_dq_under_dk` there: 2-6 % at D = 128). False: dV and dK, then
+      dQ, and dQ staged once all three are done, with none of the group's GEMMs left in flight: the two waits
+      at the end of a block held 16 % of our D = 192 samples against FA4's 3.4 % (profile at rev 249884f),
+      FA4 staging dQ under dK. A candidate, off until measured (docs/sm90_backward_tuning.md, "Large heads:
+      dQ staged under dK").
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
     prefetch_query: Optional[bool] = None
     rotated_turns: bool = True
+    stage_dq_under_dk: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -656,45 +664,76 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             cute.arch.fence_view_async_shared()
             pds_ready.arrive_and_wait()
             warpgroup.fence()
-            if const_expr(self.dkv_transposed):
-                if const_expr(holds_dv):
-                    gemm(mma_dv, acc_dV, tdVrdO[None, None, None, do_stage], tdVrP[None, None, None, buffer],
+            if const_expr(not self.tuning.stage_dq_under_dk):
+                if const_expr(self.dkv_transposed):
+                    if const_expr(holds_dv):
+                        gemm(mma_dv, acc_dV, tdVrdO[None, None, None, do_stage], tdVrP[None, None, None, buffer],
+                             False)
+                    gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer],
                          False)
-                gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer],
-                     False)
+                else:
+                    if const_expr(holds_dv):
+                        gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, do_stage],
+                             False)
+                    gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage],
+                         False)
+                warpgroup.commit_group()
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)),
+                                               Float32)   # ((2 columns, 2 row halves, group_dim / 8), 1, 1)
+                assert cute.size(acc_dq) == 4 * dq_chunks
+                gemm(mma_dq, acc_dq, tdQrdS[None, None, None, buffer], tdQrK, True)
+                warpgroup.commit_group()
+                if const_expr(self.dkv_transposed):
+                    # Free the Q / dO stage once dK and dV have read it, so that a load into it (with one
+                    # stage, the next block's) runs under the dQ GEMM (which reads only dS and K).
+                    warpgroup.wait_group(1)
+                    query_pipe.consumer_release(query_state)
+                    if const_expr(do_pipe is not None):
+                        do_pipe.consumer_release(do_state)
+                        do_state.advance()
+                    warpgroup.wait_group(0)
+                else:
+                    warpgroup.wait_group(0)
+                    query_pipe.consumer_release(query_state)
+                query_state.advance()
+
+                # Stage dQ for the writer warp (waits only if it has not read the last block yet).
+                dq_pipe.producer_acquire(dq_state)
+                cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, dq_chunks))),
+                                  tdQsdQ)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                dq_pipe.producer_commit(dq_state)
+                dq_state.advance()
             else:
+                # dV and dQ as one wgmma group, dK as the next: dQ is staged for the writer warp while dK
+                # runs; the dO stage (where it has its own pipe) is free once dV is done, the Q stage once dK is.
                 if const_expr(holds_dv):
-                    gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, do_stage],
-                         False)
-                gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage],
-                     False)
-            warpgroup.commit_group()
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)),
-                                           Float32)   # ((2 columns, 2 row halves, group_dim / 8), 1, 1)
-            assert cute.size(acc_dq) == 4 * dq_chunks
-            gemm(mma_dq, acc_dq, tdQrdS[None, None, None, buffer], tdQrK, True)
-            warpgroup.commit_group()
-            if const_expr(self.dkv_transposed):
-                # Free the Q / dO stage once dK and dV have read it, so that a load into it (with one
-                # stage, the next block's) runs under the dQ GEMM (which reads only dS and K).
+                    if const_expr(self.dkv_transposed):
+                        gemm(mma_dv, acc_dV, tdVrdO[None, None, None, do_stage], tdVrP[None, None, None, buffer],
+                             False)
+                    else:
+                        gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, do_stage],
+                             False)
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+                gemm(mma_dq, acc_dq, tdQrdS[None, None, None, buffer], tdQrK, True)
+                warpgroup.commit_group()
+                if const_expr(self.dkv_transposed):
+                    gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer], False)
+                else:
+                    gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage], False)
+                warpgroup.commit_group()
                 warpgroup.wait_group(1)
-                query_pipe.consumer_release(query_state)
                 if const_expr(do_pipe is not None):
                     do_pipe.consumer_release(do_state)
                     do_state.advance()
-                warpgroup.wait_group(0)
-            else:
+                dq_pipe.producer_acquire(dq_state)
+                cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, dq_chunks))), tdQsdQ)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                dq_pipe.producer_commit(dq_state)
+                dq_state.advance()
                 warpgroup.wait_group(0)
                 query_pipe.consumer_release(query_state)
-            query_state.advance()
-
-            # Stage dQ for the writer warp (waits only if it has not read the last block yet).
-            dq_pipe.producer_acquire(dq_state)
-            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, dq_chunks))),
-                              tdQsdQ)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            dq_pipe.producer_commit(dq_state)
-            dq_state.advance()
+                query_state.advance()
 
         self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
                             tidx, thr_dv)
