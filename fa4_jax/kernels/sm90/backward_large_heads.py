@@ -664,19 +664,11 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             cute.arch.fence_view_async_shared()
             pds_ready.arrive_and_wait()
             warpgroup.fence()
+            dv = (mma_dv, acc_dV, tdVrdO, tdVrP, do_stage, buffer, holds_dv)
+            dk = (mma_dkv, acc_dK, tdKrQ, tdKrdS, stage, buffer)
             if const_expr(not self.tuning.stage_dq_under_dk):
-                if const_expr(self.dkv_transposed):
-                    if const_expr(holds_dv):
-                        gemm(mma_dv, acc_dV, tdVrdO[None, None, None, do_stage], tdVrP[None, None, None, buffer],
-                             False)
-                    gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer],
-                         False)
-                else:
-                    if const_expr(holds_dv):
-                        gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, do_stage],
-                             False)
-                    gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage],
-                         False)
+                self._dv_gemm(*dv)
+                self._dk_gemm(*dk)
                 warpgroup.commit_group()
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)),
                                                Float32)   # ((2 columns, 2 row halves, group_dim / 8), 1, 1)
@@ -696,40 +688,22 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                     warpgroup.wait_group(0)
                     query_pipe.consumer_release(query_state)
                 query_state.advance()
-
-                # Stage dQ for the writer warp (waits only if it has not read the last block yet).
-                dq_pipe.producer_acquire(dq_state)
-                cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, dq_chunks))),
-                                  tdQsdQ)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                dq_pipe.producer_commit(dq_state)
+                self._stage_dq(acc_dq, tdQsdQ, dq_chunks, dq_pipe, dq_state)
                 dq_state.advance()
             else:
                 # dV and dQ as one wgmma group, dK as the next: dQ is staged for the writer warp while dK
                 # runs; the dO stage (where it has its own pipe) is free once dV is done, the Q stage once dK is.
-                if const_expr(holds_dv):
-                    if const_expr(self.dkv_transposed):
-                        gemm(mma_dv, acc_dV, tdVrdO[None, None, None, do_stage], tdVrP[None, None, None, buffer],
-                             False)
-                    else:
-                        gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, do_stage],
-                             False)
+                self._dv_gemm(*dv)
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 gemm(mma_dq, acc_dq, tdQrdS[None, None, None, buffer], tdQrK, True)
                 warpgroup.commit_group()
-                if const_expr(self.dkv_transposed):
-                    gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer], False)
-                else:
-                    gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage], False)
+                self._dk_gemm(*dk)
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
                 if const_expr(do_pipe is not None):
                     do_pipe.consumer_release(do_state)
                     do_state.advance()
-                dq_pipe.producer_acquire(dq_state)
-                cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, dq_chunks))), tdQsdQ)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                dq_pipe.producer_commit(dq_state)
+                self._stage_dq(acc_dq, tdQsdQ, dq_chunks, dq_pipe, dq_state)
                 dq_state.advance()
                 warpgroup.wait_group(0)
                 query_pipe.consumer_release(query_state)
@@ -737,6 +711,32 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
         self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
                             tidx, thr_dv)
+
+    @cute.jit
+    def _dv_gemm(self, mma_dv, acc_dV, tdVrdO, tdVrP, do_stage, buffer, holds_dv: cutlass.Constexpr):
+        """dV += P^T dO (with three warp groups transposed, dV^T += dO^T P); nothing in a group holding no dV."""
+        if const_expr(holds_dv):
+            if const_expr(self.dkv_transposed):
+                gemm(mma_dv, acc_dV, tdVrdO[None, None, None, do_stage], tdVrP[None, None, None, buffer], False)
+            else:
+                gemm(mma_dv, acc_dV, tdVrP[None, None, None, buffer], tdVrdO[None, None, None, do_stage], False)
+
+    @cute.jit
+    def _dk_gemm(self, mma_dkv, acc_dK, tdKrQ, tdKrdS, stage, buffer):
+        """dK += dS^T Q (with three warp groups transposed, dK^T += Q^T dS)."""
+        if const_expr(self.dkv_transposed):
+            gemm(mma_dkv, acc_dK, tdKrQ[None, None, None, stage], tdKrdS[None, None, None, buffer], False)
+        else:
+            gemm(mma_dkv, acc_dK, tdKrdS[None, None, None, buffer], tdKrQ[None, None, None, stage], False)
+
+    @cute.jit
+    def _stage_dq(self, acc_dq, tdQsdQ, dq_chunks, dq_pipe, dq_state):
+        """Stage this block's dQ for the writer warp (waits only if it has not read the last block yet); the
+        caller advances `dq_state`."""
+        dq_pipe.producer_acquire(dq_state)
+        cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, dq_chunks))), tdQsdQ)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        dq_pipe.producer_commit(dq_state)
 
     @cute.jit
     def _round_into(self, accumulator, destination, stmatrix=None):

@@ -204,8 +204,8 @@ class KernelOptions:
 THREE_WARPGROUPS = {"consumer_warpgroups": 3, "q_stages": 2, "tma_store": True, "early_q_release": True,
                     "split_masked_loop": True, "schedule_first_block": True}
 # D = 64 causal short queries (and D = 64 with a softcap, window or segments), and D = 96 / 128:
-# Q double buffer + TMA-store epilogue ("q2-tma"), with the split key loop where `_measured_overrides` says. D = 80 takes the same sets as 96 / 128
-# (`_measured_overrides`, head_dim <= 128), not measured at 80 itself.
+# Q double buffer + TMA-store epilogue ("q2-tma"), with the split key loop where `_measured_overrides` says.
+# D = 80 takes the same sets as 96 / 128 (`_measured_overrides`, head_dim <= 128), not measured at 80 itself.
 Q_DOUBLE_BUFFER_TMA_STORE = {"q_stages": 2, "tma_store": True}
 # D = 256 causal: the TMA-store epilogue in two column chunks with early Q release
 # ("early-q-store-chunks", 0.75 -> 0.88x cuDNN at S = 1k, 0.91 -> 1.01x at 2k) and, for D = 128 and
