@@ -134,13 +134,6 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, poly_exp2_every=every), False, head_dims,
             ("test_sm90_backward.py", f"poly_exp2_{every}"))
            for every, head_dims in ((4, (96, 128)), (6, small_heads.SUPPORTED_HEAD_DIMS))},
-        # dQ staged while dK runs (`Tuning.stage_dq_under_dk`, a candidate), default and deterministic.
-        "large_stage_dq_under_dk": Variant(
-            large_heads, large_heads.Tuning(stage_dq_under_dk=True), False, large_heads.SUPPORTED_HEAD_DIMS,
-            ("test_sm90_backward_large_heads.py", "stage_dq_under_dk")),
-        "deterministic_large_stage_dq_under_dk": Variant(
-            large_heads, large_heads.Tuning(stage_dq_under_dk=True), True, large_heads.SUPPORTED_HEAD_DIMS,
-            ("test_sm90_backward_large_heads.py", "deterministic_stage_dq_under_dk")),
         "no_stagger": Variant(large_heads, large_heads.Tuning(stagger=False), False,
                               large_heads.SUPPORTED_HEAD_DIMS,
                               ("test_sm90_backward_large_heads.py", "no_stagger")),

@@ -122,8 +122,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         candidates = ["prefetch_query", "deterministic_prefetch_query", "one_query_stage",
                       "deterministic_one_query_stage"]
         three = ["two_warpgroups", "deterministic_two_warpgroups", *candidates] if head_dim == 192 else []
-        assert runs == [*SHIPPED, "large_stage_dq_under_dk", "deterministic_large_stage_dq_under_dk", "no_stagger",
-                        "deterministic_lowest_first", "deterministic_large_plain_turns", *three]
+        assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", "deterministic_large_plain_turns", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(
         benchmark._config(shape), host.Problem(dims, dims, dims, "bfloat16")) is None for name in runs)

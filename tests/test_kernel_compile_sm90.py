@@ -9,7 +9,8 @@ installed, its report must show no spills.
 The configurations are what `sm90.forward.options` picks (the tuned defaults: three consumer
 warpgroups with every pipeline option at D = 64, Q double buffer + TMA-store epilogue at D = 80 / 96 /
 128 with the split key loop and zigzag tile order when causal, `LARGE_HEAD_CAUSAL` at D = 256 causal:
-ping-pong, TMA store in two chunks, early Q release, zigzag), plus overrides where an option is only
+ping-pong, TMA store in two chunks, early Q release, zigzag; `LARGE_HEAD_FULL`, the same less zigzag, at
+D = 256 full), plus overrides where an option is only
 reachable that way; each is checked for the instructions its effective options add.
 """
 
@@ -43,7 +44,7 @@ CONFIGS = {
     # here with the features that fit them (sinks, lengths, GQA).
     "d64-causal-three-warpgroups-sinks-lengths-fp16": (
         {"causal": True, "has_sinks": True, "has_q_seq_lengths": True, "has_kv_seq_lengths": True},
-        [2, 2000, 2100, 4, 2, 64], "float16", {}),
+        [2, 3000, 3100, 4, 2, 64], "float16", {}),
     # D = 64 with a softcap, window and segments (which spill at 160 registers): two warpgroups.
     "d64-all-features-long": (
         {"causal": True, "softcap": 30.0, "has_sinks": True, "has_segment_ids": True, "window_left": 300,
@@ -92,11 +93,6 @@ CONFIGS = {
     "d192-v128-packed-causal-gqa-fp16": ({"causal": True, "has_cu_seqlens": True}, [1, 1000, 1100, 8, 2, 192, 128],
                                          "float16", {}),
     "d128-polynomial-exp2": ({"causal": True}, [1, 512, 512, 2, 2, 128], "bfloat16", {"poly_exp2_every": 2}),
-    # d256-full-pingpong-store-chunks: D = 256 without a mask, the O store by TMA in two chunks, early Q
-    # release and the ping-pong barriers (d256-full-store-chunks is the same less the barriers); GQA.
-    "d256-full-pingpong-store-chunks": ({}, [2, 1000, 1000, 8, 2, 256], "bfloat16",
-                                        {"tma_store": True, "store_chunks": 2, "early_q_release": True,
-                                         "pingpong_max_head_dim": 256}),
     # The D = 64 candidates (TUNING_CANDIDATES d64-poly4 / d64-poly8): full, and causal with lengths.
     "d64-polynomial-exp2": ({}, [2, 1000, 1000, 4, 4, 64], "bfloat16", {"poly_exp2_every": 4}),
     "d64-causal-lengths-polynomial-exp2": (
@@ -243,7 +239,8 @@ def test_tuning_options_are_checked():
             for q_len in (1024, 4096):
                 options_for(head_dim, causal, q_len).check()
     assert options_for(64, True, 1024).consumer_warpgroups == 2
-    assert options_for(64, True, 2048).consumer_warpgroups == 3
+    assert options_for(64, True, 2048).consumer_warpgroups == 2
+    assert options_for(64, True, 2944).consumer_warpgroups == 3
     assert options_for(64, False, 1024).consumer_warpgroups == 3
     long_shape = (1, 4096, 2, 64)
     softcapped = sm90_forward.options(AttentionConfig(scale=0.1, softcap=5.0),
@@ -261,7 +258,10 @@ def test_tuning_options_are_checked():
     d80, d80_causal = options_for(80), options_for(80, True)
     assert (d80.tile_n, d80.num_stages, d80.q_stages, d80.tma_store, d80.consumer_warpgroups) == (128, 2, 2, True, 2)
     assert d80_causal.split_masked_loop and d80_causal.mirrored_tiles
-    assert options_for(256, True).pingpong_max_head_dim == 256 and options_for(256).pingpong_max_head_dim == 128
+    assert options_for(256, True).pingpong_max_head_dim == 256 and options_for(256).pingpong_max_head_dim == 256
+    # D = 256 full: causal's epilogue (two TMA-store chunks, early Q release) without the zigzag order.
+    d256 = options_for(256)
+    assert (d256.tma_store, d256.store_chunks, d256.early_q_release, d256.zigzag_tiles) == (True, 2, True, False)
     for causal in (False, True):
         mla = options_for(192, causal, 4096, v_head_dim=128)
         mla.check()

@@ -59,11 +59,11 @@ CASES = [
     Case("single-row", q_len=1, kv_len=77),
     # D = 64 causal with Sq above sm90_forward.THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN: the three-warpgroup
     # configuration (the short causal D = 64 cases above take the two-warpgroup one), except the last two.
-    Case("causal-d64-long", head_dim=64, causal=True, q_len=1500, kv_len=1500),
-    Case("lengths-causal-d64-long-fp16", head_dim=64, causal=True, q_len=1600, kv_len=1700, q_lengths=True,
+    Case("causal-d64-long", head_dim=64, causal=True, q_len=3000, kv_len=3000),
+    Case("lengths-causal-d64-long-fp16", head_dim=64, causal=True, q_len=3000, kv_len=3100, q_lengths=True,
          kv_lengths=True, dtype=jnp.float16),
-    Case("window-causal-left-d64-long", head_dim=64, causal=True, window=(300, None), q_len=1600, kv_len=1600),
-    Case("sinks-gqa-causal-d64-long", head_dim=64, causal=True, q_len=1555, kv_len=1555, q_heads=8, kv_heads=2,
+    Case("window-causal-left-d64-long", head_dim=64, causal=True, window=(300, None), q_len=3000, kv_len=3000),
+    Case("sinks-gqa-causal-d64-long", head_dim=64, causal=True, q_len=3011, kv_len=3011, q_heads=8, kv_heads=2,
          sinks=True),
     # D = 192's tuned sets (ping-pong, three-chunk TMA store, early Q release; zigzag and the split key
     # loop when causal) with what changes their paths: clipped stores (odd lengths, sequence lengths),
@@ -78,7 +78,7 @@ CASES = [
     Case("persistent-many-tiles-causal-d192", batch=2, q_len=1024, kv_len=1024, q_heads=16, kv_heads=16,
          head_dim=192, causal=True),
     # D = 64 with a softcap, window or segments keeps two warpgroups at any length.
-    Case("softcap-segments-causal-d64-long", head_dim=64, causal=True, q_len=1555, kv_len=1555, softcap=20.0,
+    Case("softcap-segments-causal-d64-long", head_dim=64, causal=True, q_len=3011, kv_len=3011, softcap=20.0,
          segments=True),
 ]
 

@@ -165,17 +165,21 @@ class Tuning:
     stage_dq_under_dk: a block's GEMMs issued dV and dQ first, dK last, so that dQ is staged for the writer
       warp while the tensor cores compute dK (and the dO stage, where it has its own pipe, released once dV
       has read it), as backward.py does (`stage_dq_under_dk` there: 2-6 % at D = 128). False: dV and dK, then
-      dQ, and dQ staged once all three are done, with none of the group's GEMMs left in flight: the two waits
-      at the end of a block held 16 % of our D = 192 samples against FA4's 3.4 % (profile at rev 249884f),
-      FA4 staging dQ under dK. A candidate, off until measured (docs/sm90_backward_tuning.md, "Large heads:
-      dQ staged under dK").
+      dQ, and dQ staged once all three are done, with none of the group's GEMMs left in flight (the two waits
+      at the end of a block held 16 % of our D = 192 samples against FA4's 3.4 %, profile at rev 249884f).
+      None (the default) takes it where it measured faster (an H100, rev 3e69f08, ratio to cuDNN, 2k / 8k):
+      the three-warp-group layout at D = Dv = 192 (causal 1.32 / 1.40 -> 1.34 / 1.41, full 1.45 / 1.64 ->
+      1.47 / 1.73; deterministic +0 to +2 %) and deterministic D = 256 (full 0.89 / 0.93 -> 0.93 / 0.96,
+      causal 0.85 / 0.79 -> 0.88 / 0.83); not at D = 256 without determinism (1.06 / 1.08 -> 0.77 / 0.76
+      full, 1.00 / 0.99 -> 0.77 / 0.68 causal), nor where it was not timed (MLA's 192 / 128, two groups at
+      D = 192). docs/sm90_backward_tuning.md, "Large heads: dQ staged under dK".
     """
     diagonal_first: bool = True
     stagger: bool = True
     three_warpgroups: Optional[bool] = None
     prefetch_query: Optional[bool] = None
     rotated_turns: bool = True
-    stage_dq_under_dk: bool = False
+    stage_dq_under_dk: Optional[bool] = None
 
 
 DEFAULT_TUNING = Tuning()
@@ -194,18 +198,21 @@ def query_stages(head_dim: int, tile_n: int = TILE_N) -> int:
 
 
 def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False,
-                    v_head_dim: Optional[int] = None) -> Tuning:
+                    v_head_dim: Optional[int] = None, deterministic: bool = False) -> Tuning:
     """`tuning` with the measured choices in place of None: three warp groups at D = 192 except with
     segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block) unless
     `prefetch_query` asks for them, two otherwise; `prefetch_query` where the three groups run at
-    D = Dv = 192 (v_head_dim None: Dv = D)."""
+    D = Dv = 192 (v_head_dim None: Dv = D); `stage_dq_under_dk` there and in deterministic mode at D = 256."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     if tuning.three_warpgroups is None:
         three = head_dim == THREE_WARPGROUPS_HEAD_DIM and (tuning.prefetch_query or not has_segment_ids)
         tuning = dataclasses.replace(tuning, three_warpgroups=three)
+    three_at_192 = bool(tuning.three_warpgroups and head_dim == v_head_dim == THREE_WARPGROUPS_HEAD_DIM)
     if tuning.prefetch_query is None:
-        tuning = dataclasses.replace(tuning, prefetch_query=bool(
-            tuning.three_warpgroups and head_dim == v_head_dim == THREE_WARPGROUPS_HEAD_DIM))
+        tuning = dataclasses.replace(tuning, prefetch_query=three_at_192)
+    if tuning.stage_dq_under_dk is None:
+        tuning = dataclasses.replace(tuning, stage_dq_under_dk=three_at_192 or (
+            deterministic and head_dim == v_head_dim == 256))
     return tuning
 
 
@@ -253,7 +260,8 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         reason = tuning_reason(options.tuning, self.head_dim)
         if reason is not None:
             raise ValueError(reason)
-        tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids, self.v_head_dim)
+        tuning = resolved_tuning(options.tuning, self.head_dim, options.has_segment_ids, self.v_head_dim,
+                                 options.deterministic)
         three_warpgroups = tuning.three_warpgroups
         # Consumer warp group g owns head-dim columns [g group_dim, (g + 1) group_dim) of dQ, dK and dV,
         # and keys [g tile_n / groups, ...) of S and dP.
@@ -273,6 +281,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         self.stagger = self.rotated_turns or (tuning.stagger and not self.deterministic)
         self.diagonal_first = self.deterministic and tuning.diagonal_first and not self.rotated_turns
         self.tile_n = keys_per_cta(tuning)
+        self.stage_dq_under_dk = tuning.stage_dq_under_dk
         # `Tuning.prefetch_query`: two Q stages, dO one in a ring of its own (`separate_do_ring`), one P / dS
         # buffer.
         prefetch = tuning.prefetch_query
@@ -666,7 +675,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             warpgroup.fence()
             dv = (mma_dv, acc_dV, tdVrdO, tdVrP, do_stage, buffer, holds_dv)
             dk = (mma_dkv, acc_dK, tdKrQ, tdKrdS, stage, buffer)
-            if const_expr(not self.tuning.stage_dq_under_dk):
+            if const_expr(not self.stage_dq_under_dk):
                 self._dv_gemm(*dv)
                 self._dk_gemm(*dk)
                 warpgroup.commit_group()
@@ -810,7 +819,8 @@ def dq_reader(tuning: Tuning):
 def options(config: AttentionConfig, problem: host.Problem, tuning: Tuning = DEFAULT_TUNING) -> BackwardOptions:
     """The static kernel configuration for one call (`tuning`: this kernel's speed choices), with
     `rotated_turns` resolved to False where it cannot run (`rotated_turns_reason`)."""
-    tuning = resolved_tuning(tuning, problem.head_dim, config.has_segment_ids, problem.v_head_dim)
+    tuning = resolved_tuning(tuning, problem.head_dim, config.has_segment_ids, problem.v_head_dim,
+                             config.deterministic)
     rotated_turns = tuning.rotated_turns and rotated_turns_reason(config, problem, tuning) is None
     return BackwardOptions.of(config, problem, dataclasses.replace(tuning, rotated_turns=rotated_turns))
 

@@ -212,6 +212,9 @@ Q_DOUBLE_BUFFER_TMA_STORE = {"q_stages": 2, "tma_store": True}
 # 256 causal, the zigzag tile order (D = 256 4k: 0.99 -> 1.11x, D = 128 4k: 1.00 -> 1.08x, 2k +1 %).
 LARGE_HEAD_CAUSAL = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 2,
                      "early_q_release": True, "zigzag_tiles": True}
+# D = 256 full: causal's set less the zigzag order (ninth round, an H100, rev 3e69f08: 1k 0.95 -> 1.14x cuDNN,
+# 2k 1.01 -> 1.12x). Without the ping-pong barriers it measured the same (1.14 / 1.12x); one set for both masks.
+LARGE_HEAD_FULL = {key: value for key, value in LARGE_HEAD_CAUSAL.items() if key != "zigzag_tiles"}
 # D = 192 (fourth sweep, rev 74443c7): ping-pong turns and the TMA-store epilogue in three 64-column
 # chunks with early Q release (full 2k: 0.99 -> 1.05x cuDNN), with the zigzag order and the split key
 # loop when causal (2k 0.85 -> 0.96x, 8k 0.97 -> 1.10x). MLA's Dv = 128 takes the same sets with MLA's
@@ -223,9 +226,11 @@ D192 = {"pingpong_max_head_dim": 256, "tma_store": True, "store_chunks": 3, "ear
 # (the second on the mirrored tile order); docs/sm90_forward_tuning.md. Not for packed sequences yet.
 MLA = {"key_block": 128, "store_chunks": 2}
 D192_CAUSAL = dict(D192, zigzag_tiles=True, split_masked_loop=True)
-# D = 64 causal: wg3-all was 8 % slower than q2-tma at Sq = 1024 and 8 % faster at 2048; the cut sits
-# at the geometric middle, ~1448, rounded to the next multiple of 64 rows.
-THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 1472
+# D = 64 causal: two consumer warpgroups below this query length, three from it. With the all-pairs order
+# wg3-all was 8 % slower than q2-tma at Sq = 1024 and 8 % faster at 2048 (cut 1472); with the mirrored order
+# and the split key loop two groups were 5 % faster at 2048 and three 10 % faster at 4096 (ninth round, an
+# H100, rev 3e69f08): the cut at the geometric middle of 2048 and 4096, rounded up to a multiple of 64.
+THREE_WARPGROUPS_MIN_CAUSAL_Q_LEN = 2944
 
 # Candidate tunings on top of `options`, measured against it by `benchmarks/attention.py
 # --variants` and checked against the oracle by tests/test_sm90_forward.py (docs/sm90_forward_tuning.md
@@ -256,13 +261,6 @@ TUNING_CANDIDATES: dict = {
     "d64-causal-two-warpgroups": ({"consumer_warpgroups": 2, "early_q_release": False, "split_masked_loop": True,
                                    "schedule_first_block": False}, (64,), (True,)),
     "d64-causal-three-warpgroups": (dict(THREE_WARPGROUPS), (64,), (True,)),
-    # D = 256 full: causal's epilogue (the O store by TMA in two 128-column chunks and Q released after the
-    # tile's last Q K^T: +18 % at causal 1k, where the register epilogue kept the consumers and the next Q
-    # load waiting), without and with causal's ping-pong barriers. Never measured on full masks, whose
-    # short rows (1k, 2k) are the ones left below FA4 at D = 256.
-    "d256-full-store-chunks": ({"tma_store": True, "store_chunks": 2, "early_q_release": True}, (256,), (False,)),
-    "d256-full-pingpong-store-chunks": ({"tma_store": True, "store_chunks": 2, "early_q_release": True,
-                                         "pingpong_max_head_dim": 256}, (256,), (False,)),
 }
 
 
@@ -932,8 +930,8 @@ def _measured_overrides(head_dim: int, v_head_dim: int, mask: masking.MaskShape,
             # Packed MLA keeps D = 192's 96-key blocks: its GPU tests have not run with 128 yet.
             tuned.update(MLA)
         return tuned
-    if head_dim == 256 and mask.causal:
-        return dict(LARGE_HEAD_CAUSAL)
+    if head_dim == 256:
+        return dict(LARGE_HEAD_CAUSAL if mask.causal else LARGE_HEAD_FULL)
     return {}
 
 
