@@ -230,3 +230,25 @@ def test_rotated_turns_finish_when_a_head_fits_on_the_gpu(key_blocks, query_bloc
     assert run(key_blocks) == heads * key_blocks
     if 1 < key_blocks <= query_blocks:
         assert run(key_blocks - 1) is None
+
+
+@pytest.mark.parametrize("staggered", [False, True])
+def test_carried_walk_is_the_divided_walk(staggered):
+    """The consumers' and dQ writer's walk, carried by `backward_common.next_query_block` from the start
+    `_first_query_block` gives, visits the same (query head, query block) at every iteration as the
+    producer's, divided out of the iteration count (`query_step`; plain when not staggered): a head's
+    blocks in turn, the next head after m_count of them, for every key block, count and group."""
+    from fa4_jax.kernels.sm90 import backward_common
+
+    def select(condition, if_true, if_false):
+        return if_true if condition else if_false
+
+    for m_count, group, m_lo, n_block in itertools.product(range(1, 8), (1, 2, 3, 8), (0, 5), range(12)):
+        first_head = 7 * group
+        m_block = m_lo + (n_block % m_count if staggered else 0)
+        m_start, q_head = m_block, first_head
+        for it in range(group * m_count):
+            step = backward_large_heads.query_step(it, n_block, m_count, staggered)
+            assert (q_head, m_block) == (first_head + it // m_count, m_lo + step), (m_count, group, n_block, it)
+            q_head, m_block = backward_common.next_query_block(q_head, m_block, m_start, m_lo, m_count, staggered,
+                                                               select)

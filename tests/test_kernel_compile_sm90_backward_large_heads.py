@@ -167,11 +167,11 @@ def compiled(request, tmp_path_factory):
     return ptx_checks.compile_batch(_COMPILE, specs, tmp_path_factory.mktemp("sm90_large_heads_ptx"))
 
 
-# Compiles whose ptxas report still spills, with what it spills (the PTX checks pass): with segment ids
-# the three-warpgroup layout keeps one swizzled dS address of its stmatrix stores in local memory at 160
-# registers (8 bytes, one reload per query block; docs/sm90_backward_tuning.md, "D = 192: three consumer
-# warp groups"). Strict: a fix makes the test fail until the entry goes.
-KNOWN_SPILLS = {"d192-three-warpgroups-segments-lengths": "8 bytes: a dS stmatrix address at 160 registers"}
+# Compiles whose ptxas report still spills, with what it spills (the PTX checks pass). Strict: a fix makes the
+# test fail until the entry goes. (d192-three-warpgroups-segments-lengths spilled a dS stmatrix address, 8
+# bytes, until the descriptors moved to uniform registers: docs/sm90_backward_tuning.md, "Large heads:
+# descriptors in uniform registers".)
+KNOWN_SPILLS: dict = {}
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_SPILLS[name], strict=True))

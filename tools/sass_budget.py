@@ -35,12 +35,16 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name: (batch, sequence, heads, head dim, causal), self-attention in bf16, default tuning: the shape
-# of issue 12's Nsight Compute profile (B 4, S 4k, H 16).
+# name: (batch, sequence, heads, head dim, causal[, deterministic]), self-attention in bf16, default tuning:
+# the shape of issue 12's Nsight Compute profile (B 4, S 4k, H 16); the large heads (backward_large_heads, whose
+# `Tuning` --tuning then sets) at the shapes of their profiles (B 2, S 8k).
 CONFIGS = {
     "d128": (4, 4096, 16, 128, False),
     "d128-causal": (4, 4096, 16, 128, True),
     "d64": (4, 4096, 16, 64, False),
+    "d192-causal": (2, 8192, 16, 192, True),
+    "d256-causal": (2, 8192, 8, 256, True),
+    "d256-causal-deterministic": (2, 8192, 8, 256, True, True),
 }
 
 _LOWER = r"""
@@ -48,14 +52,15 @@ import dataclasses, json, sys
 import jax, jax.numpy as jnp
 from fa4_jax.config import AttentionConfig
 from fa4_jax.kernels import host
-from fa4_jax.kernels.sm90 import backward as sm90_backward
-batch, length, heads, head_dim, causal = json.loads(sys.argv[1])
+from fa4_jax.kernels.sm90 import backward, backward_large_heads
+batch, length, heads, head_dim, causal, *deterministic = json.loads(sys.argv[1])
+kernel = backward if head_dim <= 128 else backward_large_heads
 query = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
 lse = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
-tuning = dataclasses.replace(sm90_backward.DEFAULT_TUNING, **json.loads(sys.argv[2]))
-options = sm90_backward.options(AttentionConfig(scale=head_dim ** -0.5, causal=causal),
-                                host.Problem.of(query, query, query), tuning)
-jax.jit(lambda q, k, v, o, l, g: sm90_backward.run(options, q, k, v, o, l, g, None, {})).trace(
+tuning = dataclasses.replace(kernel.DEFAULT_TUNING, **json.loads(sys.argv[2]))
+config = AttentionConfig(scale=head_dim ** -0.5, causal=causal, deterministic=bool(deterministic and deterministic[0]))
+options = kernel.options(config, host.Problem.of(query, query, query), tuning)
+jax.jit(lambda q, k, v, o, l, g: kernel.run(options, q, k, v, o, l, g, None, {})).trace(
     query, query, query, query, lse, query).lower(lowering_platforms=("cuda",))
 """
 

@@ -250,6 +250,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
         # Resolved by `options` (off where a head's key blocks may not all be resident at once).
         self.rotated_turns = tuning.rotated_turns and options.deterministic
+        self.staggered_walk = self.rotated_turns    # `_first_query_block`, `_next_query_block`
         self.poly_exp2_every = tuning.poly_exp2_every
         self.head_splits = options.head_splits
         self.tile_n = TILE_N
@@ -781,36 +782,12 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         return self._first_head(kv_head) + it // m_count, m_lo + it % m_count
 
     @cute.jit
-    def _first_query_block(self, n_block, m_lo, m_count):
-        """The query block each head's walk starts at: the first, or with `rotated_turns` the key
-        block's own index modulo the count (1 when a key block sees none: then it walks nothing)."""
-        if const_expr(self.rotated_turns):
-            return m_lo + n_block % cutlass.max(m_count, 1)
-        return m_lo
-
-    @cute.jit
     def _first_head(self, kv_head):
         """The first query head of this CTA's walk."""
         if const_expr(self.head_splits > 1):
             split = cute.arch.block_idx()[0 if self.key_blocks_outer else 1] % self.head_splits
             return kv_head * self.group + split * (self.group // self.head_splits)
         return kv_head * self.group
-
-    @cute.jit
-    def _next_query_block(self, q_head, m_block, m_start, m_lo, m_count):
-        """The step of `_query_block`'s walk after (q_head, m_block): the consumers and the dQ writer
-        carry it from one iteration to the next with an add and a compare, where `_query_block`
-        divides by the dynamic m_count (a signed division, ~25 SASS instructions per iteration
-        under a causal mask, where m_count depends on the key block). With `rotated_turns` the walk
-        wraps to the first query block and moves to the next head when it is back at its start, m_start
-        (`_first_query_block`; m_lo otherwise)."""
-        m_block = m_block + 1
-        wrapped = m_block == m_lo + m_count
-        if const_expr(self.rotated_turns):
-            m_block = cutlass.select_(wrapped, m_lo, m_block)
-            return q_head + cutlass.select_(m_block == m_start, Int32(1), Int32(0)), m_block
-        return (q_head + cutlass.select_(wrapped, Int32(1), Int32(0)),
-                cutlass.select_(wrapped, m_lo, m_block))
 
     @cute.jit
     def _as_operand(self, accumulator, thr_dkv):

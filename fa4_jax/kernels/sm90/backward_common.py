@@ -19,7 +19,8 @@ A subclass of `Sm90BackwardBase` sets, besides what the base's __init__ sets: `t
 ring), `consumer_threads`, `dkv_transposed` when its dK / dV accumulators are of dK^T / dV^T (class
 default False), `poly_exp2_every` where part of its P takes the FMA-pipe exp2 (class default 0), and
 `_query_block(it, kv_head, n_block, m_lo, m_count)`, the (query head, query block) of iteration `it` of a
-CTA's walk; `_produce` reads those.
+CTA's walk, and `staggered_walk`, whether that walk starts each head at the key block's index (the consumers
+and the dQ writer carry it: `_first_query_block`, `_next_query_block`); `_produce` reads those.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.config import AttentionConfig
@@ -120,6 +121,26 @@ def register_order_staging(buffer_iterator, consumer_tidx, chunks: int):
         cute.make_layout((4, chunks), stride=(1, 4 * WARP_GROUP)))
 
 
+def next_query_block(q_head, m_block, m_start, m_lo, m_count, staggered: bool, select):
+    """The (query head, query block) after (q_head, m_block) on a walk over query blocks [m_lo, m_lo + m_count)
+    of each head in turn: the next block, wrapping to m_lo; the next head after the last block, or with
+    `staggered` when the walk is back at its start m_start (`_first_query_block`). select(cond, a, b) picks a
+    where cond holds: `cutlass.select_` in the kernel (integers as Int32), a Python conditional in the tests,
+    which check it against the divisions of `_query_block` (backward_large_heads.query_step)."""
+    m_block = m_block + 1
+    wrapped = m_block == m_lo + m_count
+    if staggered:
+        m_block = select(wrapped, m_lo, m_block)
+        return q_head + select(m_block == m_start, 1, 0), m_block
+    return q_head + select(wrapped, 1, 0), select(wrapped, m_lo, m_block)
+
+
+def _select(condition, if_true, if_false):
+    """cutlass.select_ with Python integers as Int32 (`next_query_block`'s head increment)."""
+    as_value = lambda value: Int32(value) if isinstance(value, int) else value  # noqa: E731
+    return cutlass.select_(condition, as_value(if_true), as_value(if_false))
+
+
 class Sm90BackwardBase:
     """The static configuration and the device code both sm90 backward kernels run."""
 
@@ -164,6 +185,24 @@ class Sm90BackwardBase:
         if const_expr(sequence is None):
             return tensor
         return cute.domain_offset((sequence[which], 0), tensor)
+
+    # The walk over query blocks (`_query_block`) carried from one iteration to the next, for the consumers
+    # and the dQ writer (the producer keeps `_query_block`). `staggered_walk`, set by the subclass: each head's
+    # walk starts at query block n_block (mod the count) and wraps, as `_query_block` staggers it.
+    @cute.jit
+    def _first_query_block(self, n_block, m_lo, m_count):
+        """The query block each head's walk starts at: the first, or with `staggered_walk` the key
+        block's own index modulo the count (1 when a key block sees none: then it walks nothing)."""
+        if const_expr(self.staggered_walk):
+            return m_lo + n_block % cutlass.max(m_count, 1)
+        return m_lo
+
+    @cute.jit
+    def _next_query_block(self, q_head, m_block, m_start, m_lo, m_count):
+        """`next_query_block` in the kernel: the step after (q_head, m_block), with an add and a compare, where
+        `_query_block` divides by the dynamic m_count (a signed division, ~25 SASS instructions per
+        iteration under a causal mask, where m_count depends on the key block)."""
+        return next_query_block(q_head, m_block, m_start, m_lo, m_count, self.staggered_walk, _select)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, mLSE,

@@ -200,7 +200,8 @@ def query_stages(head_dim: int, tile_n: int = TILE_N) -> int:
 def resolved_tuning(tuning: Tuning, head_dim: int, has_segment_ids: bool = False,
                     v_head_dim: Optional[int] = None, deterministic: bool = False) -> Tuning:
     """`tuning` with the measured choices in place of None: three warp groups at D = 192 except with
-    segment ids (at 160 registers ptxas spills 8 bytes there: one dS stmatrix address a query block) unless
+    segment ids (where ptxas spilled 8 bytes at 160 registers, one dS stmatrix address a query block, until the
+    descriptors moved to uniform registers; three groups there not yet timed) unless
     `prefetch_query` asks for them, two otherwise; `prefetch_query` where the three groups run at
     D = Dv = 192 (v_head_dim None: Dv = D); `stage_dq_under_dk` there and in deterministic mode at D = 256."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
@@ -279,6 +280,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         # Deterministic mode's turns by key block need the plain walk (with a stagger they would wait);
         # rotated turns are the staggered walk's arrival order, launched lowest key block first.
         self.stagger = self.rotated_turns or (tuning.stagger and not self.deterministic)
+        self.staggered_walk = self.stagger      # `_first_query_block`, `_next_query_block`
         self.diagonal_first = self.deterministic and tuning.diagonal_first and not self.rotated_turns
         self.tile_n = keys_per_cta(tuning)
         self.stage_dq_under_dk = tuning.stage_dq_under_dk
@@ -554,28 +556,39 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             thr_dv = mma_dv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
 
-        # Operand fragments: shared-memory descriptors (the stage / buffer is the last mode).
-        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
-        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
-        tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
-        tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
+        # Operand fragments: shared-memory descriptors (the stage / buffer is the last mode), one per warp
+        # group, so sliced at the group's first thread: a warp-uniform index keeps the group's offset, and
+        # with it every descriptor, in uniform registers (one UIADD3.64 a wgmma). Sliced at `tidx` they were
+        # rebuilt per thread and moved over with two R2UR a wgmma: a third of the instructions at D = 192
+        # (profile at rev 1f1461b), as backward.py measured before its own fix.
+        warpgroup_thread = cute.arch.make_warp_uniform(tidx // WARP_GROUP) * WARP_GROUP
+        group_sdp = mma_sdp.get_slice(warpgroup_thread)
+        group_dkv = mma_dkv.get_slice(warpgroup_thread)
+        group_dv = None
+        if const_expr(holds_dv):
+            group_dv = mma_dv.get_slice(warpgroup_thread)
+        group_dq = mma_dq.get_slice(warpgroup_thread)
+        tSrQ = group_sdp.make_fragment_A(group_sdp.partition_A(sQ))
+        tSrK = group_sdp.make_fragment_B(group_sdp.partition_B(sK))
+        tdPrdO = group_sdp.make_fragment_A(group_sdp.partition_A(sdO))
+        tdPrV = group_sdp.make_fragment_B(group_sdp.partition_B(sV))
         # P^T / dS^T [keys, rows] and dO / Q read as [D, rows]: A and B of dV, dK, or B and A of the
         # transposed dV^T, dK^T.
         tdVrP = tdVrdO = None
         if const_expr(self.dkv_transposed):
             if const_expr(holds_dv):
-                tdVrP = thr_dv.make_fragment_B(thr_dv.partition_B(transpose_view(sP)))
-                tdVrdO = thr_dv.make_fragment_A(thr_dv.partition_A(transpose_view(sdO)))
-            tdKrdS = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sdS)))
-            tdKrQ = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sQ)))
+                tdVrP = group_dv.make_fragment_B(group_dv.partition_B(transpose_view(sP)))
+                tdVrdO = group_dv.make_fragment_A(group_dv.partition_A(transpose_view(sdO)))
+            tdKrdS = group_dkv.make_fragment_B(group_dkv.partition_B(transpose_view(sdS)))
+            tdKrQ = group_dkv.make_fragment_A(group_dkv.partition_A(transpose_view(sQ)))
         else:
             if const_expr(holds_dv):
-                tdVrP = thr_dv.make_fragment_A(thr_dv.partition_A(transpose_view(sP)))
-                tdVrdO = thr_dv.make_fragment_B(thr_dv.partition_B(transpose_view(sdO)))
-            tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_A(transpose_view(sdS)))
-            tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transpose_view(sQ)))
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_view(sK)))
+                tdVrP = group_dv.make_fragment_A(group_dv.partition_A(transpose_view(sP)))
+                tdVrdO = group_dv.make_fragment_B(group_dv.partition_B(transpose_view(sdO)))
+            tdKrdS = group_dkv.make_fragment_A(group_dkv.partition_A(transpose_view(sdS)))
+            tdKrQ = group_dkv.make_fragment_B(group_dkv.partition_B(transpose_view(sQ)))
+        tdQrdS = group_dq.make_fragment_A(group_dq.partition_A(sdS))
+        tdQrK = group_dq.make_fragment_B(group_dq.partition_B(transpose_view(sK)))
         tPsP = thr_sdp.partition_C(sP)          # where this thread's P and dS values go
         tdSsdS = thr_sdp.partition_C(sdS)
         pds_store = None                        # plain stores, or (stmatrix copy, this thread's slice)
@@ -625,8 +638,9 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         pds_free = None
         if const_expr(self.pds_buffers == 1):
             pds_free = pipeline.NamedBarrier(barrier_id=PDS_FREE_BARRIER, num_threads=self.consumer_threads)
+        m_start = self._first_query_block(n_block, m_lo, m_count)
+        q_head, m_block = kv_head * self.group, m_start
         for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
             row_base = m_block * self.tile_m
             stage = query_state.index
             do_stage = stage
@@ -717,6 +731,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                 warpgroup.wait_group(0)
                 query_pipe.consumer_release(query_state)
                 query_state.advance()
+            q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
 
         self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
                             tidx, thr_dv)
@@ -770,8 +785,9 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         lane = cute.arch.lane_idx()
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         tile_bytes = self.tile_m * self.head_dim * 4
-        for it in cutlass.range(iterations, unroll=1):
-            q_head, m_block = self._query_block(it, kv_head, n_block, m_lo, m_count)
+        m_start = self._first_query_block(n_block, m_lo, m_count)
+        q_head, m_block = kv_head * self.group, m_start
+        for _ in cutlass.range(iterations, unroll=1):
             destination = mdQacc.iterator + cute.crd2idx((batch, q_head, m_block, 0), mdQacc.layout)
             dq_pipe.consumer_wait(dq_state)
             flag = None
@@ -793,6 +809,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             ordered_reduction.finish_bulk_adds(flag, lane)
             dq_pipe.consumer_release(dq_state)
             dq_state.advance()
+            q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
 
 
 # ----------------------------------------------------------------------------------------------------
