@@ -129,6 +129,12 @@ def _variants():
     return {
         "default": Variant(small_heads, small_heads.DEFAULT_TUNING, False, every_head_dim),
         "deterministic": Variant(small_heads, small_heads.DEFAULT_TUNING, True, every_head_dim),
+        # dS^T stored before dV is issued (`Tuning.ds_store_first`, a candidate: D = 64, and D = 128 full
+        # without determinism; where dV is issued early, 64 query rows, it changes nothing).
+        **{f"{prefix}ds_store_first": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_store_first=True), deterministic,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_store_first"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
         # Every 4th (D 96 / 128; at D = 64's 128 rows it spills) or 6th exp2 of P on the FMA pipe.
         **{f"poly_exp2_{every}": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, poly_exp2_every=every), False, head_dims,

@@ -159,6 +159,12 @@ CASES = {
     "d96-segments-ds-plain-store-fp16": dict(config=dict(scale=96 ** -0.5, has_segment_ids=True),
                                              shape=[1, 300, 300, 4, 4, 96], dtype="float16",
                                              tuning=dict(ds_stmatrix=False)),
+    # dS^T stored before dV is issued (`Tuning.ds_store_first`, a candidate): D 128 full GQA (80 rows), D 64
+    # at 128 rows with plain stores.
+    "d128-gqa-ds-store-first": dict(config=dict(scale=128 ** -0.5), shape=[2, 300, 333, 8, 2, 128],
+                                    tuning=dict(ds_store_first=True)),
+    "d64-ds-store-first-plain-store": dict(config=dict(scale=0.125), shape=[2, 256, 300, 4, 4, 64],
+                                           tuning=dict(ds_store_first=True, ds_stmatrix=False)),
     # P with every 4th (6th at D = 64, whose 128 rows spill 16 bytes with every 4th) of a thread's exp2
     # on the FMA pipe (`Tuning.poly_exp2_every`, a candidate): D 128 causal GQA at 64 rows, D 64
     # deterministic at 128 rows, and softcap (whose slope reads P back).

@@ -168,6 +168,13 @@ class Tuning:
       0.80 -> 0.96 / 0.92, causal 0.88 / 0.88 -> 1.02 / 1.09; D = 64 full 0.96 / 0.98 -> 0.98 / 0.97,
       causal 1.07 / 1.08 -> 1.08 / 1.13 (docs/sm90_backward_tuning.md). Resolved to 1 outside
       deterministic mode (`options`), where one writer keeps up.
+    ds_store_first: where dV waits for dS (early_dv off, or not taken: 80 and 128 query rows, the defaults
+      at D = 128 and 64), store dS^T to shared memory before issuing dV rather than after, so that dV's
+      issue stands between the stores and the shared-memory fence before the dQ GEMM. Issued right before
+      the fence, the stores were still in flight there: an ncu profile (an H100, rev 1f1461b) put 8 % of
+      the consumers' samples at D = 128 (13 % at D = 64) on that fence and the barrier after it, against
+      1 % in FA4, which issues a GEMM between its dS stores and the fence. A candidate, off until measured
+      (docs/sm90_backward_tuning.md, "dS stored before dV").
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -187,6 +194,7 @@ class Tuning:
     dq_row_split: Optional[bool] = None
     rotated_turns: bool = True
     dq_writers: int = 2   # DQ_BUFFERS
+    ds_store_first: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -245,6 +253,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # dQ staged while dK runs keeps dQ, dS^T and dK, dV live together: ptxas spills 8 bytes
         # (the sm_90a compile grid) with softcap or segment ids, and with head splits and no mask.
         self.stage_dq_under_dk = not register_bound and (options.head_splits == 1 or masked)
+        # Where dV waits for dS (not early_dv), `Tuning.ds_store_first` stores dS^T before issuing it.
+        self.ds_store_first = tuning.ds_store_first and not self.early_dv
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
@@ -594,6 +604,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
             shape_dq = (self.tile_m, d)
         tdSsdS = thr_sdp.partition_C(transpose_view(sdS))     # where this thread's dS^T goes
+        ds_store = thread_ds_store = None                     # plain stores, or stmatrix:
         if const_expr(self.tuning.ds_stmatrix):
             ds_store = self._ds_store_copy(mma_sdp)
             thread_ds_store = ds_store.get_slice(tidx)
@@ -683,15 +694,15 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 frag_p = self._as_operand(acc_s, thr_dkv)
             frag_ds = self._as_operand(acc_dp, thr_dkv)
 
+            ds_rows = cute.make_tensor(frag_ds.iterator, acc_dp.layout)
+            if const_expr(self.ds_store_first):
+                self._store_ds(ds_rows, ds_store, thread_ds_store, tdSsdS[None, None, None, ds_stage])
             warpgroup.fence()
             if const_expr(not self.early_dv):
                 gemm(mma_dkv, acc_dV, frag_p, tdVrdO[None, None, None, stage], False)
                 warpgroup.commit_group()
-            ds_rows = cute.make_tensor(frag_ds.iterator, acc_dp.layout)
-            if const_expr(self.tuning.ds_stmatrix):
-                cute.copy(ds_store, thread_ds_store.retile(ds_rows), tdSsdS[None, None, None, ds_stage])
-            else:
-                cute.autovec_copy(ds_rows, tdSsdS[None, None, None, ds_stage])
+            if const_expr(not self.ds_store_first):
+                self._store_ds(ds_rows, ds_store, thread_ds_store, tdSsdS[None, None, None, ds_stage])
             if const_expr(not self.stage_dq_under_dk):
                 gemm(mma_dkv, acc_dK, frag_ds, tdKrQ[None, None, None, stage], False)
                 warpgroup.commit_group()
@@ -788,6 +799,15 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             split = cute.arch.block_idx()[0 if self.key_blocks_outer else 1] % self.head_splits
             return kv_head * self.group + split * (self.group // self.head_splits)
         return kv_head * self.group
+
+    @cute.jit
+    def _store_ds(self, ds_rows, ds_store, thread_ds_store, destination):
+        """This thread's dS^T (bf16 / fp16, in the accumulator's register order) into shared memory for the
+        dQ GEMM: stmatrix (`Tuning.ds_stmatrix`) or plain stores."""
+        if const_expr(self.tuning.ds_stmatrix):
+            cute.copy(ds_store, thread_ds_store.retile(ds_rows), destination)
+        else:
+            cute.autovec_copy(ds_rows, destination)
 
     @cute.jit
     def _as_operand(self, accumulator, thr_dkv):
