@@ -135,6 +135,12 @@ def _variants():
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_store_first=True), deterministic,
             small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_store_first"))
            for prefix, deterministic in (("", False), ("deterministic_", True))},
+        # The staged LSE and dPsum loaded into registers before the waits for S and dP (`Tuning.row_stats_early`,
+        # a candidate; 64 query rows: D 96, D 128 causal and deterministic).
+        **{f"{prefix}row_stats_early": Variant(
+            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, row_stats_early=True), deterministic,
+            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "row_stats_early"))
+           for prefix, deterministic in (("", False), ("deterministic_", True))},
         # Every 4th (D 96 / 128; at D = 64's 128 rows it spills) or 6th exp2 of P on the FMA pipe.
         **{f"poly_exp2_{every}": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, poly_exp2_every=every), False, head_dims,

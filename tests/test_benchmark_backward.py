@@ -114,7 +114,8 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         # Every 4th exp2 on the FMA pipe spills at D = 64's 128 rows: every 6th only there.
         poly = ["poly_exp2_6"] if head_dim == 64 else ["poly_exp2_4", "poly_exp2_6"]
         rotated = ["deterministic_plain_turns", "deterministic_one_dq_writer"]   # a full mask, 8 key blocks
-        assert runs == [*SHIPPED, "ds_store_first", "deterministic_ds_store_first", *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
+        assert runs == [*SHIPPED, "ds_store_first", "deterministic_ds_store_first", "row_stats_early",
+                        "deterministic_row_stats_early", *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
                         "deterministic_ds_plain_store", *rotated, *wide, *UNSPLIT[1:], "key_blocks_outer",
                         "key_blocks_outer_head_splits_1"]
     else:

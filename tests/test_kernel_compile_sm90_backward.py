@@ -165,6 +165,13 @@ CASES = {
                                     tuning=dict(ds_store_first=True)),
     "d64-ds-store-first-plain-store": dict(config=dict(scale=0.125), shape=[2, 256, 300, 4, 4, 64],
                                            tuning=dict(ds_store_first=True, ds_stmatrix=False)),
+    # The staged LSE / dPsum loaded before the waits (`Tuning.row_stats_early`, a candidate, 64 query rows): D 128
+    # causal GQA, D 96 deterministic with key lengths.
+    "d128-causal-gqa-row-stats-early": dict(config=dict(scale=128 ** -0.5, causal=True), shape=[2, 300, 333, 8, 2, 128],
+                                            tuning=dict(row_stats_early=True)),
+    "d96-deterministic-kv-lengths-row-stats-early": dict(
+        config=dict(scale=96 ** -0.5, deterministic=True, has_kv_seq_lengths=True), shape=[2, 300, 333, 4, 4, 96],
+        tuning=dict(row_stats_early=True)),
     # P with every 4th (6th at D = 64, whose 128 rows spill 16 bytes with every 4th) of a thread's exp2
     # on the FMA pipe (`Tuning.poly_exp2_every`, a candidate): D 128 causal GQA at 64 rows, D 64
     # deterministic at 128 rows, and softcap (whose slope reads P back).

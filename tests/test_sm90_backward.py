@@ -58,9 +58,10 @@ CASES = [
 # accumulator's register order); dS^T staged with plain 32-bit stores (the default uses stmatrix,
 # docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe;
 # deterministic full-mask walks from the first query block with the turns highest key block first (the
-# default rotates them, `Tuning.rotated_turns`); dS^T stored before dV is issued. Select their tests with
-# `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2`, `-k plain_turns`, `-k ds_store_first`
-# or `-k rotated_turns` (the default's own rotated-walk cases).
+# default rotates them, `Tuning.rotated_turns`); dS^T stored before dV is issued; the staged row statistics
+# loaded before the waits. Select their tests with `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store`,
+# `-k poly_exp2`, `-k plain_turns`, `-k ds_store_first`, `-k row_stats_early` or `-k rotated_turns` (the
+# default's own rotated-walk cases).
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
@@ -70,6 +71,7 @@ TUNINGS = {
     "poly_exp2_6": dataclasses.replace(sm90_backward.DEFAULT_TUNING, poly_exp2_every=6),
     "plain_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=False),
     "ds_store_first": dataclasses.replace(sm90_backward.DEFAULT_TUNING, ds_store_first=True),
+    "row_stats_early": dataclasses.replace(sm90_backward.DEFAULT_TUNING, row_stats_early=True),
 }
 # Rotated turns beyond the shared cases: more key blocks than query blocks (several key blocks reach a
 # tile at the same step of their walks), query and key lengths, each also with head splits of 2.

@@ -175,6 +175,13 @@ class Tuning:
       the consumers' samples at D = 128 (13 % at D = 64) on that fence and the barrier after it, against
       1 % in FA4, which issues a GEMM between its dS stores and the fence. A candidate, off until measured
       (docs/sm90_backward_tuning.md, "dS stored before dV").
+    row_stats_early (staged_row_stats): load this thread's staged LSE into registers before the wait for S,
+      and its dPsum before the wait for dP, instead of reading shared memory at their first use after the
+      wait: there the first FFMA of each row waited for its LDS (short scoreboard: ~12 % of the consumers'
+      samples at D = 128 causal GQA, 64 rows, in the rev 1f1461b profile). FA4 loads them while its S GEMM
+      is issued. Costs a register a row across the wait: taken at 64 query rows only (D = 96, D = 128
+      causal or deterministic), where it fits. A candidate, off until measured (docs/sm90_backward_tuning.md,
+      "Row statistics loaded before the wait").
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -195,6 +202,7 @@ class Tuning:
     rotated_turns: bool = True
     dq_writers: int = 2   # DQ_BUFFERS
     ds_store_first: bool = False
+    row_stats_early: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -255,6 +263,10 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         self.stage_dq_under_dk = not register_bound and (options.head_splits == 1 or masked)
         # Where dV waits for dS (not early_dv), `Tuning.ds_store_first` stores dS^T before issuing it.
         self.ds_store_first = tuning.ds_store_first and not self.early_dv
+        # At 80 and 128 query rows the row statistics held across the waits spill (ptxas 13: 92-108 bytes at
+        # D = 128, 16 at D = 64, with the LSE alone too), so `Tuning.row_stats_early` takes 64 rows only.
+        self.row_stats_early = (tuning.row_stats_early and tuning.staged_row_stats and not register_bound
+                                and self.tile_m == backward_common.TILE_M)
         self.staged_row_stats = tuning.staged_row_stats and not register_bound
         self.tma_dkv_store = tuning.tma_dkv_store and not register_bound
         self.key_blocks_outer = tuning.key_blocks_outer and not options.deterministic
@@ -659,6 +671,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             rows = cute.size(scores, mode=[0])
             if const_expr(self.staged_row_stats):
                 lse = query_major_view(tLSE[None, None, None, stage])
+                if const_expr(self.row_stats_early):
+                    lse = self._into_registers(lse, rows)
             else:
                 lse = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
                 for r in cutlass.range_constexpr(rows):
@@ -678,6 +692,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             # already hold 192 registers at D = 128).
             if const_expr(self.staged_row_stats):
                 dpsum = query_major_view(tdPsum[None, None, None, stage])
+                if const_expr(self.row_stats_early):
+                    dpsum = self._into_registers(dpsum, rows)
             else:
                 dpsum = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
                 for r in cutlass.range_constexpr(rows):
@@ -799,6 +815,15 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             split = cute.arch.block_idx()[0 if self.key_blocks_outer else 1] % self.head_splits
             return kv_head * self.group + split * (self.group // self.head_splits)
         return kv_head * self.group
+
+    @cute.jit
+    def _into_registers(self, staged, rows: cutlass.Constexpr):
+        """The first `rows` values of a staged row statistic (a view of shared memory) loaded into registers
+        here, where a wgmma wait follows (`Tuning.row_stats_early`), rather than at their first use after it."""
+        values = cute.make_rmem_tensor(cute.make_layout(rows), Float32)
+        for r in cutlass.range_constexpr(rows):
+            values[r] = staged[r]
+        return values
 
     @cute.jit
     def _store_ds(self, ds_rows, ds_store, thread_ds_store, destination):
