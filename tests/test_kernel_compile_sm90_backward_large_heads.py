@@ -402,7 +402,7 @@ query = (1, 256, 4, head_dim)
 kernel = large_heads.Sm90LargeHeadBackwardKernel(large_heads.options(
     AttentionConfig(scale=1.0), host.Problem(query, query, query[:3] + (v_head_dim,), "bfloat16"),
     large_heads.Tuning(**spec["tuning"])))
-dq, dkv, dv, scores = [], [], [], []
+dq, dkv, dv, scores, operands = [], [], [], [], []
 
 @cute.jit
 def trace():
@@ -424,10 +424,27 @@ def trace():
         if cutlass.const_expr(t < 128 * kernel.dv_groups):
             dv.extend((t // 128, value) for value in coordinates(mma_dv.get_slice(t).partition_C(dv_coordinates)))
         scores.extend((t // 128, value) for value in coordinates(mma_sdp.get_slice(t).partition_C(score_coordinates)))
+    # The shared-memory operands as `_consume` slices them, at the warp group's first thread: the same
+    # elements as at any other thread of the group (a wgmma operand is one descriptor a warp group).
+    for name, mma, threads in (("sdp", mma_sdp, kernel.consumer_threads), ("dkv", mma_dkv, kernel.consumer_threads),
+                               ("dv", mma_dv, 128 * kernel.dv_groups), ("dq", mma_dq, kernel.consumer_threads)):
+        shape_a = (cute.size(mma.get_tile_size(0)), cute.size(mma.get_tile_size(2)))
+        shape_b = (cute.size(mma.get_tile_size(1)), cute.size(mma.get_tile_size(2)))
+        for t in cutlass.range_constexpr(threads):
+            if cutlass.const_expr(t % 128 in (1, 46, 127)):
+                first = mma.get_slice(t // 128 * 128)
+                here = mma.get_slice(t)
+                for operand, shape in (("A", shape_a), ("B", shape_b)):
+                    identity = cute.make_identity_tensor(shape)
+                    if cutlass.const_expr(operand == "A"):
+                        same = coordinates(here.partition_A(identity)) == coordinates(first.partition_A(identity))
+                    else:
+                        same = coordinates(here.partition_B(identity)) == coordinates(first.partition_B(identity))
+                    operands.append((name, operand, t, same))
 
 trace()
 print("PLACEMENT " + json.dumps({"groups": kernel.consumer_groups, "dv_groups": kernel.dv_groups, "keys": kernel.tile_n,
-                                 "dq": dq, "dkv": dkv, "dv": dv, "scores": scores}))
+                                 "dq": dq, "dkv": dkv, "dv": dv, "scores": scores, "operands": operands}))
 """
 
 
@@ -440,7 +457,8 @@ def test_placement_through_the_kernels_tiled_mmas(head_dim, v_head_dim, tuning, 
     """Every dQ staging position holds one dQ element and `dq_reader` puts each back at its (row,
     column); every (key, head-dim) element of dK and of dV is one thread's, of the warp group owning that
     column slice (what `_store_dkv_tma` writes over K / V); at Dv = 128 with three groups dV only in
-    groups 0 and 1; S / dP split by keys across the groups."""
+    groups 0 and 1; S / dP split by keys across the groups; each shared-memory operand slice the same at
+    every thread of a warp group (`_consume` takes it at the group's first)."""
     import numpy as np
 
     from fa4_jax.kernels.sm90 import backward_large_heads as large_heads
@@ -470,3 +488,8 @@ def test_placement_through_the_kernels_tiled_mmas(head_dim, v_head_dim, tuning, 
     scores = sorted(tuple(element) for _, element in found["scores"])
     assert scores == [(row, key) for row in range(rows) for key in range(keys)]
     assert all(key // (keys // groups) == group for group, (_, key) in found["scores"])
+    # `_consume` slices every shared-memory operand at its warp group's first thread (descriptors in uniform
+    # registers): the slice must be each thread's own.
+    checked = {(name, operand) for name, operand, _, _ in found["operands"]}
+    assert checked == {(name, operand) for name in ("sdp", "dkv", "dv", "dq") for operand in "AB"}
+    assert [entry for entry in found["operands"] if not entry[3]] == []
