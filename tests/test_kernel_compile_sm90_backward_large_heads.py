@@ -430,17 +430,18 @@ def trace():
                                ("dv", mma_dv, 128 * kernel.dv_groups), ("dq", mma_dq, kernel.consumer_threads)):
         shape_a = (cute.size(mma.get_tile_size(0)), cute.size(mma.get_tile_size(2)))
         shape_b = (cute.size(mma.get_tile_size(1)), cute.size(mma.get_tile_size(2)))
-        for t in cutlass.range_constexpr(threads):
-            if cutlass.const_expr(t % 128 in (1, 46, 127)):
-                first = mma.get_slice(t // 128 * 128)
-                here = mma.get_slice(t)
-                for operand, shape in (("A", shape_a), ("B", shape_b)):
-                    identity = cute.make_identity_tensor(shape)
-                    if cutlass.const_expr(operand == "A"):
-                        same = coordinates(here.partition_A(identity)) == coordinates(first.partition_A(identity))
-                    else:
-                        same = coordinates(here.partition_B(identity)) == coordinates(first.partition_B(identity))
-                    operands.append((name, operand, t, same))
+        # (A coordinate tensor is its origin and layout: compared whole, without listing its elements.)
+        for t in cutlass.range_constexpr(77, threads, 128):
+            first = mma.get_slice(t // 128 * 128)
+            here = mma.get_slice(t)
+            for operand, shape in (("A", shape_a), ("B", shape_b)):
+                identity = cute.make_identity_tensor(shape)
+                if cutlass.const_expr(operand == "A"):
+                    mine, group = here.partition_A(identity), first.partition_A(identity)
+                else:
+                    mine, group = here.partition_B(identity), first.partition_B(identity)
+                same = (tuple(mine.iterator), str(mine.layout)) == (tuple(group.iterator), str(group.layout))
+                operands.append((name, operand, t, same))
 
 trace()
 print("PLACEMENT " + json.dumps({"groups": kernel.consumer_groups, "dv_groups": kernel.dv_groups, "keys": kernel.tile_n,
