@@ -118,6 +118,16 @@ def _module_name(module) -> str:
     return module.__name__.removeprefix("fa4_jax.kernels.").replace(".", "_")
 
 
+def _default_and_deterministic(name, kernel, head_dims, tests_file, prefixed_test_id=False, **fields) -> dict:
+    """`name` and `deterministic_<name>`: `kernel` with these fields of its `Tuning` set, in both modes, each
+    timed only where the GPU tests in `tests_file` whose id contains `name` passed (`<prefix><name>`, with
+    `prefixed_test_id`, where the deterministic mode has tests of its own)."""
+    tuning = dataclasses.replace(kernel.DEFAULT_TUNING, **fields)
+    return {f"{prefix}{name}": Variant(kernel, tuning, deterministic, head_dims,
+                                       (tests_file, f"{prefix}{name}" if prefixed_test_id else name))
+            for prefix, deterministic in (("", False), ("deterministic_", True))}
+
+
 def _variants():
     """name -> Variant, timed in this order. A candidate under measurement is added here as one more
     row, with the head dims of the kernel whose `Tuning` it sets and the id of its GPU tests
@@ -131,16 +141,12 @@ def _variants():
         "deterministic": Variant(small_heads, small_heads.DEFAULT_TUNING, True, every_head_dim),
         # dS^T stored before dV is issued (`Tuning.ds_store_first`, a candidate: D = 64, and D = 128 full
         # without determinism; where dV is issued early, 64 query rows, it changes nothing).
-        **{f"{prefix}ds_store_first": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_store_first=True), deterministic,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_store_first"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        **_default_and_deterministic("ds_store_first", small_heads, small_heads.SUPPORTED_HEAD_DIMS,
+                                     "test_sm90_backward.py", ds_store_first=True),
         # The staged LSE and dPsum loaded into registers before the waits for S and dP (`Tuning.row_stats_early`,
         # a candidate; 64 query rows: D 96, D 128 causal and deterministic).
-        **{f"{prefix}row_stats_early": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, row_stats_early=True), deterministic,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "row_stats_early"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        **_default_and_deterministic("row_stats_early", small_heads, small_heads.SUPPORTED_HEAD_DIMS,
+                                     "test_sm90_backward.py", row_stats_early=True),
         # Every 4th (D 96 / 128; at D = 64's 128 rows it spills) or 6th exp2 of P on the FMA pipe.
         **{f"poly_exp2_{every}": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, poly_exp2_every=every), False, head_dims,
@@ -167,16 +173,12 @@ def _variants():
            for splits in HEAD_SPLITS},
         # dQ staged as a swizzled tile with TMA tensor reduces (the default: in the accumulator's
         # register order, one 1-D bulk reduce), default and deterministic.
-        **{f"{prefix}tiled_dq": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, flat_dq=False), deterministic,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "tiled_dq"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        **_default_and_deterministic("tiled_dq", small_heads, small_heads.SUPPORTED_HEAD_DIMS,
+                                     "test_sm90_backward.py", flat_dq=False),
         # dS^T staged with plain 32-bit stores (the default: stmatrix, docs/sm90_backward_tuning.md,
         # "SASS budget"), default and deterministic.
-        **{f"{prefix}ds_plain_store": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, ds_stmatrix=False), deterministic,
-            small_heads.SUPPORTED_HEAD_DIMS, ("test_sm90_backward.py", "ds_plain_store"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        **_default_and_deterministic("ds_plain_store", small_heads, small_heads.SUPPORTED_HEAD_DIMS,
+                                     "test_sm90_backward.py", ds_stmatrix=False),
         # Deterministic full-mask walks from the first query block, the dQ turns highest key block first
         # (the shipped kernel rotates them, `Tuning.rotated_turns`, where a head's key blocks fit on half the
         # SMs: up to 8k at D <= 128; rows past that skip this variant).
@@ -195,36 +197,27 @@ def _variants():
             ("test_sm90_backward.py", "query_rows_80")),
         # 64 query rows per block forced at D = 64 (the default takes 128 there) and D = 128 (80 without a
         # mask), default and deterministic.
-        **{f"{prefix}query_rows_64": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, query_rows=64), deterministic, (64, 128),
-            ("test_sm90_backward.py", "query_rows_64"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        **_default_and_deterministic("query_rows_64", small_heads, (64, 128), "test_sm90_backward.py",
+                                     query_rows=64),
         # dQ split between the warp groups by head-dim columns at D = 64's 128 rows (m64n32 wgmmas where
         # the default's row split issues m64n64), default and deterministic.
-        **{f"{prefix}dq_column_split": Variant(
-            small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, dq_row_split=False), deterministic, (64,),
-            ("test_sm90_backward.py", "dq_column_split"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        **_default_and_deterministic("dq_column_split", small_heads, (64,), "test_sm90_backward.py",
+                                     dq_row_split=False),
         # D = 192 in the two-warp-group layout it ran before three warp groups became its default
         # (docs/sm90_backward_tuning.md, "D = 192: three consumer warp groups"), for comparison.
-        **{f"{prefix}two_warpgroups": Variant(
-            large_heads, large_heads.Tuning(three_warpgroups=False), deterministic,
-            (large_heads.THREE_WARPGROUPS_HEAD_DIM,), ("test_sm90_backward_large_heads.py", f"{prefix}two_warpgroups"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        **_default_and_deterministic("two_warpgroups", large_heads, (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
+                                     "test_sm90_backward_large_heads.py", prefixed_test_id=True,
+                                     three_warpgroups=False),
         # Two Q stages and one P / dS buffer (`Tuning.prefetch_query`) asked for: D = Dv = 192's default,
         # at MLA's 192 / 128 (`--shapes mla`) a candidate; and D = 192 with one Q stage and two P / dS
         # buffers, the three-group layout before it became the default there (docs/sm90_backward_tuning.md,
         # "D = 192: a second Q stage"), for comparison.
-        **{f"{prefix}prefetch_query": Variant(
-            large_heads, large_heads.Tuning(prefetch_query=True), deterministic,
-            (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
-            ("test_sm90_backward_large_heads.py", f"{prefix}prefetch_query"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
-        **{f"{prefix}one_query_stage": Variant(
-            large_heads, large_heads.Tuning(three_warpgroups=True, prefetch_query=False), deterministic,
-            (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
-            ("test_sm90_backward_large_heads.py", f"{prefix}one_query_stage"))
-           for prefix, deterministic in (("", False), ("deterministic_", True))},
+        **_default_and_deterministic("prefetch_query", large_heads, (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
+                                     "test_sm90_backward_large_heads.py", prefixed_test_id=True,
+                                     prefetch_query=True),
+        **_default_and_deterministic("one_query_stage", large_heads, (large_heads.THREE_WARPGROUPS_HEAD_DIM,),
+                                     "test_sm90_backward_large_heads.py", prefixed_test_id=True,
+                                     three_warpgroups=True, prefetch_query=False),
         "deterministic_head_splits_1": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, head_splits=1), True,
             small_heads.SUPPORTED_HEAD_DIMS),
