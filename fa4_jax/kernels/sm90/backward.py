@@ -71,7 +71,7 @@ from fa4_jax.kernels.common import masking, ordered_reduction, tile_scheduler
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, backward_common
 from fa4_jax.kernels.sm90.backward_common import BackwardOptions, Sm90BackwardBase
 from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, gemm, k_major_layout, mn_major_layout,
-                                        query_major_view, swizzle_columns, transpose_view)
+                                        query_major_view, swizzle_columns, transpose_view, warpgroup_first_thread)
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 # (192 and 256, whose dK + dV accumulators do not fit this kernel's registers, are backward_large_heads'.)
@@ -591,11 +591,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
-        # A shared-memory operand is one descriptor per warp group: sliced at the warp group's first
-        # thread, a warp-uniform index, its descriptors are built in uniform registers (one 64-bit add
-        # per wgmma), as the forward kernel's are; sliced at `tidx` they were built per thread and
-        # moved over with two R2UR per wgmma (83 of 555 SASS instructions per block at D = 128).
-        warpgroup_thread = cute.arch.make_warp_uniform(tidx // WARP_GROUP) * WARP_GROUP
+        # Shared-memory operands sliced at the warp group's first thread (`warpgroup_first_thread`; at
+        # `tidx` their descriptors took 83 of 555 SASS instructions per block at D = 128).
+        warpgroup_thread = warpgroup_first_thread(tidx)
         warpgroup_sdp = mma_sdp.get_slice(warpgroup_thread)
         warpgroup_dkv = mma_dkv.get_slice(warpgroup_thread)
         warpgroup_dq = mma_dq.get_slice(warpgroup_thread)

@@ -88,7 +88,7 @@ from fa4_jax.kernels.common import masking, ordered_reduction
 from fa4_jax.kernels.sm90 import DEFAULT_SM_COUNT, backward_common
 from fa4_jax.kernels.sm90.backward_common import TILE_M, BackwardOptions, Sm90BackwardBase
 from fa4_jax.kernels.sm90.wgmma import (K_MAJOR, MN_MAJOR, WARP_GROUP, accumulator_mn, gemm, k_major_layout,
-                                        swizzle_columns, transpose_view)
+                                        swizzle_columns, transpose_view, warpgroup_first_thread)
 
 SUPPORTED_HEAD_DIMS = (192, 256)
 # DeepSeek MLA's (D, Dv), besides D = Dv: V, dO and dV are Dv wide (`Sm90LargeHeadBackwardKernel.dv_groups`).
@@ -556,39 +556,37 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
             thr_dv = mma_dv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
 
-        # Operand fragments: shared-memory descriptors (the stage / buffer is the last mode), one per warp
-        # group, so sliced at the group's first thread: a warp-uniform index keeps the group's offset, and
-        # with it every descriptor, in uniform registers (one UIADD3.64 a wgmma). Sliced at `tidx` they were
-        # rebuilt per thread and moved over with two R2UR a wgmma: a third of the instructions at D = 192
-        # (profile at rev 1f1461b), as backward.py measured before its own fix.
-        warpgroup_thread = cute.arch.make_warp_uniform(tidx // WARP_GROUP) * WARP_GROUP
-        group_sdp = mma_sdp.get_slice(warpgroup_thread)
-        group_dkv = mma_dkv.get_slice(warpgroup_thread)
-        group_dv = None
+        # Operand fragments: shared-memory descriptors (the stage / buffer is the last mode), sliced at the
+        # warp group's first thread (`warpgroup_first_thread`; at `tidx` their descriptors were a third of the
+        # instructions at D = 192, profile at rev 1f1461b).
+        warpgroup_thread = warpgroup_first_thread(tidx)
+        warpgroup_sdp = mma_sdp.get_slice(warpgroup_thread)
+        warpgroup_dkv = mma_dkv.get_slice(warpgroup_thread)
+        warpgroup_dv = None
         if const_expr(holds_dv):
-            group_dv = mma_dv.get_slice(warpgroup_thread)
-        group_dq = mma_dq.get_slice(warpgroup_thread)
-        tSrQ = group_sdp.make_fragment_A(group_sdp.partition_A(sQ))
-        tSrK = group_sdp.make_fragment_B(group_sdp.partition_B(sK))
-        tdPrdO = group_sdp.make_fragment_A(group_sdp.partition_A(sdO))
-        tdPrV = group_sdp.make_fragment_B(group_sdp.partition_B(sV))
+            warpgroup_dv = mma_dv.get_slice(warpgroup_thread)
+        warpgroup_dq = mma_dq.get_slice(warpgroup_thread)
+        tSrQ = warpgroup_sdp.make_fragment_A(warpgroup_sdp.partition_A(sQ))
+        tSrK = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sK))
+        tdPrdO = warpgroup_sdp.make_fragment_A(warpgroup_sdp.partition_A(sdO))
+        tdPrV = warpgroup_sdp.make_fragment_B(warpgroup_sdp.partition_B(sV))
         # P^T / dS^T [keys, rows] and dO / Q read as [D, rows]: A and B of dV, dK, or B and A of the
         # transposed dV^T, dK^T.
         tdVrP = tdVrdO = None
         if const_expr(self.dkv_transposed):
             if const_expr(holds_dv):
-                tdVrP = group_dv.make_fragment_B(group_dv.partition_B(transpose_view(sP)))
-                tdVrdO = group_dv.make_fragment_A(group_dv.partition_A(transpose_view(sdO)))
-            tdKrdS = group_dkv.make_fragment_B(group_dkv.partition_B(transpose_view(sdS)))
-            tdKrQ = group_dkv.make_fragment_A(group_dkv.partition_A(transpose_view(sQ)))
+                tdVrP = warpgroup_dv.make_fragment_B(warpgroup_dv.partition_B(transpose_view(sP)))
+                tdVrdO = warpgroup_dv.make_fragment_A(warpgroup_dv.partition_A(transpose_view(sdO)))
+            tdKrdS = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sdS)))
+            tdKrQ = warpgroup_dkv.make_fragment_A(warpgroup_dkv.partition_A(transpose_view(sQ)))
         else:
             if const_expr(holds_dv):
-                tdVrP = group_dv.make_fragment_A(group_dv.partition_A(transpose_view(sP)))
-                tdVrdO = group_dv.make_fragment_B(group_dv.partition_B(transpose_view(sdO)))
-            tdKrdS = group_dkv.make_fragment_A(group_dkv.partition_A(transpose_view(sdS)))
-            tdKrQ = group_dkv.make_fragment_B(group_dkv.partition_B(transpose_view(sQ)))
-        tdQrdS = group_dq.make_fragment_A(group_dq.partition_A(sdS))
-        tdQrK = group_dq.make_fragment_B(group_dq.partition_B(transpose_view(sK)))
+                tdVrP = warpgroup_dv.make_fragment_A(warpgroup_dv.partition_A(transpose_view(sP)))
+                tdVrdO = warpgroup_dv.make_fragment_B(warpgroup_dv.partition_B(transpose_view(sdO)))
+            tdKrdS = warpgroup_dkv.make_fragment_A(warpgroup_dkv.partition_A(transpose_view(sdS)))
+            tdKrQ = warpgroup_dkv.make_fragment_B(warpgroup_dkv.partition_B(transpose_view(sQ)))
+        tdQrdS = warpgroup_dq.make_fragment_A(warpgroup_dq.partition_A(sdS))
+        tdQrK = warpgroup_dq.make_fragment_B(warpgroup_dq.partition_B(transpose_view(sK)))
         tPsP = thr_sdp.partition_C(sP)          # where this thread's P and dS values go
         tdSsdS = thr_sdp.partition_C(sdS)
         pds_store = None                        # plain stores, or (stmatrix copy, this thread's slice)

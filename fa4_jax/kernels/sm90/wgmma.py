@@ -1,5 +1,6 @@
 """What the sm90 kernels share about wgmma: shared-memory operand layouts, views of a thread's
-accumulator fragment, and the warp-group GEMM loop.
+accumulator fragment, the warp-group GEMM loop, and where a warp group slices its operands
+(`warpgroup_first_thread`).
 
 wgmma reads A and B from shared memory through swizzled layouts (`k_major_layout`, `mn_major_layout`,
 `transpose_view` for the other operand role of the same bytes) or A from registers, and leaves each
@@ -18,6 +19,14 @@ from cutlass.tensor_utils import LayoutEnum
 K_MAJOR = cute.nvgpu.OperandMajorMode.K
 MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
 WARP_GROUP = 128           # threads in a warp group, the unit wgmma issues from
+
+
+def warpgroup_first_thread(tidx):
+    """The first thread of `tidx`'s warp group, warp-uniform: where a tiled MMA's shared-memory operands
+    are sliced. A wgmma operand is one descriptor a warp group; sliced there, its descriptors are built in
+    uniform registers (one 64-bit add a wgmma), where slicing at `tidx` builds them per thread and moves
+    them over with two R2UR a wgmma."""
+    return cute.arch.make_warp_uniform(tidx // WARP_GROUP) * WARP_GROUP
 
 
 def transpose_view(tensor):
