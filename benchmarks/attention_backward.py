@@ -147,6 +147,13 @@ def _variants():
         # a candidate; 64 query rows: D 96, D 128 causal and deterministic).
         **_default_and_deterministic("row_stats_early", small_heads, small_heads.SUPPORTED_HEAD_DIMS,
                                      "test_sm90_backward.py", row_stats_early=True),
+        # The staged dQ handed to the writer warp (fence, commit) after the dK wait, not right after its
+        # stores (`Tuning.dq_publish_after_dk`, a candidate in both kernels wherever dQ is staged under dK).
+        **_default_and_deterministic("dq_publish_after_dk", small_heads, small_heads.SUPPORTED_HEAD_DIMS,
+                                     "test_sm90_backward.py", dq_publish_after_dk=True),
+        **_default_and_deterministic("large_dq_publish_after_dk", large_heads, large_heads.SUPPORTED_HEAD_DIMS,
+                                     "test_sm90_backward_large_heads.py", prefixed_test_id=True,
+                                     dq_publish_after_dk=True),
         # Every 4th (D 96 / 128; at D = 64's 128 rows it spills) or 6th exp2 of P on the FMA pipe.
         **{f"poly_exp2_{every}": Variant(
             small_heads, dataclasses.replace(small_heads.DEFAULT_TUNING, poly_exp2_every=every), False, head_dims,

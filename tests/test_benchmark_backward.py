@@ -115,7 +115,8 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         poly = ["poly_exp2_6"] if head_dim == 64 else ["poly_exp2_4", "poly_exp2_6"]
         rotated = ["deterministic_plain_turns", "deterministic_one_dq_writer"]   # a full mask, 8 key blocks
         assert runs == [*SHIPPED, "ds_store_first", "deterministic_ds_store_first", "row_stats_early",
-                        "deterministic_row_stats_early", *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
+                        "deterministic_row_stats_early", "dq_publish_after_dk", "deterministic_dq_publish_after_dk",
+                        *poly, *UNSPLIT[:1], "tiled_dq", "deterministic_tiled_dq", "ds_plain_store",
                         "deterministic_ds_plain_store", *rotated, *wide, *UNSPLIT[1:], "key_blocks_outer",
                         "key_blocks_outer_head_splits_1"]
     else:
@@ -123,7 +124,7 @@ def test_each_variant_runs_at_its_kernels_head_dims(benchmark, head_dim):
         candidates = ["prefetch_query", "deterministic_prefetch_query", "one_query_stage",
                       "deterministic_one_query_stage"]
         three = ["two_warpgroups", "deterministic_two_warpgroups", *candidates] if head_dim == 192 else []
-        assert runs == [*SHIPPED, "no_stagger", "deterministic_lowest_first", "deterministic_large_plain_turns", *three]
+        assert runs == [*SHIPPED, "large_dq_publish_after_dk", "deterministic_large_dq_publish_after_dk", "no_stagger", "deterministic_lowest_first", "deterministic_large_plain_turns", *three]
     dims = (1, 1024, 8, head_dim)
     assert all(benchmark._variants()[name].kernel_at(head_dim)[0].unsupported_reason(
         benchmark._config(shape), host.Problem(dims, dims, dims, "bfloat16")) is None for name in runs)

@@ -172,6 +172,13 @@ CASES = {
     "d96-deterministic-kv-lengths-row-stats-early": dict(
         config=dict(scale=96 ** -0.5, deterministic=True, has_kv_seq_lengths=True), shape=[2, 300, 333, 4, 4, 96],
         tuning=dict(row_stats_early=True)),
+    # The staged dQ published after the dK wait (`Tuning.dq_publish_after_dk`, a candidate): D 128 causal GQA
+    # (64 rows), D 64 deterministic (128 rows, two dQ writers), D 128 full (80 rows, dQ^T).
+    **{f"{name}-dq-publish-after-dk": dict(config=dict(scale=0.1, **config), shape=shape,
+                                           tuning=dict(dq_publish_after_dk=True))
+       for name, config, shape in [("d128-causal-gqa", dict(causal=True), [2, 300, 333, 8, 2, 128]),
+                                   ("d64-deterministic", dict(deterministic=True), [2, 300, 300, 4, 4, 64]),
+                                   ("d128", dict(), [2, 256, 300, 4, 4, 128])]},
     # P with every 4th (6th at D = 64, whose 128 rows spill 16 bytes with every 4th) of a thread's exp2
     # on the FMA pipe (`Tuning.poly_exp2_every`, a candidate): D 128 causal GQA at 64 rows, D 64
     # deterministic at 128 rows, and softcap (whose slope reads P back).

@@ -139,6 +139,12 @@ CASES = {
                                                       tuning=dict(stage_dq_under_dk=False)),
     "d192-v128-causal-stage-dq-under-dk": dict(config=dict(scale=0.1, causal=True), shape=[2, 300, 333, 4, 4, 192, 128],
                                                tuning=dict(stage_dq_under_dk=True)),
+    # The staged dQ published after the dK wait (`Tuning.dq_publish_after_dk`, a candidate where dQ is staged under
+    # dK): D = 192 causal GQA (three warp groups), deterministic D = 256.
+    "d192-causal-gqa-dq-publish-after-dk": dict(config=dict(scale=0.1, causal=True), shape=[2, 300, 333, 8, 2, 192],
+                                                tuning=dict(dq_publish_after_dk=True)),
+    "d256-deterministic-dq-publish-after-dk": dict(config=dict(scale=0.1, deterministic=True),
+                                                   shape=[2, 300, 333, 4, 4, 256], tuning=dict(dq_publish_after_dk=True)),
 }
 
 

@@ -59,9 +59,10 @@ CASES = [
 # docs/sm90_backward_tuning.md, "SASS budget"); every 4th / 6th exp2 of P on the FMA pipe;
 # deterministic full-mask walks from the first query block with the turns highest key block first (the
 # default rotates them, `Tuning.rotated_turns`); dS^T stored before dV is issued; the staged row statistics
-# loaded before the waits. Select their tests with `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store`,
-# `-k poly_exp2`, `-k plain_turns`, `-k ds_store_first`, `-k row_stats_early` or `-k rotated_turns` (the
-# default's own rotated-walk cases).
+# loaded before the waits; the staged dQ published after the dK wait. Select their tests with
+# `-k key_blocks_outer`, `-k tiled_dq`, `-k ds_plain_store`, `-k poly_exp2`, `-k plain_turns`,
+# `-k ds_store_first`, `-k row_stats_early`, `-k dq_publish_after_dk` or `-k rotated_turns` (the default's
+# own rotated-walk cases).
 TUNINGS = {
     "default": sm90_backward.DEFAULT_TUNING,
     "key_blocks_outer": dataclasses.replace(sm90_backward.DEFAULT_TUNING, key_blocks_outer=True),
@@ -72,6 +73,7 @@ TUNINGS = {
     "plain_turns": dataclasses.replace(sm90_backward.DEFAULT_TUNING, rotated_turns=False),
     "ds_store_first": dataclasses.replace(sm90_backward.DEFAULT_TUNING, ds_store_first=True),
     "row_stats_early": dataclasses.replace(sm90_backward.DEFAULT_TUNING, row_stats_early=True),
+    "dq_publish_after_dk": dataclasses.replace(sm90_backward.DEFAULT_TUNING, dq_publish_after_dk=True),
 }
 # Rotated turns beyond the shared cases: more key blocks than query blocks (several key blocks reach a
 # tile at the same step of their walks), query and key lengths, each also with head splits of 2.

@@ -40,6 +40,10 @@ VARIANTS = {   # name -> (Tuning, deterministic)
     # and in deterministic mode at D = 256): `-k dq_after_dk`.
     "dq_after_dk": (sm90_backward_large_heads.Tuning(stage_dq_under_dk=False), False),
     "deterministic_dq_after_dk": (sm90_backward_large_heads.Tuning(stage_dq_under_dk=False), True),
+    # The staged dQ published after the dK wait (`Tuning.dq_publish_after_dk`, a candidate where dQ is staged
+    # under dK: D = 192, deterministic D = 256): `-k large_dq_publish_after_dk`.
+    "large_dq_publish_after_dk": (sm90_backward_large_heads.Tuning(dq_publish_after_dk=True), False),
+    "deterministic_large_dq_publish_after_dk": (sm90_backward_large_heads.Tuning(dq_publish_after_dk=True), True),
 }
 
 CASES = [

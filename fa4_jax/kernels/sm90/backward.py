@@ -182,6 +182,13 @@ class Tuning:
       is issued. Costs a register a row across the wait: taken at 64 query rows only (D = 96, D = 128
       causal or deterministic), where it fits. A candidate, off until measured (docs/sm90_backward_tuning.md,
       "Row statistics loaded before the wait").
+    dq_publish_after_dk: where dQ is staged while dK runs (`stage_dq_under_dk`), publish the staged dQ to
+      the writer warp (the proxy fence that orders the stores before its bulk reduce, and the commit) after
+      the wait for dK instead of right after the stores. Right after them the fence waited for the stores'
+      completion (long scoreboard: 5.4 % of the consumers' samples at D = 128 causal GQA, 4.0 % at D = 64,
+      ncu, an H100, rev 1f1461b; FA4 pays the same there); after the dK wait they have landed under dK.
+      The writer gets each block a dK later, inside the DQ_BUFFERS slack. A candidate, off until measured
+      (docs/sm90_backward_tuning.md, "dQ published after dK").
     key_blocks_outer: launch the grid key block slowest, (head slice, batch, key block) for
       (x, y, z), so every head's key block 0 (under a causal mask the longest walk) starts before any
       key block 1 (longest first across the whole grid), instead of key block fastest. Off: measured
@@ -203,6 +210,7 @@ class Tuning:
     dq_writers: int = 2   # DQ_BUFFERS
     ds_store_first: bool = False
     row_stats_early: bool = False
+    dq_publish_after_dk: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -261,6 +269,7 @@ class Sm90BackwardKernel(Sm90BackwardBase):
         # dQ staged while dK runs keeps dQ, dS^T and dK, dV live together: ptxas spills 8 bytes
         # (the sm_90a compile grid) with softcap or segment ids, and with head splits and no mask.
         self.stage_dq_under_dk = not register_bound and (options.head_splits == 1 or masked)
+        self.dq_publish_after_dk = tuning.dq_publish_after_dk and self.stage_dq_under_dk
         # Where dV waits for dS (not early_dv), `Tuning.ds_store_first` stores dS^T before issuing it.
         self.ds_store_first = tuning.ds_store_first and not self.early_dv
         # At 80 and 128 query rows the row statistics held across the waits spill (ptxas 13: 92-108 bytes at
@@ -737,7 +746,9 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
                 self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
-                dq_state.advance()
+                if const_expr(not self.dq_publish_after_dk):
+                    self._publish_dq(dq_pipe, dq_state)
+                    dq_state.advance()
             warpgroup.wait_group(0)
             # Every thread arrives on the stage's empty mbarrier (its count is consumer_threads, see
             # `query_releasers`), so its own reads of the staged LSE / dPsum are ordered before the
@@ -745,8 +756,12 @@ class Sm90BackwardKernel(Sm90BackwardBase):
             # lane 0 of each warp only, leaving the other lanes' reads unordered against that copy.
             cute.arch.mbarrier_arrive(query_pipe.consumer_get_barrier(query_state))
             query_state.advance()
+            if const_expr(self.dq_publish_after_dk):
+                self._publish_dq(dq_pipe, dq_state)
+                dq_state.advance()
             if const_expr(not self.stage_dq_under_dk):
                 self._stage_dq(acc_dq, sdQ, thr_dq, dq_pipe, dq_state)
+                self._publish_dq(dq_pipe, dq_state)
                 dq_state.advance()
             q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
 
@@ -770,8 +785,8 @@ class Sm90BackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def _stage_dq(self, acc_dq, sdQ, thr_dq, dq_pipe, dq_state):
-        """Stage this block's dQ for the writer warp; wait only for a free buffer. The two
-        [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2)."""
+        """Stage this block's dQ for the writer warp (`_publish_dq` hands it over); wait only for a free
+        buffer. The two [tile_m, D/2] halves are viewed as one [tile_m, D] tile: column c in half c // (D/2)."""
         dq_pipe.producer_acquire(dq_state)
         if const_expr(self.tuning.flat_dq):
             chunks = cute.size(acc_dq) // 4
@@ -786,8 +801,6 @@ class Sm90BackwardKernel(Sm90BackwardBase):
                 # spreads over all banks: one wavefront each.
                 staging = transpose_view(staging)
             cute.autovec_copy(acc_dq, thr_dq.partition_C(staging))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        dq_pipe.producer_commit(dq_state)
 
     def _ds_store_copy(self, mma_sdp):
         """`Tuning.ds_stmatrix`'s store of dS^T: stmatrix tiled over the S^T / dP^T accumulator of

@@ -205,6 +205,13 @@ class Sm90BackwardBase:
         return next_query_block(q_head, m_block, m_start, m_lo, m_count, self.staggered_walk, _select)
 
     @cute.jit
+    def _publish_dq(self, dq_pipe, dq_state):
+        """Hand this block's staged dQ (each kernel's `_stage_dq`) to the writer warp: the stores ordered
+        before its bulk reduce (the async proxy), then the commit. `Tuning.dq_publish_after_dk` says where."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        dq_pipe.producer_commit(dq_state)
+
+    @cute.jit
     def _produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, mLSE,
                  mdPsum, sLSE, sdPsum, query_pipe, key_pipe, n_block, kv_head, batch, m_lo, m_count,
                  iterations, sequence=None, do_pipe=None):

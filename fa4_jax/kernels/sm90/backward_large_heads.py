@@ -173,6 +173,10 @@ class Tuning:
       causal 0.85 / 0.79 -> 0.88 / 0.83); not at D = 256 without determinism (1.06 / 1.08 -> 0.77 / 0.76
       full, 1.00 / 0.99 -> 0.77 / 0.68 causal), nor where it was not timed (MLA's 192 / 128, two groups at
       D = 192). docs/sm90_backward_tuning.md, "Large heads: dQ staged under dK".
+    dq_publish_after_dk: where dQ is staged under dK, publish it to the writer warp (the proxy fence before
+      its bulk reduce, and the commit) after the wait for dK instead of right after the stores, where the
+      fence waited for them (4.9 % of the samples at D = 192 causal, ncu, an H100, rev 1f1461b); backward.py's
+      `Tuning.dq_publish_after_dk`. A candidate, off until measured.
     """
     diagonal_first: bool = True
     stagger: bool = True
@@ -180,6 +184,7 @@ class Tuning:
     prefetch_query: Optional[bool] = None
     rotated_turns: bool = True
     stage_dq_under_dk: Optional[bool] = None
+    dq_publish_after_dk: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -284,6 +289,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         self.diagonal_first = self.deterministic and tuning.diagonal_first and not self.rotated_turns
         self.tile_n = keys_per_cta(tuning)
         self.stage_dq_under_dk = tuning.stage_dq_under_dk
+        self.dq_publish_after_dk = tuning.dq_publish_after_dk and tuning.stage_dq_under_dk
         # `Tuning.prefetch_query`: two Q stages, dO one in a ring of its own (`separate_do_ring`), one P / dS
         # buffer.
         prefetch = tuning.prefetch_query
@@ -710,6 +716,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                     query_pipe.consumer_release(query_state)
                 query_state.advance()
                 self._stage_dq(acc_dq, tdQsdQ, dq_chunks, dq_pipe, dq_state)
+                self._publish_dq(dq_pipe, dq_state)
                 dq_state.advance()
             else:
                 # dV and dQ as one wgmma group, dK as the next: dQ is staged for the writer warp while dK
@@ -725,10 +732,15 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
                     do_pipe.consumer_release(do_state)
                     do_state.advance()
                 self._stage_dq(acc_dq, tdQsdQ, dq_chunks, dq_pipe, dq_state)
-                dq_state.advance()
+                if const_expr(not self.dq_publish_after_dk):
+                    self._publish_dq(dq_pipe, dq_state)
+                    dq_state.advance()
                 warpgroup.wait_group(0)
                 query_pipe.consumer_release(query_state)
                 query_state.advance()
+                if const_expr(self.dq_publish_after_dk):
+                    self._publish_dq(dq_pipe, dq_state)
+                    dq_state.advance()
             q_head, m_block = self._next_query_block(q_head, m_block, m_start, m_lo, m_count)
 
         self._store_dkv_tma(acc_dK, acc_dV, sK, sV, *dkv_store, thr_dkv, n_block, kv_head, batch,
@@ -753,12 +765,10 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
 
     @cute.jit
     def _stage_dq(self, acc_dq, tdQsdQ, dq_chunks, dq_pipe, dq_state):
-        """Stage this block's dQ for the writer warp (waits only if it has not read the last block yet); the
-        caller advances `dq_state`."""
+        """Stage this block's dQ for the writer warp (waits only if it has not read the last block yet);
+        `_publish_dq` hands it over, the caller advances `dq_state`."""
         dq_pipe.producer_acquire(dq_state)
         cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, dq_chunks))), tdQsdQ)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        dq_pipe.producer_commit(dq_state)
 
     @cute.jit
     def _round_into(self, accumulator, destination, stmatrix=None):
