@@ -93,19 +93,23 @@ def compile_kernels(specs: dict, directory: str, direction: str = "forward", kee
     """Compile each named spec {config, shape [B, Sq, Sk, Hq, Hkv, D], dtype} of the sm100 forward (or,
     `direction` "backward" or a spec's own "direction", backward) kernel for sm_100a.
 
-    One subprocess compiles them in turn (the DSL import is paid once). Returns, per name,
+    One subprocess compiles them in turn (the DSL import is paid once), each distinct spec once: names with
+    equal specs (a test grid's row that is also a report configuration) share one record. Returns, per name,
     {"ptx_path", "ptx", "compile_seconds", "layout": query tiles, key block, TMEM columns, ...}. A spec
     that fails to compile raises RuntimeError; with `keep_going`, it is returned as {"error": why}
     instead and the others still compile (the tests, where each case is its own test).
     """
     specs = {name: {"dtype": "bfloat16", "sm_count": 148, "direction": direction, **spec}
              for name, spec in specs.items()}
+    first_of = {}       # the spec (as canonical JSON) -> the first name that has it
+    same_as = {name: first_of.setdefault(json.dumps(spec, sort_keys=True), name) for name, spec in specs.items()}
+    distinct = {name: spec for name, spec in specs.items() if same_as[name] == name}
     os.makedirs(directory, exist_ok=True)
     environment = dict(os.environ, CUTE_DSL_ARCH=TARGET, CUTE_DSL_KEEP="ptx",
                        CUTE_DSL_DUMP_DIR=str(directory),
                        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(specs)] + ["--keep-going"] * keep_going,
-                            env=environment, capture_output=True, text=True, timeout=300 + 120 * len(specs))
+    result = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(distinct)] + ["--keep-going"] * keep_going,
+                            env=environment, capture_output=True, text=True, timeout=300 + 120 * len(distinct))
     failure = f"sm100 compile failed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     if result.returncode != 0 and not keep_going:
         raise RuntimeError(failure)
@@ -118,10 +122,10 @@ def compile_kernels(specs: dict, directory: str, direction: str = "forward", kee
                 with open(path) as handle:
                     record.update(ptx_path=path, ptx=handle.read())
             compiled[record.pop("name")] = record
-    for name in specs:
+    for name in distinct:
         compiled.setdefault(name, {"error": f"the compile process exited ({result.returncode}) before it\n"
                                             + failure})
-    return compiled
+    return {name: dict(compiled[same_as[name]]) for name in specs}
 
 
 # Instructions whose presence makes the FA4 design real, by what they show.
