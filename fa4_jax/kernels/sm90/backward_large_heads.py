@@ -289,7 +289,7 @@ class Sm90LargeHeadBackwardKernel(Sm90BackwardBase):
         self.diagonal_first = self.deterministic and tuning.diagonal_first and not self.rotated_turns
         self.tile_n = keys_per_cta(tuning)
         self.stage_dq_under_dk = tuning.stage_dq_under_dk
-        self.dq_publish_after_dk = tuning.dq_publish_after_dk and tuning.stage_dq_under_dk
+        self.dq_publish_after_dk = tuning.dq_publish_after_dk and self.stage_dq_under_dk
         # `Tuning.prefetch_query`: two Q stages, dO one in a ring of its own (`separate_do_ring`), one P / dS
         # buffer.
         prefetch = tuning.prefetch_query
